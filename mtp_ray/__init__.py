@@ -1,0 +1,7 @@
+"""mtp-ray: Qwen3.5-MoE serving with MTP speculative decoding under DP attention + EP MoE, on Ray."""
+
+from mtp_ray.engine.sampling_params import SamplingParams
+from mtp_ray.llm import LLM, CompletionOutput, RequestOutput
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

@@ -1,0 +1,92 @@
+"""Engine configuration: small frozen dataclasses, built from keyword arguments or a YAML `engine:` section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+BUNDLED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-qwen35-mtp")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from memory_fraction (GPU) or max_num_seqs * max_model_len (CPU)
+    memory_fraction: float = 0.85  # share of free device memory for KV + state after weights (GPU only)
+
+    def __post_init__(self) -> None:
+        _check(self.block_size > 0, "cache.block_size", "must be > 0")
+        _check(self.num_blocks is None or self.num_blocks >= 2, "cache.num_blocks", "must be >= 2")
+        _check(0 < self.memory_fraction <= 1, "cache.memory_fraction", "must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32  # running sequences per rank
+    max_num_batched_tokens: int = 512  # token budget of one target forward
+    prefill_chunk: int = 256  # longest prefill piece one sequence gets in one step
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs > 0, "scheduler.max_num_seqs", "must be > 0")
+        _check(self.max_num_batched_tokens > 0, "scheduler.max_num_batched_tokens", "must be > 0")
+        _check(self.prefill_chunk > 0, "scheduler.prefill_chunk", "must be > 0")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: str | None = "qwen3_5_mtp"  # None or "none": no speculative decoding
+    num_speculative_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.method in (None, "none", "qwen3_5_mtp", "mtp"), "spec.method", "must be qwen3_5_mtp or none")
+        _check(0 <= self.num_speculative_tokens <= 8, "spec.num_speculative_tokens", "must be in 0..8")
+
+    @property
+    def k(self) -> int:
+        return 0 if self.method in (None, "none") else self.num_speculative_tokens
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = BUNDLED_MODEL
+    tokenizer: str | None = None  # default: the model directory
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    device: str = "auto"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+               "must be auto|float32|bfloat16|float16")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> EngineConfig:
+        return _build(cls, raw, "")
+
+
+def _check(ok: bool, name: str, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} {what}")
+
+
+def _build(cls: type, raw: dict[str, Any], path: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path or 'engine'} must be a mapping, got {type(raw).__name__}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = set(raw) - set(known)
+    if unknown:
+        raise ValueError(f"unknown field(s) {sorted(f'{path}{u}' for u in unknown)}")
+    kw = {}
+    for k, v in raw.items():
+        sub = _nested_type(cls, k)
+        kw[k] = _build(sub, v, f"{path}{k}.") if sub is not None and not is_dataclass(v) else v
+    return cls(**kw)
+
+
+def _nested_type(cls: type, name: str) -> type | None:
+    return {"cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig}.get(name) \
+        if cls is EngineConfig else None

@@ -1,0 +1,155 @@
+"""Model architecture config: a frozen view of an HF config.json for the Qwen3.5-MoE / Qwen3-Next family."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TEXT_TYPES = ("qwen3_5_moe_text", "qwen3_next")
+MULTIMODAL_TYPES = ("qwen3_5_moe",)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]  # "linear_attention" | "full_attention" per layer
+    # gated full attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    # Gated DeltaNet
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    # MoE
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()  # qwen3_next mlp_only_layers / decoder_sparse_step: plain MLP there
+    intermediate_size: int = 0  # width of those dense MLPs
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    mtp_num_hidden_layers: int = 1
+    eos_token_ids: tuple[int, ...] = ()
+    # qwen3_next stores GDN projections grouped per key head (in_proj_qkvz / in_proj_ba)
+    gdn_grouped_projections: bool = False
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def full_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.value_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        mt = raw.get("model_type", "")
+        if mt in MULTIMODAL_TYPES or "text_config" in raw:
+            text = dict(raw.get("text_config") or {})
+            text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+            text.setdefault("model_type", "qwen3_5_moe_text")
+            raw = text
+            mt = raw["model_type"]
+        if mt not in TEXT_TYPES:
+            raise ValueError(f"model_type {mt!r} is not supported (expected one of {TEXT_TYPES + MULTIMODAL_TYPES})")
+        n = int(raw["num_hidden_layers"])
+        layer_types = raw.get("layer_types")
+        if layer_types is None:
+            interval = int(raw.get("full_attention_interval", 4))
+            layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+        if len(layer_types) != n or set(layer_types) - {"full_attention", "linear_attention"}:
+            raise ValueError(f"layer_types must name {n} layers of full_attention / linear_attention: {layer_types}")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise ValueError(f"rope_parameters.rope_type {rope.get('rope_type')!r} is not supported")
+        theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
+        heads = int(raw["num_attention_heads"])
+        head_dim = int(raw.get("head_dim") or raw["hidden_size"] // heads)
+        sparse_step = int(raw.get("decoder_sparse_step", 1) or 1)
+        mlp_only = set(raw.get("mlp_only_layers") or [])
+        dense = tuple(i for i in range(n) if i in mlp_only or (i + 1) % sparse_step != 0)
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        cfg = cls(
+            model_type=mt,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            num_hidden_layers=n,
+            layer_types=tuple(layer_types),
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw["num_key_value_heads"]),
+            head_dim=head_dim,
+            rotary_dim=int(head_dim * partial),
+            rope_theta=theta,
+            linear_num_key_heads=int(raw["linear_num_key_heads"]),
+            linear_num_value_heads=int(raw["linear_num_value_heads"]),
+            linear_key_head_dim=int(raw["linear_key_head_dim"]),
+            linear_value_head_dim=int(raw["linear_value_head_dim"]),
+            linear_conv_kernel_dim=int(raw.get("linear_conv_kernel_dim", 4)),
+            num_experts=int(raw["num_experts"]),
+            num_experts_per_tok=int(raw["num_experts_per_tok"]),
+            moe_intermediate_size=int(raw["moe_intermediate_size"]),
+            shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size", 0)),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+            dense_layers=dense,
+            intermediate_size=int(raw.get("intermediate_size", 0) or 0),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+            mtp_num_hidden_layers=int(raw.get("mtp_num_hidden_layers", raw.get("num_nextn_predict_layers", 1)) or 0),
+            eos_token_ids=eos_ids,
+            gdn_grouped_projections=mt == "qwen3_next",
+            extra={"dtype": raw.get("dtype", raw.get("torch_dtype"))},
+        )
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        p = Path(path) / "config.json"
+        if not p.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {path}")
+        cfg = cls.from_hf_dict(json.loads(p.read_text()))
+        gen = Path(path) / "generation_config.json"
+        if gen.is_file():  # generation_config may add end tokens (e.g. the chat end token)
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            merged = tuple(dict.fromkeys(cfg.eos_token_ids + ids))
+            cfg = dataclasses.replace(cfg, eos_token_ids=merged)
+        return cfg
+
+    def validate(self) -> None:
+        def need(cond: bool, what: str) -> None:
+            if not cond:
+                raise ValueError(f"invalid model config: {what}")
+
+        need(self.num_attention_heads % self.num_key_value_heads == 0, "num_attention_heads % num_key_value_heads")
+        need(self.linear_num_value_heads % self.linear_num_key_heads == 0,
+             "linear_num_value_heads % linear_num_key_heads")
+        need(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok in 1..num_experts")
+        need(self.rotary_dim % 2 == 0 and self.rotary_dim <= self.head_dim, "rotary_dim even and <= head_dim")
+        need(not self.dense_layers or self.intermediate_size > 0, "intermediate_size for dense layers")

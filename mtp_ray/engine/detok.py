@@ -1,0 +1,45 @@
+"""Incremental detokenisation and stop-string matching for one request's output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Detokenizer:
+    tokenizer: object
+    stop: list[str]
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # output text so far, cut at the stop string once one matched
+    stopped_by: str | None = None
+    emitted: int = 0  # characters already handed out by delta()
+
+    def add(self, new_ids: list[int]) -> None:
+        """Append tokens; on a stop string set stopped_by and cut the text there."""
+        if self.stopped_by is not None:
+            return
+        self.token_ids.extend(new_ids)
+        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+        if self.stop:
+            start = max(0, len(self.text) - max(len(s) for s in self.stop))
+            hits = [(i, s) for s in self.stop if (i := full.find(s, start)) >= 0]
+            if hits:
+                i, s = min(hits)
+                self.stopped_by = s
+                full = full[: i + len(s) if self.include_stop_str_in_output else i]
+        self.text = full
+
+    def delta(self, finished: bool) -> str:
+        """New text to stream. Until the request ends, hold back what could still become a stop string or an
+        incomplete multi-byte character."""
+        end = len(self.text)
+        if not finished and self.stopped_by is None:
+            if self.text.endswith("\ufffd"):
+                end -= 1
+            if self.stop:
+                end = max(self.emitted, end - (max(len(s) for s in self.stop) - 1))
+        out = self.text[self.emitted : end]
+        self.emitted = max(self.emitted, end)
+        return out

@@ -1,0 +1,76 @@
+"""Flat model inputs for the target step and the MTP draft steps, built from scheduled requests (CPU tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mtp_ray.engine.block_manager import BlockManager
+from mtp_ray.engine.request import Request
+from mtp_ray.engine.scheduler import Scheduled
+from mtp_ray.layers.context import ForwardBatch
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    batch: ForwardBatch
+    logit_rows: list[list[int]]  # per sequence: rows of the flat batch whose logits are needed
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+@dataclass
+class Piece:
+    """One sequence's share of a forward: tokens at positions [start, start + len(tokens))."""
+
+    req: Request
+    start: int
+    tokens: list[int]
+    logits: str  # "none" | "last" | "all"
+    spec_slots: list[int] | None = None  # GDN snapshot slot per token (verify)
+
+
+def build(pieces: list[Piece], blocks: BlockManager) -> StepInputs:
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    rows: list[list[int]] = []
+    for p in pieces:
+        n = len(p.tokens)
+        base = len(ids)
+        ids += p.tokens
+        pos += range(p.start, p.start + n)
+        slots += [blocks.slot_of(p.req, q) for q in range(p.start, p.start + n)]
+        rows.append({"none": [], "last": [base + n - 1], "all": list(range(base, base + n))}[p.logits])
+    width = max((len(p.req.block_ids) for p in pieces), default=1)
+    tables = torch.zeros(len(pieces), max(width, 1), dtype=torch.long)
+    for b, p in enumerate(pieces):
+        tables[b, : len(p.req.block_ids)] = torch.tensor(p.req.block_ids, dtype=torch.long)
+    spec = [p.spec_slots or [] for p in pieces]
+    batch = ForwardBatch(
+        query_lens=[len(p.tokens) for p in pieces],
+        context_lens=[p.start for p in pieces],
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        state_slots=[p.req.state_slots[0] for p in pieces],
+        spec_state_slots=spec if any(spec) else None,
+    )
+    return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), batch, rows)
+
+
+def target_pieces(sched: list[Scheduled]) -> list[Piece]:
+    out = []
+    for s in sched:
+        r = s.req
+        if s.verify:
+            toks = [r.all_ids[r.num_computed]] + r.drafts
+            out.append(Piece(r, r.num_computed, toks, "all", r.state_slots[1 : 2 + len(r.drafts)]))
+        else:
+            toks = r.all_ids[r.num_computed : r.num_computed + s.num_new]
+            out.append(Piece(r, r.num_computed, toks, "last" if s.completes_prefill else "none"))
+    return out

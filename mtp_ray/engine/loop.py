@@ -1,0 +1,191 @@
+"""EngineCore: one rank's engine. A step is schedule -> target forward -> sample / verify + commit -> MTP drafts."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from mtp_ray.config.engine import EngineConfig
+from mtp_ray.config.model import ModelConfig
+from mtp_ray.engine.block_manager import BlockManager
+from mtp_ray.engine.inputs import build, target_pieces
+from mtp_ray.engine.request import Request
+from mtp_ray.engine.runner import ModelRunner
+from mtp_ray.engine.sampler import Row, logprob_info, sample_row
+from mtp_ray.engine.sampling_params import SamplingParams
+from mtp_ray.engine.scheduler import Scheduled, Scheduler
+from mtp_ray.layers.moe import ExpertDispatcher, local_dispatch
+from mtp_ray.spec.proposer import DraftItem, MTPProposer
+from mtp_ray.spec.rejection import verify
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request (the unit streamed to clients)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    new_top_logprobs: list[dict[int, float]]
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    spec: dict = field(default_factory=dict)
+
+
+class EngineCore:
+    def __init__(self, cfg: EngineConfig, expert_range: tuple[int, int] | None = None,
+                 dispatch: ExpertDispatcher = local_dispatch):
+        self.cfg = cfg
+        mc = ModelConfig.from_pretrained(cfg.model)
+        self.max_model_len = min(cfg.scheduler.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.k = cfg.spec.k
+        self.runner = ModelRunner(cfg, self.max_model_len, expert_range, dispatch)
+        self.eos_ids = tuple(self.runner.model_config.eos_token_ids)
+        shape = self.runner.cache_shape
+        self.blocks = BlockManager(shape.num_blocks, shape.block_size, shape.num_state_slots, self.runner.slots_per_seq)
+        self.scheduler = Scheduler(cfg.scheduler, self.blocks, lookahead=self.k)
+        self.proposer = MTPProposer(self.runner, self.blocks, self.k)
+        self.requests: dict[str, Request] = {}
+        self._seeds = itertools.count(cfg.seed * 1_000_003 + 1)
+        self.stats = {"steps": 0, "drafted": 0, "accepted": 0, "verify_steps": 0}
+        need = (self.max_model_len + 2 * self.k + shape.block_size) // shape.block_size
+        if shape.num_blocks - 1 < need:
+            raise ValueError(f"cache.num_blocks={shape.num_blocks} cannot hold one sequence of max_model_len "
+                             f"{self.max_model_len} (needs {need + 1} blocks)")
+
+    # ---- requests ----
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not prompt_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.runner.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the maximum context length is "
+                             f"{self.max_model_len} (prompt + at least one generated token)")
+        gen = torch.Generator().manual_seed(params.seed if params.seed is not None else next(self._seeds))
+        req = Request(request_id, list(prompt_ids), params, arrival=time.monotonic(), generator=gen)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> StepOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req, "abort")
+        return self._output(req, [], 0)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ----
+    def step(self) -> list[StepOutput]:
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        self.stats["steps"] += 1
+        inp = build(target_pieces(sched), self.blocks)
+        hidden = self.runner.forward(inp)  # [T, H]
+        rows = [r for rs in inp.logit_rows for r in rs]
+        logits = self.runner.logits(hidden[rows]) if rows else None
+        outputs, items, at = [], [], 0
+        for s, start_row, lrows in zip(sched, inp.batch.cu_seqlens, inp.logit_rows, strict=False):
+            lg = logits[at : at + len(lrows)] if lrows else None
+            at += len(lrows)
+            out, item = self._postprocess(s, lg, hidden[start_row : start_row + s.num_new])
+            if out is not None:
+                outputs.append(out)
+            if item is not None:
+                items.append(item)
+        self.proposer.propose(items)
+        return outputs
+
+    def _postprocess(self, s: Scheduled, logits: torch.Tensor | None, hidden: torch.Tensor
+                     ) -> tuple[StepOutput | None, DraftItem | None]:
+        req, start = s.req, s.req.num_computed
+        if s.verify:
+            assert logits is not None
+            k = len(req.drafts)
+            out_before = len(req.output_ids)
+            rows = [self._row(req, req.drafts[:i], out_before + i) for i in range(k + 1)]
+            emitted = verify(logits, req.drafts, req.draft_probs, rows, req.generator)
+            a = len(emitted) - 1
+            self._commit_spec(req, a, k)
+            req.num_computed = start + a + 1
+            hidden = hidden[: a + 1]
+        elif s.completes_prefill:
+            assert logits is not None
+            emitted = [sample_row(logits[0], self._row(req, [], len(req.output_ids)), req.generator)]
+            req.num_computed = start + s.num_new
+            logits = logits[-1:]
+        else:
+            req.num_computed = start + s.num_new
+            return None, DraftItem(req, start, hidden, False) if self.k else None
+        req.drafts, req.draft_probs = [], None
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        n = self._append(req, emitted, logits)
+        out = self._output(req, emitted[:n], n)
+        item = DraftItem(req, start, hidden, True) if self.k and not req.finished else None
+        return out, item
+
+    def _commit_spec(self, req: Request, accepted: int, k: int) -> None:
+        """GDN rollback: the state after token `accepted` of the verify becomes the sequence's state."""
+        self.stats["verify_steps"] += 1
+        self.stats["drafted"] += k
+        self.stats["accepted"] += accepted
+        req.num_verify_steps += 1
+        req.num_drafted += k
+        req.num_accepted += accepted
+        if len(req.accepted_per_pos) < k:
+            req.accepted_per_pos += [0] * (k - len(req.accepted_per_pos))
+        for i in range(accepted):
+            req.accepted_per_pos[i] += 1
+        slots = req.state_slots
+        slots[0], slots[1 + accepted] = slots[1 + accepted], slots[0]
+
+    def _row(self, req: Request, extra: list[int], num_output: int) -> Row:
+        p = req.params
+        stop = (() if p.ignore_eos else self.eos_ids) + tuple(p.stop_token_ids)
+        history = req.all_ids + extra if p.repetition_penalty != 1.0 else []
+        return Row(p, history, num_output, stop)
+
+    def _append(self, req: Request, tokens: list[int], logits: torch.Tensor) -> int:
+        """Append emitted tokens until a stop condition; returns how many were kept."""
+        p = req.params
+        for i, t in enumerate(tokens):
+            req.output_ids.append(t)
+            lp, top = logprob_info(logits[i], t, p.logprobs)
+            req.output_logprobs.append(lp)
+            req.top_logprobs.append(top)
+            reason = None
+            if (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
+                reason, req.stop_reason = "stop", t
+            elif p.max_tokens is not None and len(req.output_ids) >= p.max_tokens:
+                reason = "length"
+            elif req.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason:
+                self.scheduler.finish(req, reason)
+                self.requests.pop(req.request_id, None)
+                return i + 1
+        return len(tokens)
+
+    def _output(self, req: Request, new: list[int], n: int) -> StepOutput:
+        return StepOutput(
+            request_id=req.request_id, new_token_ids=list(new),
+            new_logprobs=req.output_logprobs[len(req.output_logprobs) - n:] if n else [],
+            new_top_logprobs=req.top_logprobs[len(req.top_logprobs) - n:] if n else [],
+            finished=req.finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            num_prompt_tokens=len(req.prompt_ids), spec=req.spec_stats() if req.finished else {},
+        )

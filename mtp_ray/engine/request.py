@@ -1,0 +1,71 @@
+"""Request state inside one engine (one DP rank): tokens, cache ownership, drafts, stats."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from mtp_ray.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = 0.0
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # KV and state ownership
+    block_ids: list[int] = field(default_factory=list)
+    state_slots: list[int] = field(default_factory=list)  # [main, spec_0..spec_k]
+    num_computed: int = 0  # tokens whose KV / state is in the cache (target)
+    # speculative decoding
+    drafts: list[int] = field(default_factory=list)  # proposed tokens for the next verify
+    draft_probs: torch.Tensor | None = None  # [k, V] the draft distribution each draft was sampled from
+    num_drafted: int = 0
+    num_accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    num_verify_steps: int = 0
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        """True until every token but the newest one is in the cache."""
+        return self.num_computed < self.num_tokens - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def spec_stats(self) -> dict:
+        return {
+            "num_drafts": self.num_verify_steps,
+            "num_draft_tokens": self.num_drafted,
+            "num_accepted_tokens": self.num_accepted,
+            "accepted_per_pos": list(self.accepted_per_pos),
+            # tokens emitted per verify step (accepted drafts + the target's own token)
+            "mean_acceptance_length": (1 + self.num_accepted / self.num_verify_steps) if self.num_verify_steps else 0.0,
+        }

@@ -1,0 +1,93 @@
+"""ModelRunner: the model on its device with its caches; runs target and MTP forwards over StepInputs."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from mtp_ray.config.engine import EngineConfig
+from mtp_ray.config.model import ModelConfig
+from mtp_ray.engine.cache import CacheShape, bind_caches, free_caches
+from mtp_ray.engine.inputs import StepInputs
+from mtp_ray.layers.moe import ExpertDispatcher, local_dispatch
+from mtp_ray.model.loader import load_model
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_CACHE_BYTES = 1 << 30  # KV + state budget when sizing from memory on CPU
+
+
+def resolve_device(cfg: EngineConfig) -> torch.device:
+    if cfg.device != "auto":
+        return torch.device(cfg.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[cfg.dtype]
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, max_model_len: int, expert_range: tuple[int, int] | None = None,
+                 dispatch: ExpertDispatcher = local_dispatch):
+        self.cfg = cfg
+        self.device = resolve_device(cfg)
+        self.dtype = resolve_dtype(cfg, self.device)
+        self.k = cfg.spec.k
+        self.model = load_model(cfg.model, self.dtype, self.device, expert_range, with_mtp=self.k > 0,
+                                dispatch=dispatch)
+        self.model_config: ModelConfig = self.model.config
+        self.slots_per_seq = 1 + (self.k + 1 if self.k else 0)
+        self.cache_shape = self._cache_shape(max_model_len)
+        self.cache_bytes = 0
+        self.allocate()
+
+    def _cache_shape(self, max_model_len: int) -> CacheShape:
+        c, s = self.cfg.cache, self.cfg.scheduler
+        per_seq = (max_model_len + 2 * self.k + c.block_size) // c.block_size + 1
+        num_blocks = c.num_blocks
+        if num_blocks is None:
+            mc = self.model_config
+            attn_layers = len(mc.full_attention_layers) + (mc.mtp_num_hidden_layers if self.k else 0)
+            per_block = 2 * c.block_size * mc.num_key_value_heads * mc.head_dim * attn_layers * self.dtype.itemsize
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * c.memory_fraction)
+            else:
+                budget = CPU_CACHE_BYTES
+            num_blocks = max(2, min(budget // max(per_block, 1), s.max_num_seqs * per_seq + 1))
+        return CacheShape(num_blocks, c.block_size, 1 + s.max_num_seqs * self.slots_per_seq)
+
+    def allocate(self) -> None:
+        self.cache_bytes = bind_caches(self.model, self.cache_shape, self.dtype, self.device)
+        log.info("caches: %s, %.1f MiB", self.cache_shape, self.cache_bytes / 2**20)
+
+    def free(self) -> None:
+        free_caches(self.model)
+        self.cache_bytes = 0
+
+    @torch.inference_mode()
+    def forward(self, inp: StepInputs) -> torch.Tensor:
+        """Target forward -> final-normed hidden [T, H]."""
+        return self.model(inp.input_ids.to(self.device), inp.positions.to(self.device), self._on_device(inp))
+
+    @torch.inference_mode()
+    def mtp_forward(self, inp: StepInputs, hidden: torch.Tensor, step: int) -> torch.Tensor:
+        return self.model.mtp_forward(inp.input_ids.to(self.device), hidden, inp.positions.to(self.device),
+                                      self._on_device(inp), step)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, V] fp32 on the CPU (sampling runs there)."""
+        return self.model.compute_logits(hidden).cpu()
+
+    def _on_device(self, inp: StepInputs):
+        b = inp.batch
+        if self.device.type != "cpu":
+            b.block_tables = b.block_tables.to(self.device)
+            b.slot_mapping = b.slot_mapping.to(self.device)
+        return b

@@ -1,0 +1,74 @@
+"""Logit processing and sampling, one row per (request, position).
+
+A row's target distribution: repetition penalty over its history, min_tokens masking of stop tokens, temperature,
+top-k, top-p, min-p. Greedy rows take the argmax of the processed logits. Logprobs are reported from the raw model
+distribution (log_softmax of the logits), as vLLM does by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mtp_ray.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Row:
+    params: SamplingParams
+    history: list[int]  # prompt + output (+ drafts before this position) for the repetition penalty
+    num_output: int  # output tokens before this position (min_tokens)
+    stop_ids: tuple[int, ...]  # eos (unless ignore_eos) + stop_token_ids
+
+
+def process(logits: torch.Tensor, row: Row) -> torch.Tensor:
+    """logits: [V] fp32 -> processed logits (temperature not applied)."""
+    p = row.params
+    if p.repetition_penalty != 1.0 and row.history:
+        idx = torch.tensor(sorted(set(row.history)), dtype=torch.long)
+        vals = logits[idx]
+        logits = logits.clone()
+        logits[idx] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if row.num_output < p.min_tokens and row.stop_ids:
+        logits = logits.clone()
+        logits[list(row.stop_ids)] = float("-inf")
+    return logits
+
+
+def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Processed logits [V] -> the distribution to sample from (temperature > 0)."""
+    x = logits / params.temperature
+    if params.top_k > 0 and params.top_k < x.numel():
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    pr = torch.softmax(x, dim=-1)
+    if params.min_p > 0:
+        pr = pr.masked_fill(pr < params.min_p * pr.max(), 0.0)
+    if params.top_p < 1.0:
+        sp, si = torch.sort(pr, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+        drop = (sp.cumsum(0) - sp) >= params.top_p * sp.sum()
+        pr = pr.scatter(0, si[drop], 0.0)
+    return pr / pr.sum()
+
+
+def draw(pr: torch.Tensor, gen: torch.Generator | None) -> int:
+    return int(torch.multinomial(pr, 1, generator=gen).item())
+
+
+def sample_row(logits: torch.Tensor, row: Row, gen: torch.Generator | None) -> int:
+    x = process(logits, row)
+    if row.params.greedy:
+        return int(x.argmax().item())
+    return draw(probs(x, row.params), gen)
+
+
+def logprob_info(logits: torch.Tensor, token: int, top_n: int | None) -> tuple[float, dict[int, float]]:
+    """Raw logprob of `token` and the top_n alternatives {token: logprob}."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top: dict[int, float] = {}
+    if top_n:
+        v, i = torch.topk(lp, top_n)
+        top = {int(t): float(x) for t, x in zip(i.tolist(), v.tolist(), strict=False)}
+    return float(lp[token]), top

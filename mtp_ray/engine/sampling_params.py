@@ -1,0 +1,75 @@
+"""Per-request sampling parameters (vLLM's names and meanings); every bad value is a ValueError naming the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # n top logprobs per generated token (the sampled token's is always returned)
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> SamplingParams:
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {sorted(unknown)}")
+        return cls(**raw)
+
+    def validate(self) -> None:
+        def need(ok: bool, name: str, what: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {what}")
+
+        def is_int(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_num(x: Any) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+        need(is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        need(is_num(self.temperature) and self.temperature >= 0, "temperature",
+             f"must be >= 0, got {self.temperature!r}")
+        need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        need(is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k",
+             f"must be -1 or >= 0, got {self.top_k!r}")
+        need(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        need(self.seed is None or is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        need(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+             f"must be an integer >= 1, got {self.max_tokens!r}")
+        need(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens!r}")
+        need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
+        need(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
+             f"must be a string or a list of non-empty strings, got {self.stop!r}")
+        need(isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
+        need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
+        need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
+             f"must be an integer in 0..20, got {self.logprobs!r}")
+        need(is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+             f"must be > 0, got {self.repetition_penalty!r}")

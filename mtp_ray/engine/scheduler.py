@@ -1,0 +1,105 @@
+"""Continuous-batching scheduler (pure Python): FCFS, a token budget per step, chunked prefill mixed with decodes,
+preemption by recompute when KV blocks run out.
+
+A request always computes tokens [num_computed, num_tokens): a prefill (or a recompute after preemption) is
+more than one token, a decode is exactly the newest token, followed by its k drafts when it has them (verify).
+Blocks are reserved for `lookahead` positions past the step so the MTP draft loop can write its KV.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from mtp_ray.config.engine import SchedulerConfig
+from mtp_ray.engine.block_manager import BlockManager
+from mtp_ray.engine.request import Request, Status
+
+
+@dataclass
+class Scheduled:
+    req: Request
+    num_new: int  # target tokens this step (prefill piece, 1, or 1 + k for verify)
+    verify: bool  # decode with drafts
+
+    @property
+    def completes_prefill(self) -> bool:
+        """After this step every token is computed: the last row's logits sample a new token."""
+        return self.req.num_computed + self.num_new >= self.req.num_tokens
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, lookahead: int):
+        self.cfg = cfg
+        self.blocks = blocks
+        self.lookahead = lookahead
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _cost(self, req: Request, budget: int) -> tuple[int, bool]:
+        remaining = req.num_tokens - req.num_computed
+        if remaining == 1:
+            return (1 + len(req.drafts), True) if req.drafts else (1, False)
+        return min(remaining, self.cfg.prefill_chunk, budget), False
+
+    def schedule(self) -> list[Scheduled]:
+        budget = self.cfg.max_num_batched_tokens
+        out: list[Scheduled] = []
+        preempted = False
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            n, verify = self._cost(req, budget)
+            if n > budget or n == 0:
+                i += 1  # no room this step; it keeps its blocks and runs next step
+                continue
+            while not self.blocks.ensure(req, req.num_computed + n + self.lookahead):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                continue  # req preempted itself; running shrank
+            out.append(Scheduled(req, n, verify))
+            budget -= n
+            i += 1
+        # after a preemption nothing new is admitted this step (it would only be preempted again)
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            n, _ = self._cost(req, budget)
+            if not self.blocks.ensure(req, req.num_computed + n + self.lookahead):
+                break  # FCFS: nobody jumps the queue
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.append(Scheduled(req, n, False))
+            budget -= n
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: drop its cache, keep its tokens; it re-prefills prompt + output later."""
+        self.running.remove(req)
+        self.blocks.free(req)
+        req.num_computed = 0
+        req.drafts, req.draft_probs = [], None
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        self.blocks.free(req)
+        req.status = Status.FINISHED
+        req.finish_reason = req.finish_reason or reason

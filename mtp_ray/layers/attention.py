@@ -1,0 +1,77 @@
+"""Gated full attention (Qwen3.5): q and an output gate from q_proj, per-head zero-centred q/k norm, partial NeoX
+RoPE, GQA, sigmoid output gate; KV in a paged cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mtp_ray.config.model import ModelConfig
+from mtp_ray.layers.context import ForwardBatch
+from mtp_ray.layers.norm import RMSNorm
+from mtp_ray.layers.rope import RotaryEmbedding
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    batch: ForwardBatch,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Causal attention of each sequence's new tokens over its whole cached context (pure PyTorch)."""
+    _, _, block_size, hkv, d = kv_cache.shape
+    group = q.shape[1] // hkv
+    out = torch.empty_like(q)
+    for b in range(batch.num_seqs):
+        s, e = batch.seq_range(b)
+        ctx, n = batch.context_lens[b], e - s
+        total = ctx + n
+        blocks = batch.block_tables[b, : (total + block_size - 1) // block_size]
+        k = kv_cache[0, blocks].reshape(-1, hkv, d)[:total]  # [L, Hkv, D]
+        v = kv_cache[1, blocks].reshape(-1, hkv, d)[:total]
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1).float()  # [Hq, L, D]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1).float()
+        qs = q[s:e].transpose(0, 1).float()  # [Hq, n, D]
+        scores = (qs @ k.transpose(1, 2)) * scale  # [Hq, n, L]
+        # query j sits at absolute position ctx + j and sees keys 0..ctx + j
+        mask = torch.arange(total)[None, :] > (ctx + torch.arange(n))[:, None]
+        scores.masked_fill_(mask, float("-inf"))
+        out[s:e] = (scores.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
+    return out
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim * 2, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
+        self.scale = self.head_dim**-0.5
+        self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, Hkv, D], bound by the engine
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        # x: [T, H]
+        t = x.shape[0]
+        qg = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim)
+        q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]  # [T, Hq, D] each
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        cos, sin = self.rope.cos_sin(positions, q.dtype)
+        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        assert self.kv_cache is not None, "KV cache not bound: allocate caches before the first forward"
+        write = batch.slot_mapping >= 0
+        flat = self.kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
+        flat[0, batch.slot_mapping[write]] = k[write].to(flat.dtype)
+        flat[1, batch.slot_mapping[write]] = v[write].to(flat.dtype)
+        o = paged_attention(q, self.kv_cache, batch, self.scale)  # [T, Hq, D]
+        o = o * torch.sigmoid(gate)
+        return self.o_proj(o.reshape(t, -1))
+

@@ -1,0 +1,76 @@
+"""Gated DeltaNet token mixer (Qwen3.5 linear-attention layers) with per-sequence conv + recurrent state slots."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp_ray.config.model import ModelConfig
+from mtp_ray.layers.context import ForwardBatch
+from mtp_ray.layers.gated_delta_ops import causal_conv1d, chunk_gated_delta, l2norm, recurrent_gated_delta
+from mtp_ray.layers.norm import GatedRMSNorm
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h = cfg.hidden_size
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(h, self.hv, bias=False)
+        self.in_proj_a = nn.Linear(h, self.hv, bias=False)
+        # HF keeps nn.Conv1d's [C, 1, K] weight; we keep that shape so checkpoints load as they are
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.zeros(self.conv_dim, 1, self.kernel))
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        # bound by the engine: conv_state [slots, conv_dim, K-1] (model dtype), ssm_state [slots, Hv, dk, dv] fp32
+        self.conv_state: torch.Tensor | None = None
+        self.ssm_state: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        # x: [T, H]
+        assert self.conv_state is not None and self.ssm_state is not None, "GDN state not bound"
+        t = x.shape[0]
+        mixed = self.in_proj_qkv(x)  # [T, conv_dim]
+        z = self.in_proj_z(x).view(t, self.hv, self.dv)
+        beta = self.in_proj_b(x).float().sigmoid()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [T, Hv]
+        weight = self.conv1d.weight[:, 0, :]  # [C, K]
+        core = torch.empty(t, self.hv, self.dv, dtype=torch.float32, device=x.device)
+        for b in range(batch.num_seqs):
+            s, e = batch.seq_range(b)
+            slot = batch.state_slots[b]
+            fresh = batch.context_lens[b] == 0
+            conv_state = torch.zeros_like(self.conv_state[slot]) if fresh else self.conv_state[slot]
+            ssm = torch.zeros_like(self.ssm_state[slot]) if fresh else self.ssm_state[slot]
+            conv_out, full = causal_conv1d(mixed[s:e], conv_state, weight)  # [n, C]
+            q, k, v = conv_out.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            n, rep = e - s, self.hv // self.hk
+            # each key head serves `rep` consecutive value heads
+            q = l2norm(q.view(n, self.hk, self.dk)).repeat_interleave(rep, dim=1) * self.dk**-0.5
+            k = l2norm(k.view(n, self.hk, self.dk)).repeat_interleave(rep, dim=1)
+            v = v.view(n, self.hv, self.dv)
+            spec = batch.spec_state_slots[b] if batch.spec_state_slots is not None else None
+            if spec or n == 1:
+                snaps: list[torch.Tensor] | None = [] if spec else None
+                o, ssm = recurrent_gated_delta(q, k, v, g[s:e], beta[s:e], ssm, snaps)
+                for j, dst in enumerate(spec or []):
+                    # state after token j: recurrent snapshot and the K-1 inputs ending at token j
+                    self.ssm_state[dst] = snaps[j]
+                    self.conv_state[dst] = full[:, j + 1 : j + self.kernel]
+            else:
+                o, ssm = chunk_gated_delta(q, k, v, g[s:e], beta[s:e], ssm)
+            core[s:e] = o
+            self.conv_state[slot] = full[:, -(self.kernel - 1) :]
+            self.ssm_state[slot] = ssm
+        out = self.norm(core.to(x.dtype), z)  # [T, Hv, dv]
+        return self.out_proj(out.reshape(t, self.value_dim))

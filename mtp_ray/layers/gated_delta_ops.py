@@ -1,0 +1,90 @@
+"""Pure-PyTorch gated delta rule kernels for one sequence (fp32). GPU kernels (fla) plug in behind the same calls.
+
+Recurrence per value head h, token t (S: [dk, dv]):
+    S <- exp(g_t) * S;  delta = beta_t * (v_t - S^T k_t);  S <- S + k_t delta^T;  o_t = S^T q_t
+q and k arrive L2-normalised, q already scaled by dk^-0.5.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def recurrent_gated_delta(
+    q: torch.Tensor,  # [n, Hv, dk]
+    k: torch.Tensor,  # [n, Hv, dk]
+    v: torch.Tensor,  # [n, Hv, dv]
+    g: torch.Tensor,  # [n, Hv] log decay (<= 0)
+    beta: torch.Tensor,  # [n, Hv]
+    state: torch.Tensor,  # [Hv, dk, dv]
+    snapshots: list[torch.Tensor] | None = None,  # receives a copy of the state after every token
+) -> tuple[torch.Tensor, torch.Tensor]:  # o: [n, Hv, dv], final state: [Hv, dk, dv]
+    s = state.clone()
+    out = torch.empty_like(v)
+    for t in range(q.shape[0]):
+        s = s * g[t].exp()[:, None, None]
+        kv_mem = torch.einsum("hkv,hk->hv", s, k[t])
+        delta = (v[t] - kv_mem) * beta[t][:, None]
+        s = s + k[t][:, :, None] * delta[:, None, :]
+        out[t] = torch.einsum("hkv,hk->hv", s, q[t])
+        if snapshots is not None:
+            snapshots.append(s.clone())
+    return out, s
+
+
+def chunk_gated_delta(
+    q: torch.Tensor,  # [n, Hv, dk]
+    k: torch.Tensor,  # [n, Hv, dk]
+    v: torch.Tensor,  # [n, Hv, dv]
+    g: torch.Tensor,  # [n, Hv]
+    beta: torch.Tensor,  # [n, Hv]
+    state: torch.Tensor,  # [Hv, dk, dv]
+    chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked (WY) form: within a chunk the deltas solve one unit-lower-triangular system
+    (I + L) D = V*beta - (K*beta*Gamma) S0, with L_tj = beta_t Gamma_t/Gamma_j k_t.k_j for j < t."""
+    n = q.shape[0]
+    pad = (-n) % chunk
+    # padded tokens have beta = 0 and g = 0: they neither write nor decay the state
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
+    nc = (n + pad) // chunk
+    # -> [Hv, nc, C, d]
+    q, k, v = (x.view(nc, chunk, *x.shape[1:]).permute(2, 0, 1, 3) for x in (q, k, v))
+    g, beta = (x.view(nc, chunk, -1).permute(2, 0, 1) for x in (g, beta))  # [Hv, nc, C]
+    gc = g.cumsum(-1)
+    diff = gc[..., :, None] - gc[..., None, :]  # [Hv, nc, C, C]: log(Gamma_t / Gamma_j)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool).tril()
+    decay = torch.where(lower, diff, float("-inf")).exp()  # incl. diagonal, 0 above
+    strict = decay.masked_fill(torch.eye(chunk, dtype=torch.bool), 0.0)
+    kb = k * beta[..., None]
+    eye = torch.eye(chunk, dtype=q.dtype)
+    m = eye + (kb @ k.transpose(-1, -2)) * strict
+    u = torch.linalg.solve_triangular(m, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(m, kb * gc.exp()[..., None], upper=False, unitriangular=True)
+    qk = (q @ k.transpose(-1, -2)) * decay  # [Hv, nc, C, C]
+    q_dec = q * gc.exp()[..., None]
+    k_tail = k * (gc[..., -1:] - gc).exp()[..., None]
+    out = torch.empty_like(v)
+    s = state.clone()
+    for c in range(nc):
+        delta = u[:, c] - w[:, c] @ s  # [Hv, C, dv]
+        out[:, c] = q_dec[:, c] @ s + qk[:, c] @ delta
+        s = s * gc[:, c, -1].exp()[:, None, None] + k_tail[:, c].transpose(-1, -2) @ delta
+    out = out.permute(1, 2, 0, 3).reshape(nc * chunk, -1, v.shape[-1])[:n]
+    return out, s
+
+
+def causal_conv1d(
+    x: torch.Tensor,  # [n, C]
+    conv_state: torch.Tensor,  # [C, K-1]: the last K-1 inputs before x
+    weight: torch.Tensor,  # [C, K]
+) -> tuple[torch.Tensor, torch.Tensor]:  # silu(conv) [n, C], the extended input [C, K-1+n]
+    full = torch.cat([conv_state.to(x.dtype), x.t()], dim=-1)
+    out = F.conv1d(full[None], weight[:, None, :].to(x.dtype), groups=full.shape[0])[0]  # [C, n]
+    return F.silu(out).t(), full
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)

@@ -1,0 +1,96 @@
+"""Sparse MoE (softmax router, top-k, renormalised, SwiGLU experts, sigmoid-gated shared expert) and dense MLP.
+
+A layer holds only the experts of its expert range [start, end) (EP shard). Routing is computed for all experts
+(the router is replicated); the EP backend moves tokens to the ranks that own their experts and back.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp_ray.config.model import ModelConfig
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    # x: [..., 2I] = [gate | up]
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """Routed experts [start, end) in the fused checkpoint layout."""
+
+    def __init__(self, hidden: int, inter: int, start: int, end: int):
+        super().__init__()
+        self.start, self.end = start, end
+        self.gate_up_proj = nn.Parameter(torch.zeros(end - start, 2 * inter, hidden))  # [E_local, 2I, H]
+        self.down_proj = nn.Parameter(torch.zeros(end - start, hidden, inter))  # [E_local, H, I]
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        """Sum of the local experts' weighted outputs. x: [N, H]; topk_ids / topk_w: [N, k] (global ids)."""
+        out = torch.zeros_like(x)
+        local = (topk_ids >= self.start) & (topk_ids < self.end)
+        for e in torch.unique(topk_ids[local]).tolist():
+            tok, slot = torch.where(topk_ids == e)
+            i = e - self.start
+            y = F.linear(silu_and_mul(F.linear(x[tok], self.gate_up_proj[i])), self.down_proj[i])
+            out.index_add_(0, tok, (y * topk_w[tok, slot, None]).to(out.dtype))
+        return out
+
+
+class ExpertDispatcher(Protocol):
+    """EP backend seen from a MoE layer: runs `experts` on every token's top-k, wherever the experts live."""
+
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: Experts
+                 ) -> torch.Tensor: ...
+
+
+def local_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: Experts) -> torch.Tensor:
+    """No EP: this process holds the experts (all of them, or a shard whose partial sum the caller wants)."""
+    return experts(x, topk_ids, topk_w)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, expert_range: tuple[int, int] | None = None,
+                 dispatch: ExpertDispatcher = local_dispatch):
+        super().__init__()
+        start, end = expert_range or (0, cfg.num_experts)
+        assert 0 <= start < end <= cfg.num_experts, f"bad expert range {expert_range}"
+        self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.hidden_size, cfg.moe_intermediate_size, start, end)
+        self.has_shared = cfg.shared_expert_intermediate_size > 0
+        if self.has_shared:
+            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.dispatch = dispatch
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [T, H] -> topk ids [T, k] int64, weights [T, k] in x.dtype
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        w, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            w = w / w.sum(-1, keepdim=True)
+        return ids, w.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, w = self.route(x)
+        out = self.dispatch(x, ids, w, self.experts)
+        if self.has_shared:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

@@ -1,0 +1,128 @@
+"""Offline API in the vLLM convention: LLM(model=..., num_speculative_tokens=k).generate(prompts, params)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from mtp_ray.config.engine import BUNDLED_MODEL, CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from mtp_ray.engine.detok import Detokenizer
+from mtp_ray.engine.loop import EngineCore, StepOutput
+from mtp_ray.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]  # logprob of each generated token
+    top_logprobs: list[dict[int, float]]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    spec: dict = field(default_factory=dict)  # drafted / accepted / mean acceptance length
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+
+def engine_config(model: str = BUNDLED_MODEL, *, num_speculative_tokens: int = 0, dtype: str = "auto",
+                  device: str = "auto", seed: int = 0, block_size: int = 16, num_blocks: int | None = None,
+                  max_num_seqs: int = 32, max_num_batched_tokens: int = 512, prefill_chunk: int = 256,
+                  max_model_len: int | None = None, tokenizer: str | None = None) -> EngineConfig:
+    """Flat keyword arguments (vLLM style) -> EngineConfig."""
+    return EngineConfig(
+        model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  prefill_chunk=prefill_chunk, max_model_len=max_model_len),
+        spec=SpecConfig(num_speculative_tokens=num_speculative_tokens),
+    )
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class LLM:
+    def __init__(self, model: str = BUNDLED_MODEL, *, config: EngineConfig | None = None, **kw: Any):
+        self.config = config or engine_config(model, **kw)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
+        self._ids = itertools.count()
+
+    def encode(self, prompt: Any) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            prompt = prompt["prompt_token_ids"]
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def generate(self, prompts: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        encoded = [self.encode(p) for p in prompts]  # validate everything before anything is queued
+        for (_, ids), sp in zip(encoded, plist, strict=False):
+            sp.validate()
+            if len(ids) >= self.engine.max_model_len:
+                raise ValueError(f"prompt has {len(ids)} tokens; the maximum context length is "
+                                 f"{self.engine.max_model_len}")
+        results: dict[str, RequestOutput] = {}
+        detok: dict[str, tuple[RequestOutput, CompletionOutput, Detokenizer]] = {}
+        order = []
+        for (text, ids), sp in zip(encoded, plist, strict=False):
+            rid = str(next(self._ids))
+            ro = RequestOutput(rid, text, ids, [], finished=False)
+            results[rid] = ro
+            order.append(rid)
+            for i in range(sp.n):
+                # n > 1: independent samples; a seeded request gives each its own derived seed
+                child = replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i)
+                cid = f"{rid}-{i}"
+                co = CompletionOutput(i, "", [], [], [], None, None)
+                ro.outputs.append(co)
+                detok[cid] = (ro, co, Detokenizer(self.tokenizer, child.stop, child.skip_special_tokens,
+                                                  child.include_stop_str_in_output))
+                self.engine.add_request(cid, ids, child)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                self._apply(out, detok)
+        return [results[r] for r in order]
+
+    def _apply(self, out: StepOutput, detok: dict) -> None:
+        ro, co, dt = detok[out.request_id]
+        co.token_ids += out.new_token_ids
+        co.logprobs += out.new_logprobs
+        co.top_logprobs += out.new_top_logprobs
+        dt.add(out.new_token_ids)
+        co.text = dt.text
+        if dt.stopped_by is not None and not out.finished:
+            aborted = self.engine.abort_request(out.request_id)
+            co.finish_reason, co.stop_reason = "stop", dt.stopped_by
+            co.spec = aborted.spec if aborted else {}
+        elif out.finished:
+            co.finish_reason = "stop" if dt.stopped_by else out.finish_reason
+            co.stop_reason = dt.stopped_by or out.stop_reason
+            co.spec = out.spec
+        ro.finished = all(c.finish_reason is not None for c in ro.outputs)

@@ -1,0 +1,202 @@
+"""Load HF-format checkpoints (config.json + safetensors) into Qwen3_5MoeForCausalLM.
+
+Handles: one or many safetensors files; experts fused (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`
+[E, H, I]) or one module per expert, chosen per tensor (trunk and MTP may differ); multimodal checkpoints (text
+under `model.language_model.`, vision skipped); qwen3_next's grouped GDN projections; `mtp.*` into the MTP head;
+an expert range, reading only the owned experts' slices from disk. Every missing or mis-shaped tensor is an
+error that names it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from mtp_ray.config.model import ModelConfig
+from mtp_ray.layers.moe import ExpertDispatcher, local_dispatch
+from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
+
+log = logging.getLogger(__name__)
+
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_SKIP = re.compile(r"(^|\.)(visual|vision_tower|rotary_emb)\.|\.inv_freq$")
+
+# A lazily read tensor: called with an optional row slice of dim 0, returns the (sliced) tensor.
+Reader = Callable[[slice | None], torch.Tensor]
+
+
+def canonical_name(name: str) -> str:
+    """Checkpoint name -> our parameter name (multimodal prefixes folded into the text model's)."""
+    for prefix, repl in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                         ("language_model.", "")):
+        if name.startswith(prefix):
+            return repl + name[len(prefix):]
+    return name
+
+
+class WeightLoader:
+    """Copies named checkpoint tensors into a model and tracks what was filled (also used by update_weights)."""
+
+    def __init__(self, model: Qwen3_5MoeForCausalLM):
+        self.model = model
+        self.cfg = model.config
+        self.start, self.end = model.expert_range
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        # expert params are filled piecewise: (param name, local expert, part) -> done
+        self.filled: set[tuple[str, int, str]] = set()
+
+    def wants(self, name: str) -> bool:
+        name = canonical_name(name)
+        if _SKIP.search(name):
+            return False
+        return not (name.startswith("mtp.") and self.model.mtp is None)
+
+    def load(self, name: str, shape: list[int], read: Reader) -> None:
+        name = canonical_name(name)
+        if not self.wants(name):
+            return
+        if m := _PER_EXPERT.match(name):
+            return self._load_expert(m.group(1), int(m.group(2)), m.group(3), shape, read, name)
+        if m := _FUSED.match(name):
+            return self._load_fused(m.group(1), m.group(2), shape, read, name)
+        if self.cfg.gdn_grouped_projections and name.endswith(("linear_attn.in_proj_qkvz.weight",
+                                                               "linear_attn.in_proj_ba.weight")):
+            return self._load_grouped_gdn(name, shape, read)
+        if name not in self.params:
+            log.warning("checkpoint tensor %s has no parameter in the model; skipped", name)
+            return
+        self._copy(name, self.params[name], shape, read(None))
+
+    def _copy(self, name: str, dst: torch.Tensor, shape: list[int], src: torch.Tensor) -> None:
+        if list(shape) != list(dst.shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {list(shape)}, expected {list(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(src.to(dst.dtype))
+        self.filled.add((name, -1, "all"))
+
+    def _expert_param(self, prefix: str, which: str) -> torch.Tensor:
+        pname = f"{prefix}.{which}"
+        if pname not in self.params:
+            raise ValueError(f"checkpoint has experts under {prefix!r} but the model has no MoE layer there")
+        return self.params[pname]
+
+    def _load_expert(self, prefix: str, e: int, proj: str, shape: list[int], read: Reader, name: str) -> None:
+        if not self.start <= e < self.end:
+            return  # another EP rank owns it
+        if e >= self.cfg.num_experts:
+            raise ValueError(f"checkpoint tensor {name!r}: expert {e} >= num_experts {self.cfg.num_experts}")
+        i, inter = e - self.start, self.cfg.moe_intermediate_size
+        if proj == "down_proj":
+            dst = self._expert_param(prefix, "down_proj")[i]
+        else:
+            half = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+            dst = self._expert_param(prefix, "gate_up_proj")[i, half]
+        pname = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+        if list(shape) != list(dst.shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {list(shape)}, expected {list(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(read(None).to(dst.dtype))
+        self.filled.add((pname, i, proj))
+
+    def _load_fused(self, prefix: str, which: str, shape: list[int], read: Reader, name: str) -> None:
+        param = self._expert_param(prefix, which)
+        full = [self.cfg.num_experts, *param.shape[1:]]
+        if list(shape) != full:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {list(shape)}, expected {full}")
+        with torch.no_grad():
+            param.copy_(read(slice(self.start, self.end)).to(param.dtype))  # only the owned experts leave disk
+        parts = ("down_proj",) if which == "down_proj" else ("gate_proj", "up_proj")
+        self.filled.update((f"{prefix}.{which}", i, p) for i in range(self.end - self.start) for p in parts)
+
+    def _load_grouped_gdn(self, name: str, shape: list[int], read: Reader) -> None:
+        """qwen3_next packs [q, k, v, z] (and [b, a]) per key head; regroup into the split projections."""
+        c = self.cfg
+        hk, dk, dv, rep = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim, \
+            c.linear_num_value_heads // c.linear_num_key_heads
+        base = name.rsplit(".", 2)[0]
+        w = read(None)
+        h = w.shape[-1]
+        if name.endswith("in_proj_qkvz.weight"):
+            expect = [hk * (2 * dk + 2 * rep * dv), h]
+            if list(shape) != expect:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {list(shape)}, expected {expect}")
+            q, k, v, z = w.view(hk, -1, h).split([dk, dk, rep * dv, rep * dv], dim=1)
+            qkv = torch.cat([q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)])
+            for sub, t in (("in_proj_qkv", qkv), ("in_proj_z", z.reshape(-1, h))):
+                pn = f"{base}.{sub}.weight"
+                self._copy(pn, self.params[pn], list(t.shape), t)
+        else:
+            expect = [hk * 2 * rep, h]
+            if list(shape) != expect:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {list(shape)}, expected {expect}")
+            b, a = w.view(hk, 2 * rep, h).split([rep, rep], dim=1)
+            for sub, t in (("in_proj_b", b.reshape(-1, h)), ("in_proj_a", a.reshape(-1, h))):
+                pn = f"{base}.{sub}.weight"
+                self._copy(pn, self.params[pn], list(t.shape), t)
+
+    def missing(self) -> list[str]:
+        """Checkpoint-style names of every tensor the model needs and did not get."""
+        done_plain = {n for n, i, _ in self.filled if i == -1}
+        out = []
+        for name, p in self.params.items():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                prefix, which = name.rsplit(".", 1)
+                parts = ("down_proj",) if which == "down_proj" else ("gate_proj", "up_proj")
+                for i in range(p.shape[0]):
+                    out += [f"{prefix}.{i + self.start}.{pt}.weight" for pt in parts
+                            if (name, i, pt) not in self.filled]
+            elif name not in done_plain:
+                if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                    continue
+                out.append(name)
+        return out
+
+
+def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, list[int], Reader]]:
+    """(name, shape, reader) for every tensor in the directory's safetensors files, read lazily."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                sl = st.get_slice(name)
+
+                def read(rows: slice | None, sl=sl) -> torch.Tensor:
+                    return sl[:] if rows is None else sl[rows]
+
+                yield name, list(sl.get_shape()), read
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    expert_range: tuple[int, int] | None = None,
+    with_mtp: bool = True,
+    dispatch: ExpertDispatcher = local_dispatch,
+) -> Qwen3_5MoeForCausalLM:
+    cfg = ModelConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = Qwen3_5MoeForCausalLM(cfg, expert_range, with_mtp, dispatch)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:  # to_empty unties; tie again before filling
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if with_mtp and cfg.mtp_num_hidden_layers > 0:
+        names = {n for p in Path(path).glob("*.safetensors") for n in safe_open(str(p), "pt").keys()}
+        if not any(canonical_name(n).startswith("mtp.") for n in names):
+            raise ValueError(f"{path}: with_mtp=True but the checkpoint has no mtp.* tensors")
+    loader = WeightLoader(model)
+    for name, shape, read in checkpoint_tensors(path):
+        loader.load(name, shape, read)
+    missing = loader.missing()
+    if missing:
+        more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
+        raise ValueError(f"checkpoint {path} is missing tensor(s): {', '.join(missing[:10])}{more}")
+    return model.eval()

@@ -1,0 +1,79 @@
+"""MTP draft loop: k chained forwards of the one MTP layer after each target step.
+
+Step 1 runs over every position p the target just committed, with input (token[p+1], h[p]): it fills the MTP
+KV cache for those positions and its last row gives draft 1. (A non-last prefill chunk's next token is the next
+prompt token, so no hidden state needs to carry over between chunks.) Step j > 1 feeds draft j-1 and the MTP's
+own hidden from step j-1 back in, one token per sequence at the next position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mtp_ray.engine.block_manager import BlockManager
+from mtp_ray.engine.inputs import Piece, build
+from mtp_ray.engine.request import Request
+from mtp_ray.engine.runner import ModelRunner
+from mtp_ray.engine.sampler import draw
+
+
+@dataclass
+class DraftItem:
+    req: Request
+    start: int  # first position the target committed this step
+    hidden: torch.Tensor  # [L, H] target hidden at positions start .. start + L - 1
+    wants_drafts: bool  # False for a non-last prefill chunk: only its MTP KV is filled
+
+
+class MTPProposer:
+    def __init__(self, runner: ModelRunner, blocks: BlockManager, k: int):
+        self.runner, self.blocks, self.k = runner, blocks, k
+
+    def propose(self, items: list[DraftItem]) -> None:
+        if not items or self.k == 0:
+            return
+        pieces = []
+        for it in items:
+            n = it.hidden.shape[0]
+            toks = it.req.all_ids[it.start + 1 : it.start + 1 + n]
+            assert len(toks) == n, "MTP step 1 needs the token after every committed position"
+            pieces.append(Piece(it.req, it.start, toks, "last" if it.wants_drafts else "none"))
+        hidden = torch.cat([it.hidden for it in items])
+        live = [it for it in items if it.wants_drafts]
+        drafts: list[list[int]] = [[] for _ in live]
+        probs: list[list[torch.Tensor]] = [[] for _ in live]
+        inp = build(pieces, self.blocks)
+        last_pos = [it.start + it.hidden.shape[0] - 1 for it in live]
+        for step in range(self.k):
+            h = self.runner.mtp_forward(inp, hidden, step)  # [T, H]
+            rows = [r for rs in inp.logit_rows for r in rs]
+            if not live:
+                return
+            h_last = h[rows]  # [B, H]
+            logits = self.runner.logits(h_last)
+            for b, it in enumerate(live):
+                tok, q = self._draft(logits[b], it.req)
+                drafts[b].append(tok)
+                if q is not None:
+                    probs[b].append(q)
+            if step + 1 == self.k:
+                break
+            # next step: one token per live sequence, at the position after its last one
+            for b in range(len(live)):
+                last_pos[b] += 1
+            pieces = [Piece(it.req, last_pos[b], [drafts[b][-1]], "last") for b, it in enumerate(live)]
+            inp = build(pieces, self.blocks)
+            hidden = h_last
+        for b, it in enumerate(live):
+            it.req.drafts = drafts[b]
+            it.req.draft_probs = torch.stack(probs[b]) if probs[b] else None
+
+    @staticmethod
+    def _draft(logits: torch.Tensor, req: Request) -> tuple[int, torch.Tensor | None]:
+        p = req.params
+        if p.greedy:
+            return int(logits.argmax().item()), None
+        q = torch.softmax(logits / p.temperature, dim=-1)
+        return draw(q, req.generator), q

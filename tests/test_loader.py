@@ -1,0 +1,147 @@
+"""Checkpoint loading: expert layouts, expert ranges, multimodal and qwen3_next checkpoints, errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mtp_ray.model.loader import load_model
+from tests.helpers import PagedSeqs, fuse_experts, make_checkpoint, positions_for, randomise
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("per_expert")
+    make_checkpoint(path, "gqa2_int2", seed=5)
+    return path
+
+
+@torch.no_grad()
+def run(model, ids: list[int], mtp: bool = False) -> torch.Tensor:
+    cache = PagedSeqs(model, 1, len(ids) + 4)
+    parts = [(0, 0, len(ids))]
+    hidden = model(torch.tensor(ids), positions_for(parts), cache.batch(parts))
+    if mtp:
+        hidden = model.mtp_forward(torch.tensor(ids), hidden, positions_for(parts), cache.batch(parts))
+    return model.compute_logits(hidden)
+
+
+IDS = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]
+
+
+def test_fused_and_per_expert_checkpoints_load_identically(ckpt, tmp_path):
+    fused = tmp_path / "fused"
+    shutil.copytree(ckpt, fused)
+    fuse_experts(fused)
+    keys = load_file(fused / "model.safetensors").keys()
+    assert any(k.endswith("experts.gate_up_proj") for k in keys) and not any(".experts.0." in k for k in keys)
+    a, b = load_model(ckpt), load_model(fused)
+    assert torch.equal(run(a, IDS), run(b, IDS))
+    assert torch.equal(run(a, IDS, mtp=True), run(b, IDS, mtp=True))
+
+
+def test_trunk_and_mtp_may_use_different_expert_layouts(ckpt, tmp_path):
+    mixed = tmp_path / "mixed"
+    shutil.copytree(ckpt, mixed)
+    sd = load_file(mixed / "model.safetensors")
+    # MTP layer fused (as the reference head stores it), trunk per expert
+    assert any(k.startswith("mtp.") and k.endswith("experts.gate_up_proj") for k in sd)
+    assert any(k.startswith("model.") and ".experts.0.gate_proj" in k for k in sd)
+    assert torch.equal(run(load_model(mixed), IDS, mtp=True), run(load_model(ckpt), IDS, mtp=True))
+
+
+def test_expert_range_holds_only_owned_experts(ckpt, tmp_path):
+    full = load_model(ckpt)
+    fused = tmp_path / "fused"
+    shutil.copytree(ckpt, fused)
+    fuse_experts(fused)
+    for path in (ckpt, fused):
+        part = load_model(path, expert_range=(1, 3))
+        for (name, p), (_, q) in zip(part.named_parameters(), full.named_parameters(), strict=False):
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                assert p.shape[0] == 2 and q.shape[0] == 4, name
+                assert torch.equal(p, q[1:3]), name
+            else:
+                assert torch.equal(p, q), name
+        n_expert = sum(p.numel() for n, p in part.named_parameters() if ".experts." in n)
+        n_full = sum(p.numel() for n, p in full.named_parameters() if ".experts." in n)
+        assert n_expert * 2 == n_full
+
+
+def test_missing_tensor_is_named(ckpt, tmp_path):
+    bad = tmp_path / "missing"
+    shutil.copytree(ckpt, bad)
+    sd = load_file(bad / "model.safetensors")
+    del sd["model.layers.1.self_attn.k_norm.weight"]
+    del sd["model.layers.0.mlp.experts.3.up_proj.weight"]
+    save_file(sd, bad / "model.safetensors")
+    with pytest.raises(ValueError) as e:
+        load_model(bad)
+    assert "model.layers.1.self_attn.k_norm.weight" in str(e.value)
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in str(e.value)
+    # a rank whose expert range excludes a missing expert does not need it
+    sd["model.layers.1.self_attn.k_norm.weight"] = torch.zeros(8)
+    save_file(sd, bad / "model.safetensors")
+    with pytest.raises(ValueError, match=r"experts\.3\.up_proj"):
+        load_model(bad, expert_range=(2, 4))
+    assert load_model(bad, expert_range=(0, 2)).model.layers[0].mlp.experts.gate_up_proj.shape[0] == 2
+
+
+def test_wrong_shape_is_named(ckpt, tmp_path):
+    for key, shape in (("model.layers.0.linear_attn.in_proj_z.weight", (5, 32)),
+                       ("mtp.layers.0.mlp.experts.down_proj", (4, 32, 15))):
+        bad = tmp_path / key.replace(".", "_")
+        shutil.copytree(ckpt, bad)
+        sd = load_file(bad / "model.safetensors")
+        sd[key] = torch.zeros(shape)
+        save_file(sd, bad / "model.safetensors")
+        with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+            load_model(bad)
+
+
+def test_missing_mtp_weights_is_a_clear_error(tmp_path):
+    make_checkpoint(tmp_path, "gqa2_int2", mtp=False)
+    with pytest.raises(ValueError, match="mtp"):
+        load_model(tmp_path)
+    assert load_model(tmp_path, with_mtp=False).mtp is None
+
+
+def test_multimodal_checkpoint_loads_text_weights(ckpt, tmp_path):
+    mm = tmp_path / "mm"
+    mm.mkdir()
+    sd = load_file(ckpt / "model.safetensors")
+    sd = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v for k, v in sd.items()}
+    sd["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(3, 3)
+    # split across two shard files, as large checkpoints are
+    keys = sorted(sd)
+    save_file({k: sd[k] for k in keys[::2]}, mm / "model-00001-of-00002.safetensors")
+    save_file({k: sd[k] for k in keys[1::2]}, mm / "model-00002-of-00002.safetensors")
+    text = json.loads((ckpt / "config.json").read_text())
+    (mm / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": text,
+                                                 "vision_config": {"depth": 1}}))
+    assert torch.equal(run(load_model(mm), IDS, mtp=True), run(load_model(ckpt), IDS, mtp=True))
+
+
+@torch.no_grad()
+def test_qwen3_next_checkpoint_matches_transformers(tmp_path):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = Qwen3NextConfig(vocab_size=61, hidden_size=32, num_hidden_layers=4, full_attention_interval=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
+                          linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                          shared_expert_intermediate_size=16, intermediate_size=24, mlp_only_layers=[1])
+    torch.manual_seed(0)
+    hf = Qwen3NextForCausalLM(cfg).eval()
+    randomise(hf, 7)
+    hf.save_pretrained(tmp_path)
+    keys = load_file(tmp_path / "model.safetensors").keys()
+    assert any("in_proj_qkvz" in k for k in keys)
+    ours = load_model(tmp_path, with_mtp=False)
+    ids = [i % 61 for i in IDS * 6]
+    ref = hf(torch.tensor([ids])).logits[0]
+    assert (run(ours, ids) - ref).abs().max().item() < 1e-4
