@@ -1,0 +1,129 @@
+"""Offline API: sampling features, stops, n > 1, seeds, logprobs, abort, and bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mtp_ray import LLM, SamplingParams
+from mtp_ray.engine.sampling_params import SamplingParams as SP
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(num_speculative_tokens=2, block_size=4, prefill_chunk=16, max_model_len=256)
+
+
+PROMPT = "def parse(self, text):\n    "
+
+
+def test_seeded_sampling_is_reproducible_and_n_gives_distinct_samples(llm):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=20, n=3)
+    a = llm.generate(PROMPT, sp)[0]
+    b = llm.generate(PROMPT, sp)[0]
+    assert len(a.outputs) == 3
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1
+
+
+def test_top_k_one_and_min_p_one_are_greedy(llm):
+    g = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].token_ids
+    for sp in (SamplingParams(temperature=0.8, top_k=1, max_tokens=16, seed=3),
+               SamplingParams(temperature=0.8, min_p=1.0, max_tokens=16, seed=4)):
+        assert llm.generate(PROMPT, sp)[0].outputs[0].token_ids == g
+
+
+def test_stop_strings_stop_token_ids_and_max_tokens(llm):
+    base = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 30
+    # a stop string taken from the middle of the greedy text
+    stop = base.text[8:11]
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=30, stop=[stop], ignore_eos=True))[0]
+    o = out.outputs[0]
+    assert o.finish_reason == "stop" and o.stop_reason == stop
+    assert o.text == base.text[: base.text.index(stop)]
+    tid = base.token_ids[5]
+    o = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[tid]))[0].outputs[0]
+    assert o.finish_reason == "stop" and o.stop_reason == tid
+    assert o.token_ids == base.token_ids[: base.token_ids.index(tid) + 1]
+
+
+def test_logprobs_are_raw_model_logprobs(llm):
+    o = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, logprobs=3))[0].outputs[0]
+    assert len(o.logprobs) == len(o.token_ids) == len(o.top_logprobs) == 8
+    for tok, lp, top in zip(o.token_ids, o.logprobs, o.top_logprobs):
+        assert len(top) == 3 and max(top.values()) == pytest.approx(lp, abs=1e-5)  # greedy: the top token
+        assert tok in top and lp <= 0
+        assert sum(math.exp(v) for v in top.values()) <= 1 + 1e-5
+
+
+def test_min_tokens_holds_back_stop_tokens(llm):
+    first = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=1))[0].outputs[0].token_ids[0]
+    o = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[first]))[0].outputs[0]
+    assert o.token_ids == [first] and o.finish_reason == "stop"
+    o = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[first],
+                                            min_tokens=5))[0].outputs[0]
+    assert len(o.token_ids) >= 5 and first not in o.token_ids[:5]
+
+
+def test_token_id_prompts_and_prompt_dicts(llm):
+    ids = llm.tokenizer.encode(PROMPT)
+    a = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6))[0]
+    b = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=6))[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and b.prompt is None
+
+
+def test_abort_frees_the_cache(llm):
+    eng = llm.engine
+    free = eng.blocks.num_free_blocks
+    eng.add_request("x", list(range(1, 60)), SamplingParams(temperature=0, max_tokens=50))
+    eng.step()
+    assert eng.blocks.num_free_blocks < free
+    out = eng.abort_request("x")
+    assert out.finished and out.finish_reason == "abort"
+    assert eng.blocks.num_free_blocks == free and not eng.has_unfinished()
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(stop=5), "stop"), (dict(stop=[""]), "stop"),
+    (dict(n=0), "n"), (dict(top_k=-2), "top_k"), (dict(min_p=2.0), "min_p"), (dict(logprobs=-1), "logprobs"),
+    (dict(stop_token_ids=["a"]), "stop_token_ids"), (dict(seed="x"), "seed"),
+])
+def test_bad_sampling_params_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        SP(**kw)
+
+
+def test_bad_prompts_name_the_field_and_leave_the_engine_working(llm):
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([""], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[]], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([list(range(300))], SamplingParams(max_tokens=4))  # over max_model_len 256
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[5, 99999]], SamplingParams(max_tokens=4))  # token id outside the vocabulary
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([3.5], SamplingParams(max_tokens=4))
+    assert not llm.engine.has_unfinished()
+    out = llm.generate(["ok", PROMPT], SamplingParams(temperature=0, max_tokens=5))
+    assert all(len(o.outputs[0].token_ids) == 5 for o in out)
+
+
+def test_generation_stops_at_max_model_len(llm):
+    o = llm.generate([list(range(1, 250))], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    assert len(o[0].outputs[0].token_ids) == 256 - 249 and o[0].outputs[0].finish_reason == "length"
+
+
+def test_engine_config_from_yaml_section_rejects_unknown_fields():
+    from mtp_ray.config.engine import EngineConfig
+
+    cfg = EngineConfig.from_dict({"spec": {"num_speculative_tokens": 2}, "cache": {"block_size": 8}})
+    assert cfg.spec.k == 2 and cfg.cache.block_size == 8
+    with pytest.raises(ValueError, match="cache.blok_size"):
+        EngineConfig.from_dict({"cache": {"blok_size": 8}})
+    with pytest.raises(ValueError, match="spec.num_speculative_tokens"):
+        EngineConfig.from_dict({"spec": {"num_speculative_tokens": -1}})

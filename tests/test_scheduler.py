@@ -1,0 +1,107 @@
+"""Scheduler and block manager: pure Python, no model."""
+
+from __future__ import annotations
+
+import random
+
+from mtp_ray.config.engine import SchedulerConfig
+from mtp_ray.engine.block_manager import BlockManager
+from mtp_ray.engine.request import Request, Status
+from mtp_ray.engine.sampling_params import SamplingParams
+from mtp_ray.engine.scheduler import Scheduler
+
+
+def make(num_blocks=64, block_size=4, k=0, **cfg) -> Scheduler:
+    bm = BlockManager(num_blocks, block_size, 1 + 8 * (2 + k), 1 + (k + 1 if k else 0))
+    return Scheduler(SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 16, "prefill_chunk": 8, **cfg}),
+                     bm, lookahead=k)
+
+
+def req(i: int, n: int) -> Request:
+    return Request(str(i), list(range(1, n + 1)), SamplingParams())
+
+
+def run_step(s: Scheduler, emit: int = 1) -> list:
+    """Pretend the model ran: commit scheduled tokens; completed prefills / decodes emit one token."""
+    out = s.schedule()
+    for sc in out:
+        if sc.verify:  # every draft rejected: the target's token is committed
+            sc.req.num_computed += 1
+            sc.req.drafts = []
+            sc.req.output_ids.append(7)
+            continue
+        done = sc.completes_prefill
+        sc.req.num_computed += sc.num_new
+        if done:
+            sc.req.output_ids.append(7)
+    return out
+
+
+def test_chunked_prefill_respects_budget_and_chunk():
+    s = make()
+    s.add(req(0, 20))
+    s.add(req(1, 3))
+    first = run_step(s)
+    assert [(x.req.request_id, x.num_new) for x in first] == [("0", 8), ("1", 3)]
+    second = run_step(s)
+    # request 1 decodes (1 token), request 0 continues its prefill
+    assert sorted((x.req.request_id, x.num_new) for x in second) == [("0", 8), ("1", 1)]
+    assert sum(x.num_new for x in second) <= 16
+
+
+def test_fcfs_admission_and_max_num_seqs():
+    s = make(max_num_seqs=2)
+    for i in range(4):
+        s.add(req(i, 2))
+    out = run_step(s)
+    assert [x.req.request_id for x in out] == ["0", "1"] and len(s.waiting) == 2
+
+
+def test_preemption_by_recompute_when_blocks_run_out():
+    s = make(num_blocks=9, block_size=4, max_num_batched_tokens=64, prefill_chunk=64)
+    a, b = req(0, 12), req(1, 12)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # 3 + 3 blocks of the 8 usable; then both decode until blocks run out
+    for _ in range(12):
+        run_step(s)
+        s.blocks.check(s.running)
+    assert s.num_preemptions > 0
+    victim = b if b.num_preemptions else a
+    assert victim.num_preemptions > 0 and victim.output_ids  # tokens kept for recompute
+
+
+def test_verify_cost_and_lookahead_blocks():
+    s = make(k=3, max_num_batched_tokens=64)
+    r = req(0, 5)
+    s.add(r)
+    run_step(s)
+    r.drafts = [1, 2, 3]
+    out = s.schedule()
+    assert out[0].verify and out[0].num_new == 4
+    # blocks cover num_computed + (k + 1) + k lookahead positions
+    assert len(r.block_ids) * 4 >= r.num_computed + 4 + 3
+    assert len(r.state_slots) == 1 + 4
+
+
+def test_random_workload_keeps_block_invariants_and_finishes_everything():
+    rng = random.Random(0)
+    s = make(num_blocks=24, block_size=4, k=2, max_num_batched_tokens=24)
+    live: list[Request] = []
+    limit = {}
+    for step in range(400):
+        if step < 200 and rng.random() < 0.3:
+            r = req(step, rng.randint(1, 30))
+            limit[r.request_id] = rng.randint(3, 12)
+            s.add(r)
+            live.append(r)
+        for sc in run_step(s):
+            r = sc.req
+            if len(r.output_ids) >= limit[r.request_id]:
+                s.finish(r, "length")
+            elif not r.is_prefill and rng.random() < 0.5:
+                r.drafts = [1, 2]
+        s.blocks.check([r for r in live if r.status is Status.RUNNING])
+    assert all(r.status is Status.FINISHED for r in live) and len(live) > 40
+    assert s.num_preemptions > 0
+    assert s.blocks.num_free_blocks == 23
