@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from mtp_ray import LLM, SamplingParams
 from mtp_ray.engine.sampling_params import SamplingParams as SP
