@@ -49,6 +49,35 @@ class SpecConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    dp: int = 1  # DP ranks of one group == EP size (routed experts sharded over them)
+    ep_backend: str = "torch"  # torch | deepep
+    placement_strategy: str = "PACK"  # PACK | STRICT_PACK | SPREAD (the group's placement-group bundles)
+    threads_per_rank: int = 1  # torch CPU threads in each rank actor
+    check_collectives: bool = True  # compare per-rank collective counters at every DPMeta gather
+    inject_ep_flip_rank: int = -1  # test hook: this rank deliberately takes the other EP mode
+
+    def __post_init__(self) -> None:
+        _check(self.dp >= 1, "parallel.dp", "must be >= 1")
+        _check(self.ep_backend in ("torch", "deepep"), "parallel.ep_backend", "must be torch or deepep")
+        _check(self.placement_strategy in ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),
+               "parallel.placement_strategy", "must be PACK, STRICT_PACK, SPREAD or STRICT_SPREAD")
+        _check(self.threads_per_rank >= 1, "parallel.threads_per_rank", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class TimeoutConfig:
+    collective_s: float = 60.0  # a collective that takes longer fails the group (watchdog)
+    progress_s: float = 90.0  # pending work but no step for this long: the group is hung
+    start_s: float = 300.0  # group start (actors, model load, rendezvous, warmup)
+
+    def __post_init__(self) -> None:
+        _check(self.collective_s > 0, "timeouts.collective_s", "must be > 0")
+        _check(self.progress_s > 0, "timeouts.progress_s", "must be > 0")
+        _check(self.start_s > 0, "timeouts.start_s", "must be > 0")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = BUNDLED_MODEL
     tokenizer: str | None = None  # default: the model directory
@@ -58,6 +87,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
@@ -88,5 +119,6 @@ def _build(cls: type, raw: dict[str, Any], path: str) -> Any:
 
 
 def _nested_type(cls: type, name: str) -> type | None:
-    return {"cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig}.get(name) \
-        if cls is EngineConfig else None
+    nested = {"cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig, "parallel": ParallelConfig,
+              "timeouts": TimeoutConfig}
+    return nested.get(name) if cls is EngineConfig else None

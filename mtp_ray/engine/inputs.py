@@ -74,3 +74,13 @@ def target_pieces(sched: list[Scheduled]) -> list[Piece]:
             toks = r.all_ids[r.num_computed : r.num_computed + s.num_new]
             out.append(Piece(r, r.num_computed, toks, "last" if s.completes_prefill else "none"))
     return out
+
+
+def dummy_inputs(num_tokens: int = 1) -> StepInputs:
+    """A padded forward for a rank with no work: reserved block 0 and state slot 0, KV writes dropped."""
+    batch = ForwardBatch(
+        query_lens=[num_tokens], context_lens=[0], block_tables=torch.zeros(1, 1, dtype=torch.long),
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long), state_slots=[0],
+    )
+    zeros = torch.zeros(num_tokens, dtype=torch.long)
+    return StepInputs(zeros, torch.arange(num_tokens), batch, [[]])

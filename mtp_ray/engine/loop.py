@@ -12,12 +12,14 @@ import torch
 from mtp_ray.config.engine import EngineConfig
 from mtp_ray.config.model import ModelConfig
 from mtp_ray.engine.block_manager import BlockManager
-from mtp_ray.engine.inputs import build, target_pieces
+from mtp_ray.dist.dp_meta import DPMeta
+from mtp_ray.engine.inputs import build, dummy_inputs, target_pieces
 from mtp_ray.engine.request import Request
 from mtp_ray.engine.runner import ModelRunner
 from mtp_ray.engine.sampler import Row, logprob_info, sample_row
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.engine.scheduler import Scheduled, Scheduler
+from mtp_ray.engine.sync import DPSync, LocalSync
 from mtp_ray.layers.moe import ExpertDispatcher, local_dispatch
 from mtp_ray.spec.proposer import DraftItem, MTPProposer
 from mtp_ray.spec.rejection import verify
@@ -42,8 +44,9 @@ class StepOutput:
 
 class EngineCore:
     def __init__(self, cfg: EngineConfig, expert_range: tuple[int, int] | None = None,
-                 dispatch: ExpertDispatcher = local_dispatch):
+                 dispatch: ExpertDispatcher = local_dispatch, sync: LocalSync | DPSync | None = None):
         self.cfg = cfg
+        self.sync = sync or LocalSync()
         mc = ModelConfig.from_pretrained(cfg.model)
         self.max_model_len = min(cfg.scheduler.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.k = cfg.spec.k
@@ -52,7 +55,7 @@ class EngineCore:
         shape = self.runner.cache_shape
         self.blocks = BlockManager(shape.num_blocks, shape.block_size, shape.num_state_slots, self.runner.slots_per_seq)
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, lookahead=self.k)
-        self.proposer = MTPProposer(self.runner, self.blocks, self.k)
+        self.proposer = MTPProposer(self.runner, self.blocks, self.k, self.sync)
         self.requests: dict[str, Request] = {}
         self._seeds = itertools.count(cfg.seed * 1_000_003 + 1)
         self.stats = {"steps": 0, "drafted": 0, "accepted": 0, "verify_steps": 0}
@@ -91,11 +94,18 @@ class EngineCore:
     # ---- one step ----
     def step(self) -> list[StepOutput]:
         sched = self.scheduler.schedule()
-        if not sched:
-            return []
+        local = self._local_meta(sched)
+        if self.sync.target(local) is None:
+            return []  # no rank has work this step
         self.stats["steps"] += 1
-        inp = build(target_pieces(sched), self.blocks)
-        hidden = self.runner.forward(inp)  # [T, H]
+        inp = build(target_pieces(sched), self.blocks) if sched else dummy_inputs()
+        try:
+            hidden = self.runner.forward(inp)  # [T, H]
+        finally:
+            self.sync.done()
+        if not sched:  # a dummy forward: keep the group in lock-step through the draft loop too
+            self.proposer.propose([])
+            return []
         rows = [r for rs in inp.logit_rows for r in rs]
         logits = self.runner.logits(hidden[rows]) if rows else None
         outputs, items, at = [], [], 0
@@ -109,6 +119,24 @@ class EngineCore:
                 items.append(item)
         self.proposer.propose(items)
         return outputs
+
+    def warmup(self) -> None:
+        """One dummy target forward and the k draft forwards, run as a decode step (all ranks together)."""
+        self.sync.target(DPMeta(num_tokens=1, batch_size=1, is_decoding=1, is_dummy=0, has_unfinished=1))
+        try:
+            self.runner.forward(dummy_inputs())
+        finally:
+            self.sync.done()
+        self.proposer.propose([])
+
+    def _local_meta(self, sched: list[Scheduled]) -> DPMeta:
+        n = sum(s.num_new for s in sched)
+        return DPMeta(
+            num_tokens=max(n, 1), batch_size=len(sched),
+            is_decoding=int(bool(sched) and all(s.verify or not s.req.is_prefill for s in sched)),
+            is_dummy=int(not sched), is_chunk=int(any(not s.completes_prefill for s in sched)),
+            has_unfinished=int(self.scheduler.has_unfinished()), is_sleeping=0,
+        )
 
     def _postprocess(self, s: Scheduled, logits: torch.Tensor | None, hidden: torch.Tensor
                      ) -> tuple[StepOutput | None, DraftItem | None]:

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from mtp_ray.engine.block_manager import BlockManager
-from mtp_ray.engine.inputs import Piece, build
+from mtp_ray.dist.dp_meta import DPMeta
+from mtp_ray.engine.inputs import Piece, build, dummy_inputs
 from mtp_ray.engine.request import Request
 from mtp_ray.engine.runner import ModelRunner
 from mtp_ray.engine.sampler import draw
+from mtp_ray.engine.sync import DPSync, LocalSync
 
 
 @dataclass
@@ -28,11 +30,13 @@ class DraftItem:
 
 
 class MTPProposer:
-    def __init__(self, runner: ModelRunner, blocks: BlockManager, k: int):
-        self.runner, self.blocks, self.k = runner, blocks, k
+    def __init__(self, runner: ModelRunner, blocks: BlockManager, k: int, sync: LocalSync | DPSync):
+        self.runner, self.blocks, self.k, self.sync = runner, blocks, k, sync
 
     def propose(self, items: list[DraftItem]) -> None:
-        if not items or self.k == 0:
+        """Runs the k draft forwards. In lock-step (DP) mode all k run whatever this rank holds: a rank without
+        drafting work feeds a dummy token, so every rank issues the same collectives."""
+        if self.k == 0 or (not items and not self.sync.lockstep):
             return
         pieces = []
         for it in items:
@@ -40,35 +44,44 @@ class MTPProposer:
             toks = it.req.all_ids[it.start + 1 : it.start + 1 + n]
             assert len(toks) == n, "MTP step 1 needs the token after every committed position"
             pieces.append(Piece(it.req, it.start, toks, "last" if it.wants_drafts else "none"))
-        hidden = torch.cat([it.hidden for it in items])
+        hidden = torch.cat([it.hidden for it in items]) if items else self._dummy_hidden()
         live = [it for it in items if it.wants_drafts]
         drafts: list[list[int]] = [[] for _ in live]
         probs: list[list[torch.Tensor]] = [[] for _ in live]
-        inp = build(pieces, self.blocks)
+        inp = build(pieces, self.blocks) if pieces else dummy_inputs()
         last_pos = [it.start + it.hidden.shape[0] - 1 for it in live]
         for step in range(self.k):
-            h = self.runner.mtp_forward(inp, hidden, step)  # [T, H]
-            rows = [r for rs in inp.logit_rows for r in rs]
-            if not live:
+            self.sync.draft(DPMeta(num_tokens=inp.num_tokens, batch_size=len(pieces), is_dummy=int(not pieces),
+                                   forward_idx=step + 1, has_unfinished=1))
+            try:
+                h = self.runner.mtp_forward(inp, hidden, step)  # [T, H]
+            finally:
+                self.sync.done()
+            if step + 1 < self.k and not live and not self.sync.lockstep:
                 return
-            h_last = h[rows]  # [B, H]
-            logits = self.runner.logits(h_last)
-            for b, it in enumerate(live):
-                tok, q = self._draft(logits[b], it.req)
-                drafts[b].append(tok)
-                if q is not None:
-                    probs[b].append(q)
+            rows = [r for rs in inp.logit_rows for r in rs]
+            h_last = h[rows] if live else self._dummy_hidden()  # [B, H]
+            if live:
+                logits = self.runner.logits(h_last)
+                for b, it in enumerate(live):
+                    tok, q = self._draft(logits[b], it.req)
+                    drafts[b].append(tok)
+                    if q is not None:
+                        probs[b].append(q)
             if step + 1 == self.k:
                 break
             # next step: one token per live sequence, at the position after its last one
-            for b in range(len(live)):
-                last_pos[b] += 1
+            last_pos = [p + 1 for p in last_pos]
             pieces = [Piece(it.req, last_pos[b], [drafts[b][-1]], "last") for b, it in enumerate(live)]
-            inp = build(pieces, self.blocks)
+            inp = build(pieces, self.blocks) if pieces else dummy_inputs()
             hidden = h_last
         for b, it in enumerate(live):
             it.req.drafts = drafts[b]
             it.req.draft_probs = torch.stack(probs[b]) if probs[b] else None
+
+    def _dummy_hidden(self) -> torch.Tensor:
+        r = self.runner
+        return torch.zeros(1, r.model_config.hidden_size, dtype=r.dtype, device=r.device)
 
     @staticmethod
     def _draft(logits: torch.Tensor, req: Request) -> tuple[int, torch.Tensor | None]:

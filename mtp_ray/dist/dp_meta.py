@@ -1,0 +1,124 @@
+"""DPMeta: each rank's per-forward state, all-gathered before every forward (target and each draft step).
+
+Every choice that changes the sequence or shape of collectives is a pure function of the gathered table
+(`Gathered`), computed identically on every rank. The table also carries lock-step checks: all ranks must be in
+the same wave, step and forward, and must have issued the same number of collectives so far.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+EP_NORMAL, EP_LOW_LATENCY = 0, 1
+EP_MODE_NAMES = {EP_NORMAL: "normal", EP_LOW_LATENCY: "low_latency"}
+
+
+class LockstepError(RuntimeError):
+    """Ranks disagree on something that must be identical: raised instead of letting the group hang."""
+
+
+@dataclass
+class DPMeta:
+    num_tokens: int = 0  # tokens this rank feeds into this forward (1 for a dummy)
+    batch_size: int = 0  # sequences in this forward
+    is_decoding: int = 0  # pure decode / verify batch
+    is_dummy: int = 1  # no real work: a padded 1-token forward whose output is discarded
+    is_chunk: int = 0  # holds a non-last prefill chunk
+    has_unfinished: int = 0  # requests waiting or running on this rank
+    is_sleeping: int = 0
+    draft_num_tokens: int = 0  # tokens of the first MTP forward that will follow (target forwards)
+    wave: int = 0
+    step: int = 0
+    forward_idx: int = 0  # 0: target, j: draft step j
+    collectives: int = 0  # EP collectives issued so far (lock-step check)
+    ep_mode: int = EP_NORMAL  # EP mode this rank used in its previous forward (all must agree)
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.long)
+
+    @classmethod
+    def from_row(cls, row: list[int]) -> DPMeta:
+        return cls(*row)
+
+    def describe(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in asdict(self).items())
+
+
+NUM_FIELDS = len(fields(DPMeta))
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """The all-gathered table, one DPMeta per rank; every decision below is the same on every rank."""
+
+    ranks: tuple[DPMeta, ...]
+
+    @property
+    def world(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def all_dummy(self) -> bool:
+        return all(m.is_dummy for m in self.ranks)
+
+    @property
+    def any_unfinished(self) -> bool:
+        return any(m.has_unfinished for m in self.ranks)
+
+    @property
+    def all_sleeping(self) -> bool:
+        return all(m.is_sleeping for m in self.ranks)
+
+    @property
+    def global_decode(self) -> bool:
+        """Every rank holds only decodes or nothing (and someone decodes): the low-latency EP regime."""
+        return all(m.is_decoding or m.is_dummy for m in self.ranks) and not self.all_dummy
+
+    @property
+    def ep_mode(self) -> int:
+        return EP_LOW_LATENCY if self.global_decode else EP_NORMAL
+
+    @property
+    def max_num_tokens(self) -> int:
+        return max(m.num_tokens for m in self.ranks)
+
+    def padding_tokens(self, buckets: tuple[int, ...] = ()) -> int:
+        """DP-wide padded token count: the smallest bucket >= every rank's num_tokens (graph batch size)."""
+        n = self.max_num_tokens
+        return next((b for b in sorted(buckets) if b >= n), n)
+
+    def check(self, rank: int, collectives: bool = True) -> None:
+        """Lock-step invariants; the message names the ranks that disagree."""
+        names = ("wave", "step", "forward_idx") + (("collectives", "ep_mode") if collectives else ())
+        for name in names:
+            vals = [getattr(m, name) for m in self.ranks]
+            if len(set(vals)) > 1:
+                odd = _odd_ranks(vals)
+                raise LockstepError(
+                    f"lock-step violation seen by rank {rank}: ranks disagree on {name}: "
+                    + ", ".join(f"rank {r}={v}" for r, v in enumerate(vals))
+                    + f" (odd one out: rank {', '.join(map(str, odd))})\n" + self.describe())
+
+    def describe(self) -> str:
+        return "\n".join(f"  rank {r}: {m.describe()}" for r, m in enumerate(self.ranks))
+
+
+def _odd_ranks(vals: list[int]) -> list[int]:
+    counts = {v: vals.count(v) for v in vals}
+    common = max(counts, key=lambda v: counts[v])
+    return [r for r, v in enumerate(vals) if v != common]
+
+
+def gather(local: DPMeta, group, world: int, rank: int, check_collectives: bool = True) -> Gathered:
+    """One all-gather of a small int tensor on the CPU (gloo) group."""
+    import torch.distributed as dist
+
+    t = local.to_tensor()
+    out = torch.empty(world * NUM_FIELDS, dtype=torch.long)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, t, group=group)
+    g = Gathered(tuple(DPMeta.from_row(r) for r in out.view(world, NUM_FIELDS).tolist()))
+    g.check(rank, check_collectives)
+    return g

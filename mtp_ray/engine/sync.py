@@ -1,0 +1,73 @@
+"""Step synchronisation: how an engine agrees with its peers before each forward.
+
+LocalSync (one rank): no gather; a step with no work is skipped, drafts run only for sequences that want them.
+DPSync (a DP x EP group): one DPMeta all-gather before every target and every draft forward; the gathered table
+is set as the forward context (read by the EP dispatcher) and cleared after the forward. Every rank runs the
+target forward (a dummy one if it has no work) whenever any rank has work, and then exactly k draft forwards.
+"""
+
+from __future__ import annotations
+
+from mtp_ray.dist.context import DistContext
+from mtp_ray.dist.dp_meta import DPMeta, Gathered
+
+
+class LocalSync:
+    lockstep = False
+
+    def __init__(self) -> None:
+        self.wave = 0
+        self.step = 0
+
+    def target(self, local: DPMeta) -> Gathered | None:
+        return None if local.is_dummy else Gathered((local,))
+
+    def draft(self, local: DPMeta) -> Gathered:
+        return Gathered((local,))
+
+    def done(self) -> None:
+        pass
+
+
+class DPSync:
+    lockstep = True
+
+    def __init__(self, ctx: DistContext):
+        self.ctx = ctx
+        self.wave = 0
+        self.step = 0
+        self.last: Gathered | None = None  # the last gathered table (wave decisions, fault reports)
+        self.target_decode = False
+        self.counters = {"gathers": 0, "dummy_forwards": 0, "forwards": 0}
+
+    def _gather(self, local: DPMeta, forward_idx: int) -> Gathered:
+        local.wave, local.step, local.forward_idx = self.wave, self.step, forward_idx
+        g = self.ctx.gather(local)
+        self.counters["gathers"] += 1
+        self.last = g
+        return g
+
+    def target(self, local: DPMeta) -> Gathered | None:
+        g = self._gather(local, 0)
+        if g.all_dummy:
+            return None  # nobody has work: every rank skips this step
+        self.target_decode = g.global_decode
+        self.ctx.forward = g
+        self.counters["forwards"] += 1
+        self.counters["dummy_forwards"] += local.is_dummy
+        return g
+
+    def draft(self, local: DPMeta) -> Gathered:
+        # rule 4: a draft forward keeps the target step's global decode state (and so its EP mode)
+        local.is_decoding = int(self.target_decode)
+        g = self._gather(local, local.forward_idx)
+        if g.global_decode != self.target_decode and not g.all_dummy:
+            # cannot differ when every rank follows the rule; checked so a broken rank cannot flip modes mid-loop
+            raise RuntimeError(f"draft forward changed the global decode state\n{g.describe()}")
+        self.ctx.forward = g
+        self.counters["forwards"] += 1
+        self.counters["dummy_forwards"] += local.is_dummy
+        return g
+
+    def done(self) -> None:
+        self.ctx.forward = None

@@ -1,0 +1,241 @@
+"""EngineGroup: one DP x EP group of RankWorker actors (asyncio). Routes each request to the least-loaded rank,
+streams its per-step token deltas back, judges health by progress, and on any fault fails the in-flight requests
+with a clear error and restarts every rank."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from mtp_ray.config.engine import EngineConfig
+from mtp_ray.config.model import ModelConfig
+from mtp_ray.engine.loop import StepOutput
+from mtp_ray.engine.sampling_params import SamplingParams
+from mtp_ray.serve.protocol import unpack_step
+from mtp_ray.serve.worker import RankWorker
+
+log = logging.getLogger("mtp_ray.group")
+
+
+class GroupFailed(RuntimeError):
+    """The group failed (a rank died, a collective timed out, a lock-step check fired); it is restarting."""
+
+
+class GroupUnavailable(RuntimeError):
+    """No group can serve right now (starting, restarting or shut down)."""
+
+
+def rank_bundles(cfg: EngineConfig) -> list[dict]:
+    gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    return [{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1} for _ in range(cfg.parallel.dp)]
+
+
+class EngineGroup:
+    def __init__(self, cfg: EngineConfig, pg=None, bundle_offset: int = 0):
+        self.cfg = cfg
+        self.dp = cfg.parallel.dp
+        self.model_config = ModelConfig.from_pretrained(cfg.model)
+        self.pg, self.own_pg, self.bundle_offset = pg, pg is None, bundle_offset
+        self.workers: list = []
+        self.reqs: dict[str, tuple[int, asyncio.Queue]] = {}
+        self.load = [0] * self.dp
+        self.progress = [(0, time.monotonic())] * self.dp  # (step, when it last advanced) per rank
+        self.last_poll: list[dict] = [{} for _ in range(self.dp)]
+        self.epoch = 0  # bumps on every (re)start; pollers of an older epoch exit
+        self.restarts = 0
+        self.state = "new"
+        self.last_failure: str | None = None
+        self.max_model_len = 0
+        self._ready = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- life cycle ----
+    async def start(self) -> None:
+        if self.pg is None:
+            self.pg = placement_group(rank_bundles(self.cfg), strategy=self.cfg.parallel.placement_strategy)
+        await asyncio.wait_for(self.pg.ready(), self.cfg.timeouts.start_s)
+        await self._spawn()
+        self._tasks.append(asyncio.get_running_loop().create_task(self._watchdog()))
+
+    async def _spawn(self) -> None:
+        self.state = "starting"
+        self.epoch += 1
+        bundles = rank_bundles(self.cfg)
+        cls = ray.remote(RankWorker)
+        self.workers = [
+            cls.options(
+                num_cpus=bundles[r]["CPU"], num_gpus=bundles[r].get("GPU", 0), max_concurrency=16,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, self.bundle_offset + r),
+                name=None,
+            ).remote(self.cfg, r, self.dp)
+            for r in range(self.dp)
+        ]
+        addr, port = await self.workers[0].rendezvous_address.remote()
+        infos = await asyncio.wait_for(asyncio.gather(*[w.init.remote(addr, port, self.workers)
+                                                        for w in self.workers]), self.cfg.timeouts.start_s)
+        self.max_model_len = infos[0]["max_model_len"]
+        now = time.monotonic()
+        self.progress = [(0, now)] * self.dp
+        self.load = [0] * self.dp
+        loop = asyncio.get_running_loop()
+        self._tasks += [loop.create_task(self._poll(self.epoch, r)) for r in range(self.dp)]
+        self.state = "ready"
+        self._ready.set()
+        log.info("group ready (epoch %d): %s", self.epoch, infos)
+
+    async def shutdown(self) -> None:
+        self.state = "stopped"
+        self._ready.clear()
+        self.epoch += 1
+        for t in self._tasks:
+            t.cancel()
+        self._kill_workers()
+        if self.own_pg and self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+    def _kill_workers(self) -> None:
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.workers = []
+
+    # ---- requests ----
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("prompt must not be empty")
+        v = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < v for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {v})")
+        if self.max_model_len and len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the maximum context length is "
+                             f"{self.max_model_len} (prompt + at least one generated token)")
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       ready_timeout: float | None = None) -> AsyncIterator[StepOutput]:
+        """Token deltas of one request, one StepOutput per engine step that produced tokens for it."""
+        if self.state == "stopped":
+            raise GroupUnavailable("the engine group is shut down")
+        try:
+            await asyncio.wait_for(self._ready.wait(), ready_timeout or self.cfg.timeouts.start_s)
+        except asyncio.TimeoutError as e:
+            raise GroupUnavailable(f"the engine group is not ready ({self.state})") from e
+        self.validate(prompt_ids, params)
+        rid = request_id or uuid.uuid4().hex
+        if rid in self.reqs:
+            raise ValueError(f"request_id {rid!r} is already in flight")
+        rank = min(range(self.dp), key=lambda r: self.load[r])
+        q: asyncio.Queue = asyncio.Queue()
+        self.reqs[rid] = (rank, q)
+        self.load[rank] += 1
+        finished = False
+        try:
+            await self.workers[rank].add.remote(rid, list(prompt_ids), dataclasses.asdict(params))
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished and item.finish_reason and item.finish_reason.startswith("error"):
+                    finished = True
+                    raise ValueError(item.finish_reason[len("error: "):])
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if self.reqs.pop(rid, None) is not None:
+                self.load[rank] -= 1
+            if not finished and self.state == "ready":  # cancelled / client gone: free its KV on the rank
+                self.workers[rank].abort.remote(rid)
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self.reqs:
+            await self.workers[self.reqs[request_id][0]].abort.remote(request_id)
+
+    # ---- outputs, health, faults ----
+    async def _poll(self, epoch: int, rank: int) -> None:
+        worker = self.workers[rank]
+        while self.epoch == epoch:
+            try:
+                res = await worker.poll.remote(0.5)
+            except Exception as e:  # the actor died (RayActorError) or its node is gone
+                if self.epoch == epoch:
+                    await self._fail(epoch, f"rank {rank} died: {type(e).__name__}: {str(e).splitlines()[0]}")
+                return
+            if self.epoch != epoch:
+                return
+            self.last_poll[rank] = res
+            if res["step"] != self.progress[rank][0]:
+                self.progress[rank] = (res["step"], time.monotonic())
+            for msg in res["msgs"]:
+                for out in unpack_step(msg)[1]:
+                    entry = self.reqs.get(out.request_id)
+                    if entry is not None:
+                        entry[1].put_nowait(out)
+            if res["error"]:
+                await self._fail(epoch, res["error"])
+                return
+
+    async def _watchdog(self) -> None:
+        """Hung = requests are in flight but a rank's step counter has not moved for timeouts.progress_s."""
+        while self.state != "stopped":
+            await asyncio.sleep(1.0)
+            if self.state != "ready" or not self.reqs:
+                now = time.monotonic()
+                self.progress = [(s, now) for s, _ in self.progress]
+                continue
+            for r, (step, since) in enumerate(self.progress):
+                if time.monotonic() - since > self.cfg.timeouts.progress_s:
+                    await self._fail(self.epoch, f"rank {r} made no progress for {self.cfg.timeouts.progress_s:.0f}s "
+                                                 f"(step {step}) with {len(self.reqs)} request(s) in flight")
+                    break
+
+    async def _fail(self, epoch: int, reason: str) -> None:
+        if epoch != self.epoch or self.state != "ready":
+            return
+        self.state = "restarting"
+        self._ready.clear()
+        report = await self._rank_report()
+        self.last_failure = f"{reason}\n{report}"
+        log.error("engine group failed; restarting all %d ranks\n%s", self.dp, self.last_failure)
+        err = GroupFailed(f"engine group failed, request aborted; the group is restarting. Cause: {reason}")
+        for _, q in list(self.reqs.values()):
+            q.put_nowait(err)
+        self.epoch += 1
+        self._kill_workers()
+        self.restarts += 1
+        try:
+            await self._spawn()
+        except Exception as e:  # leave the group unhealthy; check_health reports it
+            self.state = "failed"
+            self.last_failure += f"\nrestart failed: {e}"
+            log.exception("group restart failed")
+
+    async def _rank_report(self) -> str:
+        lines = []
+        for r, w in enumerate(self.workers):
+            try:
+                st = await asyncio.wait_for(w.stats.remote(), 3.0)
+                lines.append(f"  rank {r}: step {self.progress[r][0]} wave {st['wave']} collectives "
+                             f"{st['collectives']} last DPMeta: {st['last_meta']}")
+            except Exception as e:
+                lines.append(f"  rank {r}: unreachable ({type(e).__name__}); last poll step {self.progress[r][0]}")
+        return "every rank's last state:\n" + "\n".join(lines)
+
+    def health(self) -> dict:
+        return {"healthy": self.state == "ready", "state": self.state, "restarts": self.restarts,
+                "in_flight": len(self.reqs), "load": list(self.load), "last_failure": self.last_failure,
+                "ranks": [{"step": p.get("step", 0), "wave": p.get("wave", 0), "counters": p.get("counters", {}),
+                           "collectives": p.get("collectives", 0)} for p in self.last_poll]}
+
+    async def rank_stats(self) -> list[dict]:
+        return list(await asyncio.gather(*[w.stats.remote() for w in self.workers]))

@@ -1,0 +1,26 @@
+"""Wire format of what a rank sends to its group: one msgpack message per engine step, with all its requests'
+token deltas (versioned, like vLLM's engine-core outputs), never one Ray object per token."""
+
+from __future__ import annotations
+
+import msgpack
+
+from mtp_ray.engine.loop import StepOutput
+
+VERSION = 1
+
+
+def pack_step(step: int, outs: list[StepOutput]) -> bytes:
+    rows = [[o.request_id, o.new_token_ids, o.new_logprobs, [list(t.items()) for t in o.new_top_logprobs],
+             o.finished, o.finish_reason, o.stop_reason, o.num_prompt_tokens, o.spec] for o in outs]
+    return msgpack.packb({"v": VERSION, "step": step, "outs": rows}, use_bin_type=True)
+
+
+def unpack_step(data: bytes) -> tuple[int, list[StepOutput]]:
+    msg = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    if msg.get("v") != VERSION:
+        raise ValueError(f"rank output message version {msg.get('v')} != {VERSION}")
+    outs = [StepOutput(rid, toks, lps, [dict((int(k), float(v)) for k, v in t) for t in tops], fin, reason, stop, n,
+                       spec)
+            for rid, toks, lps, tops, fin, reason, stop, n, spec in msg["outs"]]
+    return msg["step"], outs

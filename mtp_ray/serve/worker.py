@@ -1,0 +1,176 @@
+"""RankWorker: the Ray actor of one DP rank. It owns an EngineCore over its EP shard and runs the lock-step engine
+loop in a thread of its own; actor methods only queue work and hand out batched per-step outputs.
+
+Waves: ranks step together while any rank has work and stop together when the gathered DPMeta says nobody has
+(the table is identical everywhere, so every rank ends the same wave at the same step). A rank that has work
+while idle starts wave `self.wave` on itself and asks its peers to start the same wave; a start request for a
+wave that already ran is ignored, one for a wave not yet reached is kept until the rank gets there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import traceback
+
+import ray
+import torch
+
+from mtp_ray.config.engine import EngineConfig
+from mtp_ray.config.model import ModelConfig
+from mtp_ray.dist.context import DistContext, expert_ranges, free_port
+from mtp_ray.dist.ep import make_dispatcher
+from mtp_ray.engine.loop import EngineCore, StepOutput
+from mtp_ray.engine.runner import resolve_device
+from mtp_ray.engine.sampling_params import SamplingParams
+from mtp_ray.engine.sync import DPSync
+from mtp_ray.serve.protocol import pack_step
+
+log = logging.getLogger("mtp_ray.rank")
+
+
+class RankWorker:
+    def __init__(self, cfg: EngineConfig, rank: int, world: int):
+        torch.set_num_threads(cfg.parallel.threads_per_rank)
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.inbox: queue.Queue = queue.Queue()
+        self.cond = threading.Condition()
+        self.outbox: list[bytes] = []
+        self.wave = 0  # waves finished (identical on every rank)
+        self.start_wanted = -1  # highest wave index some rank asked to start
+        self.running = False
+        self.error: str | None = None
+        self.stopped = False
+        self.peers: list = []
+        self.core: EngineCore | None = None
+        self.ctx: DistContext | None = None
+
+    # ---- set-up ----
+    def rendezvous_address(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), free_port()
+
+    def init(self, addr: str, port: int, peers: list) -> dict:
+        """Join the collective group, load this rank's experts, warm up in lock-step, start the loop."""
+        c = self.cfg
+        device = resolve_device(c)
+        if device.type == "cuda":
+            torch.cuda.set_device(0)  # Ray exposes the bundle's one GPU as device 0
+        mc = ModelConfig.from_pretrained(c.model)
+        self.ctx = DistContext(self.rank, self.world, mc.num_experts, device, c.timeouts.collective_s,
+                               inject_ep_flip=c.parallel.inject_ep_flip_rank == self.rank,
+                               check_collectives=c.parallel.check_collectives)
+        self.ctx.init(addr, port)
+        self.peers = [p for i, p in enumerate(peers) if i != self.rank]
+        sync = DPSync(self.ctx)
+        expert_range = expert_ranges(self.ctx.num_experts, self.world)[self.rank]
+        dispatch = make_dispatcher(c.parallel.ep_backend, self.ctx, mc.hidden_size, mc.num_experts_per_tok)
+        self.core = EngineCore(c, expert_range, dispatch, sync)
+        self.ctx.barrier()
+        self.core.warmup()
+        self.ctx.barrier()
+        threading.Thread(target=self._loop, name=f"rank{self.rank}-engine", daemon=True).start()
+        return {"rank": self.rank, "pid": os.getpid(), "experts": expert_range, "device": str(device),
+                "max_model_len": self.core.max_model_len}
+
+    # ---- requests (any thread) ----
+    def add(self, request_id: str, prompt_ids: list[int], params: dict) -> None:
+        self.inbox.put(("add", request_id, prompt_ids, SamplingParams.from_dict(params)))
+        self._want_wave(None)
+
+    def abort(self, request_id: str) -> None:
+        self.inbox.put(("abort", request_id))
+        self._want_wave(None)
+
+    def start_wave(self, wave: int) -> None:
+        self._want_wave(wave)
+
+    def _want_wave(self, wave: int | None) -> None:
+        with self.cond:
+            self.start_wanted = max(self.start_wanted, self.wave if wave is None else wave)
+            self.cond.notify_all()
+
+    def poll(self, timeout: float = 0.5) -> dict:
+        """Long poll: every step message produced since the last poll, plus progress counters."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not self.outbox and not self.error and time.monotonic() < deadline:
+                self.cond.wait(max(0.0, deadline - time.monotonic()))
+            msgs, self.outbox = self.outbox, []
+        sync = self.core.sync if self.core else None
+        return {"rank": self.rank, "msgs": msgs, "error": self.error, "wave": self.wave, "running": self.running,
+                "step": sync.step if sync else 0, "counters": dict(sync.counters) if sync else {},
+                "collectives": self.ctx.collectives if self.ctx else 0}
+
+    def stats(self) -> dict:
+        core = self.core
+        return {"rank": self.rank, **(core.stats if core else {}), **(core.sync.counters if core else {}),
+                "collectives": self.ctx.collectives if self.ctx else 0, "wave": self.wave,
+                "last_meta": self.ctx.local.describe() if self.ctx else ""}
+
+    def shutdown(self) -> None:
+        self.stopped = True
+        with self.cond:
+            self.cond.notify_all()
+
+    # ---- engine thread ----
+    def _loop(self) -> None:
+        core, sync = self.core, self.core.sync
+        try:
+            while not self.stopped:
+                with self.cond:
+                    while not self.stopped and self.start_wanted < self.wave:
+                        self.cond.wait(1.0)
+                if self.stopped:
+                    return
+                start = self.wave
+                for p in self.peers:  # idempotent: peers already in this wave ignore it
+                    p.start_wave.remote(start)
+                self.running = True
+                while True:
+                    self._drain_inbox()
+                    outs = core.step()
+                    sync.step += 1
+                    if outs:
+                        self._publish(pack_step(sync.step, outs))
+                    g = sync.last
+                    if g is not None and g.all_dummy and not g.any_unfinished:
+                        break
+                with self.cond:
+                    self.running = False
+                    self.wave += 1
+                    if not self.inbox.empty() or core.has_unfinished():
+                        self.start_wanted = max(self.start_wanted, self.wave)
+        except Exception as e:  # a collective failed or timed out, or a lock-step check fired
+            last = sync.last.describe() if sync.last is not None else "  (none)"
+            self.error = (f"rank {self.rank} failed at wave {self.wave} step {sync.step}: {type(e).__name__}: {e}\n"
+                          f"rank {self.rank} last DPMeta: {self.ctx.local.describe()}\n"
+                          f"last gathered DPMeta:\n{last}")
+            log.error("%s\n%s", self.error, traceback.format_exc())
+            with self.cond:
+                self.cond.notify_all()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] == "add":
+                _, rid, ids, params = item
+                try:
+                    self.core.add_request(rid, ids, params)
+                except ValueError as e:  # validated by the group already; never take the rank down
+                    self._publish(pack_step(self.core.sync.step, [StepOutput(rid, [], [], [], True, f"error: {e}")]))
+            else:
+                out = self.core.abort_request(item[1])
+                if out is not None:
+                    self._publish(pack_step(self.core.sync.step, [out]))
+
+    def _publish(self, msg: bytes) -> None:
+        with self.cond:
+            self.outbox.append(msg)
+            self.cond.notify_all()
+
