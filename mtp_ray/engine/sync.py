@@ -38,7 +38,10 @@ class DPSync:
         self.step = 0
         self.last: Gathered | None = None  # the last gathered table (wave decisions, fault reports)
         self.target_decode = False
-        self.counters = {"gathers": 0, "dummy_forwards": 0, "forwards": 0}
+        # per-rank counters for operators and tests; mixed_steps: target steps where, across the group, one rank
+        # held a non-last prefill chunk, another decoded and a third was idle
+        self.counters = {"gathers": 0, "forwards": 0, "dummy_forwards": 0, "chunk_steps": 0, "decode_steps": 0,
+                         "mixed_steps": 0, "waves": 0}
 
     def _gather(self, local: DPMeta, forward_idx: int) -> Gathered:
         local.wave, local.step, local.forward_idx = self.wave, self.step, forward_idx
@@ -53,8 +56,13 @@ class DPSync:
             return None  # nobody has work: every rank skips this step
         self.target_decode = g.global_decode
         self.ctx.forward = g
-        self.counters["forwards"] += 1
-        self.counters["dummy_forwards"] += local.is_dummy
+        c = self.counters
+        c["forwards"] += 1
+        c["dummy_forwards"] += local.is_dummy
+        c["chunk_steps"] += local.is_chunk
+        c["decode_steps"] += local.is_decoding
+        c["mixed_steps"] += int(any(m.is_chunk for m in g.ranks) and any(m.is_decoding for m in g.ranks)
+                                and any(m.is_dummy for m in g.ranks))
         return g
 
     def draft(self, local: DPMeta) -> Gathered:

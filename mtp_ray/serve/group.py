@@ -78,9 +78,15 @@ class EngineGroup:
             ).remote(self.cfg, r, self.dp)
             for r in range(self.dp)
         ]
-        addr, port = await self.workers[0].rendezvous_address.remote()
-        infos = await asyncio.wait_for(asyncio.gather(*[w.init.remote(addr, port, self.workers)
-                                                        for w in self.workers]), self.cfg.timeouts.start_s)
+        try:
+            addr, port = await self.workers[0].rendezvous_address.remote()
+            infos = await asyncio.wait_for(asyncio.gather(*[w.init.remote(addr, port, self.workers)
+                                                            for w in self.workers]), self.cfg.timeouts.start_s)
+        except BaseException as e:
+            self._kill_workers()
+            self.state = "failed"
+            self.last_failure = f"group start failed: {type(e).__name__}: {e}"
+            raise GroupFailed(self.last_failure) from e
         self.max_model_len = infos[0]["max_model_len"]
         now = time.monotonic()
         self.progress = [(0, now)] * self.dp

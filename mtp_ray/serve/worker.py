@@ -141,6 +141,7 @@ class RankWorker:
                 with self.cond:
                     self.running = False
                     self.wave += 1
+                    sync.counters["waves"] += 1
                     if not self.inbox.empty() or core.has_unfinished():
                         self.start_wanted = max(self.start_wanted, self.wave)
         except Exception as e:  # a collective failed or timed out, or a lock-step check fired

@@ -2,9 +2,12 @@
 
 Every (token, expert) pair travels to the expert's owner, is weighted there, and returns to be summed.
 Two protocols, chosen only from the gathered DPMeta of the forward (never locally):
-  normal       exchange row counts, then variable-size rows: 4 collectives per MoE layer
+  normal       exchange a header (mode, row count) per rank pair, then variable-size rows: 4 collectives
   low_latency  fixed capacity per rank pair (max tokens over the group x top_k), padded rows marked with
-               expert id -1, no count exchange: 3 collectives per MoE layer (global decode batches)
+               expert id -1, no count exchange: 3 collectives (global decode batches)
+With check_collectives on, low_latency exchanges the same fixed-size header first, so that every MoE layer
+starts with an identically shaped collective whatever mode a rank took: a rank on the wrong protocol is then
+named from the headers instead of corrupting (or crashing) a size-mismatched exchange.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mtp_ray.dist.context import DistContext
-from mtp_ray.dist.dp_meta import EP_LOW_LATENCY
+from mtp_ray.dist.dp_meta import EP_LOW_LATENCY, EP_MODE_NAMES, LockstepError
 from mtp_ray.layers.moe import Experts
 
 
@@ -28,20 +31,36 @@ class TorchAllToAll:
 
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: Experts
                  ) -> torch.Tensor:
-        if self.ctx.ep_mode() == EP_LOW_LATENCY:
-            return self._low_latency(x, topk_ids, topk_w, experts)
-        return self._normal(x, topk_ids, topk_w, experts)
+        mode = self.ctx.ep_mode()
+        dest = self.owner[topk_ids.reshape(-1)]  # [T*k] owning rank of each (token, expert) pair
+        counts = torch.bincount(dest, minlength=self.ctx.world)
+        recv_counts = None
+        if mode != EP_LOW_LATENCY or self.ctx.check_collectives:
+            recv_counts = self._header(mode, counts)
+        if mode == EP_LOW_LATENCY:
+            return self._low_latency(x, topk_ids, topk_w, experts, dest, counts)
+        return self._normal(x, topk_ids, topk_w, experts, dest, counts, recv_counts)
 
-    def _normal(self, x, topk_ids, topk_w, experts):
+    def _header(self, mode: int, counts: torch.Tensor) -> torch.Tensor:
+        """Exchange (mode, rows) with every rank; every rank checks that all took the gathered mode."""
+        send = torch.stack([torch.full_like(counts, mode), counts], dim=1)  # [world, 2]
+        recv = torch.empty_like(send)
+        self._a2a(recv, send)
+        modes = recv[:, 0].tolist()
+        decided = self.ctx.forward.ep_mode
+        bad = [r for r, m in enumerate(modes) if m != decided]
+        if bad:
+            raise LockstepError(
+                f"EP mode disagreement seen by rank {self.ctx.rank}: the gathered DPMeta decided "
+                f"{EP_MODE_NAMES[decided]}, but " + ", ".join(f"rank {r} used {EP_MODE_NAMES[modes[r]]}" for r in bad)
+                + f"\n{self.ctx.forward.describe()}")
+        return recv[:, 1]
+
+    def _normal(self, x, topk_ids, topk_w, experts, dest, send_counts, recv_counts):
         t, k = topk_ids.shape
-        world = self.ctx.world
         ids = topk_ids.reshape(-1)  # [T*k]
-        dest = self.owner[ids]
         order = torch.argsort(dest, stable=True)
         token = (torch.arange(t * k, device=x.device) // k)[order]  # source token of each sent row
-        send_counts = torch.bincount(dest, minlength=world)
-        recv_counts = torch.empty_like(send_counts)
-        self._a2a(recv_counts, send_counts)
         send_n, recv_n = send_counts.tolist(), recv_counts.tolist()
         x_recv = x.new_empty(sum(recv_n), x.shape[1])
         self._a2a(x_recv, x[token].contiguous(), recv_n, send_n)
@@ -54,15 +73,13 @@ class TorchAllToAll:
         self._a2a(back, y, send_n, recv_n)
         return torch.zeros_like(x).index_add_(0, token, back)
 
-    def _low_latency(self, x, topk_ids, topk_w, experts):
+    def _low_latency(self, x, topk_ids, topk_w, experts, dest, counts):
         t, k = topk_ids.shape
         world, h = self.ctx.world, x.shape[1]
         assert self.ctx.forward is not None
         cap = self.ctx.forward.max_num_tokens * k  # same on every rank: from the gathered table
         ids = topk_ids.reshape(-1)
-        dest = self.owner[ids]
         order = torch.argsort(dest, stable=True)
-        counts = torch.bincount(dest, minlength=world)
         starts = torch.cumsum(counts, 0) - counts
         # slot of each sorted row inside its destination's block of `cap` rows
         pos = torch.arange(t * k, device=x.device) - starts[dest[order]]

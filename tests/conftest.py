@@ -1,0 +1,22 @@
+"""Session-wide set-up: one torch thread per process, and one local Ray cluster shared by the Ray tests."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60 turns token auth on by default
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    # logical CPUs: rank actors take one bundle CPU each; the machine itself may have only 2 cores
+    ray.init(num_cpus=12, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,179 @@
+"""DP x EP engine group on real Ray actors with gloo: lock-step, waves, dummy forwards, faults."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from mtp_ray import LLM, SamplingParams
+from mtp_ray.rl.engine import launch_engine
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+SCHED = {"prefill_chunk": 16, "max_num_batched_tokens": 64, "max_num_seqs": 16}
+
+
+def cfg(dp: int, k: int, **extra) -> dict:
+    c = {"spec": {"num_speculative_tokens": k}, "parallel": {"dp": dp}, "scheduler": dict(SCHED),
+         "cache": {"block_size": 8}, "timeouts": {"collective_s": 20, "progress_s": 30}}
+    for key, val in extra.items():
+        c.setdefault(key, {}).update(val)
+    return c
+
+
+def reference(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    llm = LLM(max_num_seqs=64)
+    return [o.outputs[0].token_ids
+            for o in llm.generate(prompts, [SamplingParams(max_tokens=m, **GREEDY) for m in max_tokens])]
+
+
+PROMPTS = [list(range(10, 10 + n)) for n in (5, 30, 12, 70, 3, 21, 44, 8)]
+MAX_TOKENS = [16, 9, 24, 12, 30, 5, 18, 20]
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference(PROMPTS, MAX_TOKENS)
+
+
+def run(handle, prompts, max_tokens):
+    import ray
+
+    refs = [handle.generate.remote(p, {"max_tokens": m, **GREEDY}) for p, m in zip(prompts, max_tokens)]
+    return ray.get(refs, timeout=300)
+
+
+def stats(handle) -> dict:
+    import ray
+
+    return ray.get(handle.get_stats.remote())
+
+
+@pytest.fixture(scope="module")
+def dp3_k3(ray_cluster):
+    h = launch_engine(cfg(3, 3))
+    yield h
+    ray_cluster.get(h.shutdown.remote())
+
+
+@pytest.mark.parametrize("dp,k", [(2, 0), (2, 3), (3, 0)])
+def test_dp_outputs_equal_dp1(ray_cluster, ref, dp, k):
+    h = launch_engine(cfg(dp, k))
+    try:
+        assert [r["token_ids"] for r in run(h, PROMPTS, MAX_TOKENS)] == ref
+        st = stats(h)
+        assert st["health"]["restarts"] == 0
+        assert len({r["collectives"] for r in st["ranks"]}) == 1  # every rank issued the same collectives
+        assert len({r["forwards"] for r in st["ranks"]}) == 1
+    finally:
+        ray_cluster.get(h.shutdown.remote())
+
+
+def test_dp3_mtp3_outputs_equal_dp1(dp3_k3, ref):
+    assert [r["token_ids"] for r in run(dp3_k3, PROMPTS, MAX_TOKENS)] == ref
+
+
+def test_single_request_runs_dummy_forwards_on_idle_ranks(dp3_k3):
+    before = {r["rank"]: r for r in stats(dp3_k3)["ranks"]}
+    out = run(dp3_k3, [PROMPTS[1]], [12])[0]
+    assert out["token_ids"] == reference([PROMPTS[1]], [12])[0]
+    after = {r["rank"]: r for r in stats(dp3_k3)["ranks"]}
+    dummies = sorted(after[r]["dummy_forwards"] - before[r]["dummy_forwards"] for r in after)
+    steps = after[0]["forwards"] - before[0]["forwards"]
+    # the two idle ranks ran a dummy for every forward (target and drafts) of the serving rank; the serving
+    # rank itself only for draft steps with nothing to draft (after a non-last chunk, after its last token)
+    assert dummies[1] == dummies[2] == steps > 0
+    assert dummies[0] < steps
+
+
+def test_chunked_prefill_decode_and_idle_in_one_step(dp3_k3):
+    """Rank 0 decodes (k = 3) while rank 1 prefills a 100-token prompt in 16-token chunks and rank 2 idles."""
+    before = {r["rank"]: r for r in stats(dp3_k3)["ranks"]}
+    prompts, mt = [PROMPTS[0], list(range(100, 200))], [60, 4]
+    out = run(dp3_k3, prompts, mt)
+    assert [o["token_ids"] for o in out] == reference(prompts, mt)
+    after = {r["rank"]: r for r in stats(dp3_k3)["ranks"]}
+    delta = {r: {k: after[r][k] - before[r][k] for k in ("chunk_steps", "mixed_steps", "decode_steps")}
+             for r in after}
+    assert max(d["chunk_steps"] for d in delta.values()) >= 4
+    assert delta[0]["mixed_steps"] >= 4  # the table is the same on every rank
+    assert stats(dp3_k3)["health"]["restarts"] == 0
+
+
+def test_stress_random_arrivals_and_wave_edge_bursts(ray_cluster, dp3_k3):
+    import ray
+
+    rng = random.Random(7)
+    n = 300
+    prompts = [[rng.randrange(3, 2000) for _ in range(rng.randint(1, 60))] for _ in range(n)]
+    mts = [rng.randint(1, 24) for _ in range(n)]
+    ref = reference(prompts, mts)
+    pending, results = [], {}
+    i = 0
+    while i < n:
+        if rng.random() < 0.15 and pending:
+            # let everything finish so the wave ends, then land a burst right on the wave edge
+            ray.wait(pending, num_returns=len(pending), timeout=300)
+            burst = rng.randint(5, 25)
+        else:
+            burst = 1
+            time.sleep(rng.choice([0, 0, 0.002, 0.01, 0.03]))
+        for _ in range(burst):
+            if i < n:
+                ref_i = dp3_k3.generate.remote(prompts[i], {"max_tokens": mts[i], **GREEDY})
+                pending.append(ref_i)
+                results[ref_i] = i
+                i += 1
+    outs = ray.get(pending, timeout=600)
+    got = [None] * n
+    for r, o in zip(pending, outs):
+        got[results[r]] = o["token_ids"]
+    assert got == ref
+    st = stats(dp3_k3)
+    assert st["health"]["restarts"] == 0
+    assert len({r["collectives"] for r in st["ranks"]}) == 1
+    assert min(r["waves"] for r in st["ranks"]) > 5
+
+
+def test_burst_of_1000_short_requests(ray_cluster):
+    h = launch_engine(cfg(2, 1, scheduler={"max_num_seqs": 64, "max_num_batched_tokens": 256}))
+    try:
+        outs = run(h, [[5 + i % 50, 7, 9] for i in range(1000)], [3] * 1000)
+        assert len(outs) == 1000 and all(len(o["token_ids"]) == 3 for o in outs)
+        st = stats(h)
+        assert st["health"]["restarts"] == 0 and st["health"]["healthy"]
+    finally:
+        ray_cluster.get(h.shutdown.remote())
+
+
+def test_killed_rank_fails_inflight_requests_and_group_restarts(ray_cluster, ref):
+    import ray
+
+    h = launch_engine(cfg(2, 2, timeouts={"collective_s": 8, "progress_s": 15}))
+    try:
+        workers = ray.get(h.worker_handles.remote())
+        long = [h.generate.remote(list(range(10, 40)), {"max_tokens": 3000, **GREEDY}) for _ in range(4)]
+        time.sleep(2.0)
+        t0 = time.monotonic()
+        ray.kill(workers[1])
+        for r in long:
+            with pytest.raises(ray.exceptions.RayTaskError, match="engine group failed"):
+                ray.get(r, timeout=60)
+        assert time.monotonic() - t0 < 30
+        deadline = time.monotonic() + 120
+        while not ray.get(h.health.remote())["healthy"] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        health = ray.get(h.health.remote())
+        assert health["healthy"] and health["restarts"] == 1
+        assert "rank 1" in health["last_failure"]
+        assert [r["token_ids"] for r in run(h, PROMPTS, MAX_TOKENS)] == ref
+    finally:
+        ray.get(h.shutdown.remote())
+
+
+def test_injected_local_ep_decision_is_named_not_hung(ray_cluster):
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="rank 1 used"):
+        launch_engine(cfg(3, 1, parallel={"inject_ep_flip_rank": 1}, timeouts={"collective_s": 10}))
+    assert time.monotonic() - t0 < 60
