@@ -11,8 +11,8 @@ import torch
 
 from mtp_ray.config.engine import EngineConfig
 from mtp_ray.config.model import ModelConfig
-from mtp_ray.engine.block_manager import BlockManager
 from mtp_ray.dist.dp_meta import DPMeta
+from mtp_ray.engine.block_manager import BlockManager
 from mtp_ray.engine.inputs import build, dummy_inputs, target_pieces
 from mtp_ray.engine.request import Request
 from mtp_ray.engine.runner import ModelRunner

@@ -8,6 +8,8 @@ target forward (a dummy one if it has no work) whenever any rank has work, and t
 
 from __future__ import annotations
 
+import time
+
 from mtp_ray.dist.context import DistContext
 from mtp_ray.dist.dp_meta import DPMeta, Gathered
 
@@ -42,12 +44,19 @@ class DPSync:
         # held a non-last prefill chunk, another decoded and a third was idle
         self.counters = {"gathers": 0, "forwards": 0, "dummy_forwards": 0, "chunk_steps": 0, "decode_steps": 0,
                          "mixed_steps": 0, "waves": 0}
+        self.timers = {"gather_s": 0.0, "forward_s": 0.0, "dummy_forward_s": 0.0}
+        self._t0 = 0.0
+        self._dummy = False
 
     def _gather(self, local: DPMeta, forward_idx: int) -> Gathered:
         local.wave, local.step, local.forward_idx = self.wave, self.step, forward_idx
+        t0 = time.perf_counter()
         g = self.ctx.gather(local)
+        self._t0 = time.perf_counter()
+        self.timers["gather_s"] += self._t0 - t0
         self.counters["gathers"] += 1
         self.last = g
+        self._dummy = bool(local.is_dummy)
         return g
 
     def target(self, local: DPMeta) -> Gathered | None:
@@ -78,4 +87,7 @@ class DPSync:
         return g
 
     def done(self) -> None:
+        if self.ctx.forward is not None:
+            dt = time.perf_counter() - self._t0
+            self.timers["dummy_forward_s" if self._dummy else "forward_s"] += dt
         self.ctx.forward = None

@@ -107,6 +107,7 @@ class RankWorker:
     def stats(self) -> dict:
         core = self.core
         return {"rank": self.rank, **(core.stats if core else {}), **(core.sync.counters if core else {}),
+                **(core.sync.timers if core else {}),
                 "collectives": self.ctx.collectives if self.ctx else 0, "wave": self.wave,
                 "last_meta": self.ctx.local.describe() if self.ctx else ""}
 

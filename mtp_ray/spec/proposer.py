@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mtp_ray.engine.block_manager import BlockManager
 from mtp_ray.dist.dp_meta import DPMeta
+from mtp_ray.engine.block_manager import BlockManager
 from mtp_ray.engine.inputs import Piece, build, dummy_inputs
 from mtp_ray.engine.request import Request
 from mtp_ray.engine.runner import ModelRunner

@@ -1,0 +1,79 @@
+"""DP benchmark, side by side in one run: the same workload on a dp = 1 and a dp = 2 group (through the actor
+handle), plus the per-step cost of the DPMeta gather and of a dummy forward measured inside the ranks.
+
+    python bench/dp.py [--out bench/results/dp.json] [--requests 64] [--k 0]
+
+Note: on a 2-core machine dp = 2 puts one rank on each core; the driver and Ray share them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import ray
+
+from mtp_ray.rl.engine import launch_engine
+
+
+def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int) -> dict:
+    h = launch_engine({"spec": {"num_speculative_tokens": k}, "parallel": {"dp": dp},
+                       "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 1024}})
+    try:
+        params = {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}
+        ray.get(h.generate.remote(prompts[0], {**params, "max_tokens": 2}))  # warm-up
+        before = ray.get(h.get_stats.remote())["ranks"]
+        t0 = time.perf_counter()
+        outs = ray.get([h.generate.remote(p, params) for p in prompts])
+        dt = time.perf_counter() - t0
+        after = ray.get(h.get_stats.remote())["ranks"]
+        # one lone request: every other rank runs dummy forwards alongside it
+        ray.get(h.generate.remote(prompts[1], params))
+        lone = ray.get(h.get_stats.remote())["ranks"]
+    finally:
+        ray.get(h.shutdown.remote())
+    toks = sum(len(o["token_ids"]) for o in outs)
+
+    def delta(key: str) -> float:
+        return sum(a.get(key, 0) - b.get(key, 0) for a, b in zip(after, before))
+
+    gathers, forwards = delta("gathers"), delta("forwards") - delta("dummy_forwards")
+    dummies = sum(a["dummy_forwards"] - b["dummy_forwards"] for a, b in zip(lone, after))
+    dummy_s = sum(a["dummy_forward_s"] - b["dummy_forward_s"] for a, b in zip(lone, after))
+    return {
+        "dp": dp, "k": k, "requests": len(prompts), "generated_tokens": toks, "seconds": round(dt, 3),
+        "tokens_per_s": round(toks / dt, 1),
+        "gathers_per_rank": gathers / dp,
+        # wall time inside DPMeta.gather, including waiting for the slowest rank to arrive
+        "gather_us": round(1e6 * delta("gather_s") / gathers, 1) if gathers else None,
+        "real_forward_ms": round(1e3 * delta("forward_s") / forwards, 3) if forwards else None,
+        "lone_request_dummy_forwards": dummies,
+        "dummy_forward_ms": round(1e3 * dummy_s / dummies, 3) if dummies else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/dp.json")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--k", type=int, default=0)
+    args = ap.parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    prompts = [[(7 * i + j) % 2000 + 3 for j in range(32)] for i in range(args.requests)]
+    rows = [run(dp, args.k, prompts, args.max_tokens) for dp in (1, 2)]
+    result = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "workload": {
+        "requests": args.requests, "prompt_tokens": 32, "max_tokens": args.max_tokens, "k": args.k},
+        "runs": rows, "dp2_over_dp1_throughput": round(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"], 3)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
