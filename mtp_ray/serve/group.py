@@ -39,8 +39,11 @@ def rank_bundles(cfg: EngineConfig) -> list[dict]:
 
 
 class EngineGroup:
-    def __init__(self, cfg: EngineConfig, pg=None, bundle_offset: int = 0):
+    def __init__(self, cfg: EngineConfig, pg=None, bundle_offset: int = 0, restart_on_failure: bool = True):
+        """restart_on_failure=False (Serve): a fault leaves the group failed, check_health reports it and Serve
+        replaces the whole replica; True (actor handle): the group restarts its ranks itself."""
         self.cfg = cfg
+        self.restart_on_failure = restart_on_failure
         self.dp = cfg.parallel.dp
         self.model_config = ModelConfig.from_pretrained(cfg.model)
         self.pg, self.own_pg, self.bundle_offset = pg, pg is None, bundle_offset
@@ -128,8 +131,8 @@ class EngineGroup:
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        ready_timeout: float | None = None) -> AsyncIterator[StepOutput]:
         """Token deltas of one request, one StepOutput per engine step that produced tokens for it."""
-        if self.state == "stopped":
-            raise GroupUnavailable("the engine group is shut down")
+        if self.state in ("stopped", "failed"):
+            raise GroupUnavailable(f"the engine group is {self.state}: {self.last_failure or 'shut down'}")
         try:
             await asyncio.wait_for(self._ready.wait(), ready_timeout or self.cfg.timeouts.start_s)
         except asyncio.TimeoutError as e:
@@ -213,11 +216,15 @@ class EngineGroup:
         report = await self._rank_report()
         self.last_failure = f"{reason}\n{report}"
         log.error("engine group failed; restarting all %d ranks\n%s", self.dp, self.last_failure)
-        err = GroupFailed(f"engine group failed, request aborted; the group is restarting. Cause: {reason}")
+        then = "the group is restarting" if self.restart_on_failure else "the group will be replaced"
+        err = GroupFailed(f"engine group failed, request aborted; {then}. Cause: {reason}")
         for _, q in list(self.reqs.values()):
             q.put_nowait(err)
         self.epoch += 1
         self._kill_workers()
+        if not self.restart_on_failure:
+            self.state = "failed"
+            return
         self.restarts += 1
         try:
             await self._spawn()
@@ -240,8 +247,11 @@ class EngineGroup:
     def health(self) -> dict:
         return {"healthy": self.state == "ready", "state": self.state, "restarts": self.restarts,
                 "in_flight": len(self.reqs), "load": list(self.load), "last_failure": self.last_failure,
+                "max_model_len": self.max_model_len,
                 "ranks": [{"step": p.get("step", 0), "wave": p.get("wave", 0), "counters": p.get("counters", {}),
-                           "collectives": p.get("collectives", 0)} for p in self.last_poll]}
+                           "collectives": p.get("collectives", 0), "num_running": p.get("num_running", 0),
+                           "num_waiting": p.get("num_waiting", 0), "spec": p.get("spec", {})}
+                          for p in self.last_poll]}
 
     async def rank_stats(self) -> list[dict]:
         return list(await asyncio.gather(*[w.stats.remote() for w in self.workers]))

@@ -102,6 +102,9 @@ class RankWorker:
         sync = self.core.sync if self.core else None
         return {"rank": self.rank, "msgs": msgs, "error": self.error, "wave": self.wave, "running": self.running,
                 "step": sync.step if sync else 0, "counters": dict(sync.counters) if sync else {},
+                "num_running": len(self.core.scheduler.running) if self.core else 0,
+                "num_waiting": len(self.core.scheduler.waiting) + self.inbox.qsize() if self.core else 0,
+                "spec": dict(self.core.stats) if self.core else {},
                 "collectives": self.ctx.collectives if self.ctx else 0}
 
     def stats(self) -> dict:

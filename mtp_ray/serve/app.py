@@ -1,0 +1,48 @@
+"""Serve application builder: `serve run deployments/qwen35_mtp.yaml` imports `mtp_ray.serve.app:build_app`.
+
+args (the YAML's `args:`):
+  engine:              EngineConfig fields (model, dtype, device, cache, scheduler, spec, parallel, timeouts)
+  served_model_name:   the model id clients send (default: the model directory's name)
+  group:               Serve options of the group deployment (autoscaling_config, num_replicas, ...)
+  ingress:             Serve options of the HTTP ingress deployment
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+
+from mtp_ray.config.engine import EngineConfig
+from mtp_ray.serve.deployment import GroupDeployment
+from mtp_ray.serve.ingress import Ingress
+
+REPLICA_CPU = 0.1  # bundle 0 of a group replica holds the replica actor itself; the ranks take the others
+
+
+def group_bundles(cfg: EngineConfig) -> list[dict[str, float]]:
+    rank = {"CPU": 1.0, "GPU": 1.0} if cfg.device == "cuda" else {"CPU": 1.0}
+    return [{"CPU": REPLICA_CPU}] + [dict(rank) for _ in range(cfg.parallel.dp)]
+
+
+def build_app(args: dict[str, Any] | None = None) -> serve.Application:
+    args = dict(args or {})
+    unknown = set(args) - {"engine", "served_model_name", "group", "ingress"}
+    if unknown:
+        raise ValueError(f"unknown application args {sorted(unknown)}")
+    engine = dict(args.get("engine") or {})
+    cfg = EngineConfig.from_dict(engine)  # validate now: a bad YAML fails at deploy time, not in a replica
+    name = args.get("served_model_name") or Path(cfg.model).name
+    group_opts = {"max_ongoing_requests": 512, "health_check_period_s": 5, "health_check_timeout_s": 30,
+                  "graceful_shutdown_timeout_s": 5, **dict(args.get("group") or {})}
+    group = serve.deployment(GroupDeployment, name="EngineGroup").options(
+        ray_actor_options={"num_cpus": REPLICA_CPU},
+        placement_group_bundles=group_bundles(cfg),
+        placement_group_strategy=cfg.parallel.placement_strategy,
+        **group_opts,
+    ).bind(engine)
+    ingress_opts = {"max_ongoing_requests": 1000, **dict(args.get("ingress") or {})}
+    ingress = serve.deployment(Ingress, name="OpenAIIngress").options(
+        ray_actor_options={"num_cpus": 0.1}, **ingress_opts)
+    return ingress.bind(group, name, cfg.tokenizer or cfg.model)

@@ -1,0 +1,177 @@
+"""OpenAI request parsing and validation (completions and chat), vLLM's extra sampling fields included.
+Every problem is an ApiError with the OpenAI error body; nothing here touches the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mtp_ray.engine.sampling_params import SamplingParams
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
+                 code: str | int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.type = type_ or {400: "invalid_request_error", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
+            status, "internal_error")
+        self.code = code if code is not None else status
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# body field -> (SamplingParams field, accepted python types)
+SAMPLING_FIELDS: dict[str, tuple[str, tuple]] = {
+    "temperature": ("temperature", (int, float)), "top_p": ("top_p", (int, float)), "top_k": ("top_k", (int,)),
+    "min_p": ("min_p", (int, float)), "seed": ("seed", (int,)), "n": ("n", (int,)),
+    "repetition_penalty": ("repetition_penalty", (int, float)), "stop_token_ids": ("stop_token_ids", (list,)),
+    "ignore_eos": ("ignore_eos", (bool,)), "min_tokens": ("min_tokens", (int,)),
+    "skip_special_tokens": ("skip_special_tokens", (bool,)),
+    "include_stop_str_in_output": ("include_stop_str_in_output", (bool,)),
+}
+IGNORED = {"model", "user", "stream_options", "logit_bias", "suffix", "best_of", "service_tier", "store",
+           "metadata", "parallel_tool_calls", "response_format", "tools", "tool_choice", "frequency_penalty",
+           "presence_penalty", "echo"}
+
+
+@dataclass
+class ParsedRequest:
+    prompts: list[list[int]]  # one or more token-id prompts (completions may batch)
+    prompt_texts: list[str | None]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    top_logprobs: int | None  # None: no logprobs in the response
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+def _check_type(body: dict, key: str, types: tuple) -> Any:
+    v = body[key]
+    ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in types)
+    if not ok:
+        raise bad(f"'{key}' must be of type {' or '.join(t.__name__ for t in types)}, got {type(v).__name__}", key)
+    return v
+
+
+def sampling_params(body: dict, max_tokens_key: str, logprobs: int | None) -> SamplingParams:
+    kw: dict[str, Any] = {}
+    for key, (field_name, types) in SAMPLING_FIELDS.items():
+        if body.get(key) is not None:
+            kw[field_name] = _check_type(body, key, types)
+    for key in (max_tokens_key, "max_tokens"):
+        if body.get(key) is not None:
+            kw["max_tokens"] = _check_type(body, key, (int,))
+            break
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise bad("'stop' must be a string or a list of strings", "stop")
+        kw["stop"] = [s for s in stop if s]
+    for key in ("frequency_penalty", "presence_penalty"):
+        if body.get(key) not in (None, 0, 0.0):
+            raise bad(f"'{key}' is not supported (use repetition_penalty)", key)
+    if body.get("echo"):
+        raise bad("'echo' is not supported", "echo")
+    if logprobs is not None:
+        kw["logprobs"] = logprobs
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        field_name = str(e).split()[0]
+        raise bad(str(e), field_name) from e
+
+
+def _stream_opts(body: dict) -> tuple[bool, bool]:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("'stream' must be a boolean", "stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise bad("'stream_options' must be an object", "stream_options")
+    return stream, bool(opts.get("include_usage", False))
+
+
+def parse_completion(body: dict, tokenizer) -> ParsedRequest:
+    if "prompt" not in body:
+        raise bad("'prompt' is required", "prompt")
+    p = body["prompt"]
+    if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                   for t in p)):
+        items = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        items = p
+    else:
+        raise bad("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists",
+                  "prompt")
+    prompts, texts = [], []
+    for it in items:
+        if isinstance(it, str):
+            ids = tokenizer.encode(it, add_special_tokens=False)
+            texts.append(it)
+        elif isinstance(it, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in it):
+            ids = list(it)
+            texts.append(None)
+        else:
+            raise bad("each prompt must be a string or a list of integer token ids", "prompt")
+        if not ids:
+            raise bad("prompt must not be empty", "prompt")
+        prompts.append(ids)
+    lp = body.get("logprobs")
+    if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= 20):
+        raise bad("'logprobs' must be an integer in 0..20", "logprobs")
+    stream, usage = _stream_opts(body)
+    return ParsedRequest(prompts, texts, sampling_params(body, "max_tokens", lp), stream, usage, lp)
+
+
+def parse_chat(body: dict, tokenizer) -> ParsedRequest:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("'messages' must be a non-empty list", "messages")
+    clean = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
+        c = m.get("content")
+        if isinstance(c, list):  # content parts: text only
+            if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str) for x in c):
+                raise bad(f"messages[{i}].content: only text parts are supported", "messages")
+            c = "".join(x["text"] for x in c)
+        if c is None:
+            c = ""
+        if not isinstance(c, str):
+            raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        clean.append({"role": m["role"], "content": c})
+    try:
+        text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # a template that rejects the roles / order
+        raise bad(f"chat template failed: {e}", "messages") from e
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    lp_on = body.get("logprobs", False)
+    if not isinstance(lp_on, bool):
+        raise bad("'logprobs' must be a boolean for chat completions", "logprobs")
+    top = body.get("top_logprobs")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20):
+        raise bad("'top_logprobs' must be an integer in 0..20", "top_logprobs")
+    n_top = (top or 0) if lp_on else None
+    stream, usage = _stream_opts(body)
+    params = sampling_params(body, "max_completion_tokens", n_top)
+    if body.get("max_completion_tokens") is None and body.get("max_tokens") is None:
+        params.max_tokens = None  # chat default: up to the context length
+    return ParsedRequest([ids], [text], params, stream, usage, n_top)
+
+
+def check_length(ids: list[int], params: SamplingParams, max_model_len: int) -> None:
+    """vLLM's context-length rule: prompt + max_tokens must fit (max_tokens None: whatever is left)."""
+    want = len(ids) + (params.max_tokens or 1)
+    if len(ids) >= max_model_len or want > max_model_len:
+        raise bad(f"This model's maximum context length is {max_model_len} tokens. However, you requested {want} "
+                  f"tokens ({len(ids)} in the prompt, {params.max_tokens or 1} in the completion). Please reduce "
+                  f"the length of the prompt or the completion.", "max_tokens" if len(ids) < max_model_len
+                  else "prompt")
