@@ -54,6 +54,7 @@ class ParallelConfig:
     ep_backend: str = "torch"  # torch | deepep
     placement_strategy: str = "PACK"  # PACK | STRICT_PACK | SPREAD (the group's placement-group bundles)
     threads_per_rank: int = 1  # torch CPU threads in each rank actor
+    cpus_per_rank: float = 1.0  # logical CPUs a rank's bundle reserves (fractions fit a small laptop)
     check_collectives: bool = True  # compare per-rank collective counters at every DPMeta gather
     inject_ep_flip_rank: int = -1  # test hook: this rank deliberately takes the other EP mode
 
@@ -63,6 +64,7 @@ class ParallelConfig:
         _check(self.placement_strategy in ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),
                "parallel.placement_strategy", "must be PACK, STRICT_PACK, SPREAD or STRICT_SPREAD")
         _check(self.threads_per_rank >= 1, "parallel.threads_per_rank", "must be >= 1")
+        _check(self.cpus_per_rank > 0, "parallel.cpus_per_rank", "must be > 0")
 
 
 @dataclass(frozen=True)

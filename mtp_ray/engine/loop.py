@@ -58,7 +58,7 @@ class EngineCore:
         self.proposer = MTPProposer(self.runner, self.blocks, self.k, self.sync)
         self.requests: dict[str, Request] = {}
         self._seeds = itertools.count(cfg.seed * 1_000_003 + 1)
-        self.stats = {"steps": 0, "drafted": 0, "accepted": 0, "verify_steps": 0}
+        self.stats = {"steps": 0, "drafted": 0, "accepted": 0, "verify_steps": 0, "aborted": 0}
         need = (self.max_model_len + 2 * self.k + shape.block_size) // shape.block_size
         if shape.num_blocks - 1 < need:
             raise ValueError(f"cache.num_blocks={shape.num_blocks} cannot hold one sequence of max_model_len "
@@ -86,6 +86,7 @@ class EngineCore:
         if req is None:
             return None
         self.scheduler.finish(req, "abort")
+        self.stats["aborted"] += 1
         return self._output(req, [], 0)
 
     def has_unfinished(self) -> bool:

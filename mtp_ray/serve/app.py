@@ -16,14 +16,14 @@ from ray import serve
 
 from mtp_ray.config.engine import EngineConfig
 from mtp_ray.serve.deployment import GroupDeployment
+from mtp_ray.serve.group import rank_bundles
 from mtp_ray.serve.ingress import Ingress
 
 REPLICA_CPU = 0.1  # bundle 0 of a group replica holds the replica actor itself; the ranks take the others
 
 
 def group_bundles(cfg: EngineConfig) -> list[dict[str, float]]:
-    rank = {"CPU": 1.0, "GPU": 1.0} if cfg.device == "cuda" else {"CPU": 1.0}
-    return [{"CPU": REPLICA_CPU}] + [dict(rank) for _ in range(cfg.parallel.dp)]
+    return [{"CPU": REPLICA_CPU}] + rank_bundles(cfg)
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:

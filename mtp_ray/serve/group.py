@@ -34,8 +34,11 @@ class GroupUnavailable(RuntimeError):
 
 
 def rank_bundles(cfg: EngineConfig) -> list[dict]:
-    gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
-    return [{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1} for _ in range(cfg.parallel.dp)]
+    """One bundle per DP rank: a GPU each on GPU machines (device cuda, or auto with GPUs in the cluster)."""
+    gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.is_initialized()
+                                   and ray.cluster_resources().get("GPU", 0) > 0)
+    cpu = cfg.parallel.cpus_per_rank
+    return [{"CPU": cpu, "GPU": 1} if gpu else {"CPU": cpu} for _ in range(cfg.parallel.dp)]
 
 
 class EngineGroup:
@@ -44,6 +47,7 @@ class EngineGroup:
         replaces the whole replica; True (actor handle): the group restarts its ranks itself."""
         self.cfg = cfg
         self.restart_on_failure = restart_on_failure
+        self.group_id = uuid.uuid4().hex[:8]
         self.dp = cfg.parallel.dp
         self.model_config = ModelConfig.from_pretrained(cfg.model)
         self.pg, self.own_pg, self.bundle_offset = pg, pg is None, bundle_offset
@@ -77,7 +81,7 @@ class EngineGroup:
             cls.options(
                 num_cpus=bundles[r]["CPU"], num_gpus=bundles[r].get("GPU", 0), max_concurrency=16,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, self.bundle_offset + r),
-                name=None,
+                name=f"mtp_ray_rank_{self.group_id}_e{self.epoch}_r{r}",
             ).remote(self.cfg, r, self.dp)
             for r in range(self.dp)
         ]

@@ -160,7 +160,8 @@ class Ingress:
                 else:
                     c = item
                 text = c.detok.delta(c.finish_reason is not None)
-                if text or c.pending_logprobs or (c.finish_reason is not None and not c.sent_finish):
+                lp_due = req.top_logprobs is not None and c.pending_logprobs
+                if text or lp_due or (c.finish_reason is not None and not c.sent_finish):
                     yield sse_event(chunk(rid, self.model_name, created, chat, c, text=text, top_n=req.top_logprobs,
                                      tok=self.tok))
             if req.include_usage:

@@ -37,6 +37,9 @@ class Metrics:
     def __init__(self, model_name: str):
         self.labels = f'model_name="{model_name}"'
         self.counters: dict[str, float] = defaultdict(float)
+        for name in ("prompt_tokens_total", "generation_tokens_total", "spec_decode_num_drafts_total",
+                     "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total"):
+            self.counters[name] = 0.0  # exported from the start, as Prometheus counters should be
         self.accepted_per_pos: dict[int, int] = defaultdict(int)
         self.running = 0
         self.ttft = Histogram(TTFT_BUCKETS)
@@ -63,7 +66,7 @@ class Metrics:
             name, _, reason = key.partition("|")
             lab = f'{L},finished_reason="{reason}"' if reason else L
             out.append(f"{PREFIX}{name}{{{lab}}} {v}")
-        for i, n in sorted(self.accepted_per_pos.items()):
+        for i, n in sorted(self.accepted_per_pos.items()) or [(0, 0)]:
             out.append(f'{PREFIX}spec_decode_num_accepted_tokens_per_pos_total{{{L},position="{i}"}} {n}')
         out += self.ttft.lines(f"{PREFIX}time_to_first_token_seconds", L)
         out += self.itl.lines(f"{PREFIX}inter_token_latency_seconds", L)

@@ -1,0 +1,220 @@
+"""The Serve app built from deployments/qwen35_mtp.yaml, driven with the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from mtp_ray import LLM, SamplingParams
+
+PORT = 8011
+BASE = f"http://127.0.0.1:{PORT}"
+YAML = Path(__file__).resolve().parent.parent / "deployments" / "qwen35_mtp.yaml"
+
+
+def app_spec() -> dict:
+    return yaml.safe_load(YAML.read_text())["applications"][0]
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster):
+    from ray import serve
+
+    from mtp_ray.serve.app import build_app
+
+    spec = app_spec()
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    serve.run(build_app(spec["args"]), name=spec["name"], route_prefix=spec["route_prefix"])
+    yield spec
+    serve.delete(spec["name"])
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline(server):
+    eng = server["args"]["engine"]
+    return LLM(num_speculative_tokens=eng["spec"]["num_speculative_tokens"],
+               max_model_len=eng["scheduler"]["max_model_len"])
+
+
+MODEL = "tiny-qwen35-mtp"
+PROMPTS = ["def main(", "import os\nimport sys\n\n", "class Node:\n    def __init__(self", "x = ["]
+
+
+def test_completions_greedy_equal_offline(client, offline):
+    ref = offline.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))
+    for p, r in zip(PROMPTS, ref):
+        out = client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0)
+        assert out.choices[0].text == r.outputs[0].text
+        assert out.usage.completion_tokens == len(r.outputs[0].token_ids)
+        assert out.usage.prompt_tokens == len(r.prompt_token_ids)
+        assert out.choices[0].finish_reason == r.outputs[0].finish_reason
+    ids = offline.tokenizer.encode(PROMPTS[0])
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0)
+    assert out.choices[0].text == ref[0].outputs[0].text
+
+
+def test_completions_streaming_equals_non_streaming(client):
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [full.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_chat_greedy_equals_offline_and_streams(client, offline):
+    msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+    text = offline.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    ref = offline.generate(text, SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
+    out = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20, temperature=0)
+    assert out.choices[0].message.content == ref.text and out.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_n_seed_logprobs_and_stop(client):
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=1.0, n=2, seed=5,
+                                    logprobs=2)
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    again = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=1.0, n=2, seed=5,
+                                      logprobs=2)
+    assert [c.text for c in out.choices] == [c.text for c in again.choices]
+    for c in out.choices:
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
+        assert all(len(t) <= 2 for t in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    assert len(chat.choices[0].logprobs.content) == 5
+    assert all(len(e.top_logprobs) == 3 for e in chat.choices[0].logprobs.content)
+    base = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0).choices[0].text
+    stop = base[10:13]
+    cut = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0, stop=[stop])
+    assert cut.choices[0].text == base[: base.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_vllm_extra_fields_through_extra_body(client):
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0.7, extra_body={
+        "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 20,
+        "stop_token_ids": [0]})
+    assert out.usage.completion_tokens == 20
+    first = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1, temperature=0)
+    tok = requests.post(f"{BASE}/tokenize", json={"model": MODEL, "prompt": first.choices[0].text}).json()["tokens"]
+    stopped = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0,
+                                        extra_body={"stop_token_ids": tok[:1]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+
+
+def post(path: str, body) -> requests.Response:
+    data = body if isinstance(body, str) else json.dumps(body)
+    return requests.post(f"{BASE}{path}", data=data, headers={"Content-Type": "application/json"}, timeout=60)
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/completions", "{not json", 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x " * 3000, "max_tokens": 1}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": [10**7]}, 400, None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
+])
+def test_bad_input_gets_openai_error_and_server_keeps_serving(server, path, body, status, param):
+    r = post(path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and err["code"] is not None
+    if param:
+        assert err["param"] == param
+    ok = post("/v1/completions", {"model": MODEL, "prompt": "ok", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_64_concurrent_streams_complete(server):
+    from openai import AsyncOpenAI
+
+    async def main():
+        client = AsyncOpenAI(base_url=f"{BASE}/v1", api_key="x", max_retries=0, timeout=300)
+
+        async def one(i: int) -> tuple[int, int]:
+            want = 5 + (i * 7) % 40
+            stream = await client.completions.create(model=MODEL, prompt="def f%d(" % i + "x" * (i % 9), stream=True,
+                                                     max_tokens=want, temperature=0.5, seed=i,
+                                                     extra_body={"ignore_eos": True},
+                                                     stream_options={"include_usage": True})
+            got = None
+            async for c in stream:
+                if c.usage is not None:
+                    got = c.usage.completion_tokens
+            return want, got
+
+        return await asyncio.gather(*[one(i) for i in range(64)])
+
+    res = asyncio.run(main())
+    assert len(res) == 64 and all(w == g for w, g in res)
+
+
+def test_models_health_metrics_tokenize(server):
+    models = requests.get(f"{BASE}/v1/models").json()
+    assert models["data"][0]["id"] == MODEL
+    h = requests.get(f"{BASE}/health")
+    assert h.status_code == 200 and h.json()["healthy"]
+    text = "def f(x):\n    return x"
+    toks = post("/tokenize", {"model": MODEL, "prompt": text}).json()
+    assert post("/detokenize", {"model": MODEL, "tokens": toks["tokens"]}).json()["prompt"] == text
+    m = requests.get(f"{BASE}/metrics").text
+    for name in ("num_requests_running", "generation_tokens_total", "time_to_first_token_seconds_bucket",
+                 "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
+                 "spec_decode_num_accepted_tokens_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_per_pos_total", "dpmeta_steps_total", "dummy_forwards_total",
+                 "waves_total", "group_restarts_total"):
+        assert f"mtp_ray:{name}" in m, name
+    assert 'rank="1"' in m
+
+
+def aborted() -> int:
+    return sum(r["spec"].get("aborted", 0) for r in requests.get(f"{BASE}/health").json()["ranks"])
+
+
+def test_client_disconnect_aborts_the_request(server):
+    before = aborted()
+    with requests.post(f"{BASE}/v1/completions", stream=True, timeout=60, json={
+            "model": MODEL, "prompt": "def long(", "max_tokens": 1900, "stream": True, "extra_body": {},
+            "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        h = requests.get(f"{BASE}/health").json()
+        if h["in_flight"] == 0 and all(r["num_running"] == 0 for r in h["ranks"]):
+            break
+        time.sleep(0.5)
+    assert h["in_flight"] == 0 and all(r["num_running"] == 0 for r in h["ranks"]), h
+    time.sleep(1.0)  # the rank's counters reach the group with its next poll
+    assert aborted() == before + 1

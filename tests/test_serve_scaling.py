@@ -1,0 +1,106 @@
+"""Serve autoscaling adds and removes whole engine groups (CPU, small bundles); cluster.yaml passes Ray's checks."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from pathlib import Path
+
+import requests
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+PORT = 8013
+
+
+def running_groups(serve, app: str) -> int:
+    st = serve.status().applications[app].deployments["EngineGroup"]
+    return st.replica_states.get("RUNNING", 0)
+
+
+def rank_actor_steps(ray) -> dict[str, int]:
+    """group id -> steps run by its rank 0 (rank actors are named mtp_ray_rank_<group>_e<epoch>_r<rank>)."""
+    out = {}
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["name"].startswith("mtp_ray_rank_") and a["name"].endswith("_r0"):
+            try:
+                h = ray.get_actor(a["name"], namespace=a["namespace"])
+                out[a["name"].split("_")[3]] = ray.get(h.stats.remote(), timeout=10)["steps"]
+            except Exception:
+                continue  # a group going away
+    return out
+
+
+def test_autoscaling_adds_and_removes_whole_groups(ray_cluster):
+    from ray import serve
+
+    from mtp_ray.serve.app import build_app
+
+    args = {
+        "served_model_name": "tiny",
+        "engine": {"device": "cpu", "parallel": {"dp": 1, "cpus_per_rank": 0.2},
+                   "spec": {"num_speculative_tokens": 1}, "scheduler": {"max_model_len": 1024}},
+        "group": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
+                                         "upscale_delay_s": 1, "downscale_delay_s": 3, "look_back_period_s": 2}},
+        "ingress": {"num_replicas": 1},
+    }
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    serve.run(build_app(args), name="autoscale", route_prefix="/")
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def load() -> None:
+        while not stop.is_set():
+            r = requests.post(f"http://127.0.0.1:{PORT}/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": "def f(", "max_tokens": 120, "ignore_eos": True})
+            if r.status_code != 200:
+                errors.append(r.text)
+
+    threads = [threading.Thread(target=load, daemon=True) for _ in range(8)]
+    try:
+        assert running_groups(serve, "autoscale") == 1
+        for t in threads:
+            t.start()
+        deadline = time.time() + 120
+        while running_groups(serve, "autoscale") < 2 and time.time() < deadline:
+            time.sleep(1)
+        assert running_groups(serve, "autoscale") == 2
+        # both groups serve: each one's rank 0 keeps stepping under the load
+        first = rank_actor_steps(ray_cluster)
+        time.sleep(8)
+        second = rank_actor_steps(ray_cluster)
+        busy = [g for g in second if second[g] > first.get(g, 0)]
+        assert len(busy) == 2, (first, second)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=180)
+    assert not errors, errors[:3]
+    deadline = time.time() + 120
+    while running_groups(serve, "autoscale") > 1 and time.time() < deadline:
+        time.sleep(1)
+    assert running_groups(serve, "autoscale") == 1
+    r = requests.post(f"http://127.0.0.1:{PORT}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3})
+    assert r.status_code == 200
+    serve.delete("autoscale")
+    serve.shutdown()
+
+
+def test_cluster_yaml_passes_ray_validation():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    cfg = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    prepared = prepare_config(copy.deepcopy(cfg))
+    validate_config(prepared)
+    types = prepared["available_node_types"]
+    assert types["gpu_worker"]["max_workers"] > types["gpu_worker"]["min_workers"] >= 0
+    assert any("serve deploy deployments/qwen35_gpu.yaml" in c for c in prepared["head_start_ray_commands"])
+
+
+def test_gpu_profile_yaml_is_a_valid_engine_config():
+    from mtp_ray.config.engine import EngineConfig
+
+    spec = yaml.safe_load((ROOT / "deployments" / "qwen35_gpu.yaml").read_text())["applications"][0]
+    cfg = EngineConfig.from_dict(spec["args"]["engine"])
+    assert cfg.device == "cuda" and cfg.parallel.dp == 2 and cfg.spec.k == 3
