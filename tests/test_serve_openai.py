@@ -163,7 +163,7 @@ def test_64_concurrent_streams_complete(server):
 
         async def one(i: int) -> tuple[int, int]:
             want = 5 + (i * 7) % 40
-            stream = await client.completions.create(model=MODEL, prompt="def f%d(" % i + "x" * (i % 9), stream=True,
+            stream = await client.completions.create(model=MODEL, prompt=f"def f{i}(" + "x" * (i % 9), stream=True,
                                                      max_tokens=want, temperature=0.5, seed=i,
                                                      extra_body={"ignore_eos": True},
                                                      stream_options={"include_usage": True})
