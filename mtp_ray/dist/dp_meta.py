@@ -34,6 +34,7 @@ class DPMeta:
     forward_idx: int = 0  # 0: target, j: draft step j
     collectives: int = 0  # EP collectives issued so far (lock-step check)
     ep_mode: int = EP_NORMAL  # EP mode this rank used in its previous forward (all must agree)
+    next_cmd: int = 0  # sequence number of this rank's oldest pending group command (0: none)
 
     def to_tensor(self) -> torch.Tensor:
         return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.long)
@@ -66,6 +67,16 @@ class Gathered:
     @property
     def any_unfinished(self) -> bool:
         return any(m.has_unfinished for m in self.ranks)
+
+    @property
+    def command_ready(self) -> int:
+        """A group command runs on every rank at the same step: once every rank has received it."""
+        cmds = {m.next_cmd for m in self.ranks}
+        return cmds.pop() if len(cmds) == 1 and 0 not in cmds else 0
+
+    @property
+    def any_command(self) -> bool:
+        return any(m.next_cmd for m in self.ranks)
 
     @property
     def all_sleeping(self) -> bool:

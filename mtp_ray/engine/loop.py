@@ -47,6 +47,8 @@ class EngineCore:
                  dispatch: ExpertDispatcher = local_dispatch, sync: LocalSync | DPSync | None = None):
         self.cfg = cfg
         self.sync = sync or LocalSync()
+        self.meta_extra: dict[str, int] = {}  # fields the rank worker adds to each step's DPMeta (next_cmd)
+        self.pending_outputs: list[StepOutput] = []  # outputs made outside a step (abort_all)
         mc = ModelConfig.from_pretrained(cfg.model)
         self.max_model_len = min(cfg.scheduler.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.k = cfg.spec.k
@@ -73,6 +75,8 @@ class EngineCore:
         vocab = self.runner.model_config.vocab_size
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if self.runner.asleep:
+            raise ValueError("the engine is asleep: call wake_up() first")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the maximum context length is "
                              f"{self.max_model_len} (prompt + at least one generated token)")
@@ -89,11 +93,21 @@ class EngineCore:
         self.stats["aborted"] += 1
         return self._output(req, [], 0)
 
+    def abort_all(self) -> int:
+        """Abort every request (sleep, pause); their aborted outputs go out with the next step's messages."""
+        ids = list(self.requests)
+        self.pending_outputs += [o for o in (self.abort_request(r) for r in ids) if o is not None]
+        return len(ids)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ---- one step ----
     def step(self) -> list[StepOutput]:
+        early, self.pending_outputs = self.pending_outputs, []
+        return early + self._step()
+
+    def _step(self) -> list[StepOutput]:
         sched = self.scheduler.schedule()
         local = self._local_meta(sched)
         if self.sync.target(local) is None:
@@ -136,7 +150,8 @@ class EngineCore:
             num_tokens=max(n, 1), batch_size=len(sched),
             is_decoding=int(bool(sched) and all(s.verify or not s.req.is_prefill for s in sched)),
             is_dummy=int(not sched), is_chunk=int(any(not s.completes_prefill for s in sched)),
-            has_unfinished=int(self.scheduler.has_unfinished()), is_sleeping=0,
+            has_unfinished=int(self.scheduler.has_unfinished()), is_sleeping=int(self.runner.asleep),
+            **self.meta_extra,
         )
 
     def _postprocess(self, s: Scheduled, logits: torch.Tensor | None, hidden: torch.Tensor

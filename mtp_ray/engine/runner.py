@@ -11,7 +11,7 @@ from mtp_ray.config.model import ModelConfig
 from mtp_ray.engine.cache import CacheShape, bind_caches, free_caches
 from mtp_ray.engine.inputs import StepInputs
 from mtp_ray.layers.moe import ExpertDispatcher, local_dispatch
-from mtp_ray.model.loader import load_model
+from mtp_ray.model.loader import WeightLoader, load_model
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,9 @@ class ModelRunner:
         self.slots_per_seq = 1 + (self.k + 1 if self.k else 0)
         self.cache_shape = self._cache_shape(max_model_len)
         self.cache_bytes = 0
+        self.asleep = 0  # 0: awake; else the sleep level
+        self._shapes: dict[str, torch.Size] = {}  # parameter shapes while dropped (sleep level 2)
+        self.restore: WeightLoader | None = None  # tracks the weights given back after sleep(2)
         self.allocate()
 
     def _cache_shape(self, max_model_len: int) -> CacheShape:
@@ -69,6 +72,68 @@ class ModelRunner:
     def free(self) -> None:
         free_caches(self.model)
         self.cache_bytes = 0
+
+    def reset_caches(self) -> None:
+        """Zero every KV block and state slot (nothing cached survives; used with no request running)."""
+        for attn in self.model.attention_layers():
+            if attn.kv_cache is not None:
+                attn.kv_cache.zero_()
+        for gdn in self.model.gdn_layers():
+            if gdn.conv_state is not None:
+                gdn.conv_state.zero_()
+                gdn.ssm_state.zero_()
+
+    # ---- sleep / wake_up (memory) ----
+    def sleep(self, level: int) -> None:
+        """1: free KV + state, weights to host memory; 2: free KV + state and drop the weights."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.asleep:
+            raise ValueError(f"already asleep (level {self.asleep})")
+        self.free()
+        params = dict(self.model.named_parameters())
+        if level == 1 and self.device.type != "cpu":
+            for p in params.values():
+                p.data = p.data.to("cpu").pin_memory()
+        if level == 2:
+            self._shapes = {n: p.shape for n, p in params.items()}
+            for p in params.values():
+                p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        self.asleep = level
+
+    def weight_loader(self) -> WeightLoader:
+        """The loader an update goes through; after sleep(2) it first re-allocates the dropped weights."""
+        if self.asleep == 2:
+            if self.restore is None:
+                for n, p in self.model.named_parameters():
+                    p.data = torch.empty(self._shapes[n], dtype=p.dtype, device=self.device)
+                self.restore = WeightLoader(self.model, strict=True)
+            return self.restore
+        return WeightLoader(self.model, strict=True)
+
+    def wake_up(self) -> None:
+        if not self.asleep:
+            raise ValueError("wake_up: the engine is not asleep")
+        if self.asleep == 2:
+            missing = self.restore.missing() if self.restore is not None else sorted(self._shapes)
+            if missing:
+                more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
+                raise ValueError("wake_up after sleep(2) needs every weight through update_weights first; missing: "
+                                 + ", ".join(missing[:10]) + more)
+            self.restore = None
+        if self.asleep == 1 and self.device.type != "cpu":
+            for p in self.model.parameters():
+                p.data = p.data.to(self.device)
+        self.allocate()
+        self.asleep = 0
+
+    def memory(self) -> dict:
+        params = list(self.model.parameters())
+        on_dev = sum(p.numel() * p.element_size() for p in params if p.device == self.device)
+        on_host = sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu"
+                      and self.device.type != "cpu")
+        return {"weights_bytes": on_dev, "weights_host_bytes": on_host, "cache_bytes": self.cache_bytes,
+                "asleep": self.asleep}
 
     @torch.inference_mode()
     def forward(self, inp: StepInputs) -> torch.Tensor:

@@ -43,8 +43,10 @@ def canonical_name(name: str) -> str:
 class WeightLoader:
     """Copies named checkpoint tensors into a model and tracks what was filled (also used by update_weights)."""
 
-    def __init__(self, model: Qwen3_5MoeForCausalLM):
+    def __init__(self, model: Qwen3_5MoeForCausalLM, strict: bool = False):
+        """strict: a name that matches no parameter is an error (weight updates), not a warning (checkpoints)."""
         self.model = model
+        self.strict = strict
         self.cfg = model.config
         self.start, self.end = model.expert_range
         self.params = dict(model.named_parameters(remove_duplicate=False))
@@ -69,9 +71,41 @@ class WeightLoader:
                                                                "linear_attn.in_proj_ba.weight")):
             return self._load_grouped_gdn(name, shape, read)
         if name not in self.params:
+            if self.strict:
+                raise ValueError(f"unknown weight name {name!r}: no such parameter in the model")
             log.warning("checkpoint tensor %s has no parameter in the model; skipped", name)
             return
         self._copy(name, self.params[name], shape, read(None))
+
+    def check(self, name: str, shape: list[int], dtype: torch.dtype) -> None:
+        """Validate one named tensor without touching the model (so a bad update leaves the old weights)."""
+        raw = name
+        name = canonical_name(name)
+        if not self.wants(name):
+            return
+        if not dtype.is_floating_point:
+            raise ValueError(f"weight {raw!r} has dtype {dtype}; expected a floating-point tensor")
+        c, shape = self.cfg, list(shape)
+        h, inter = c.hidden_size, c.moe_intermediate_size
+        if m := _PER_EXPERT.match(name):
+            e = int(m.group(2))
+            want = [h, inter] if m.group(3) == "down_proj" else [inter, h]
+            if f"{m.group(1)}.gate_up_proj" not in self.params or e >= c.num_experts:
+                raise ValueError(f"unknown weight name {raw!r}: no such expert in the model")
+        elif m := _FUSED.match(name):
+            if f"{m.group(1)}.{m.group(2)}" not in self.params:
+                raise ValueError(f"unknown weight name {raw!r}: no MoE layer there")
+            want = [c.num_experts, h, inter] if m.group(2) == "down_proj" else [c.num_experts, 2 * inter, h]
+        elif c.gdn_grouped_projections and name.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight")):
+            rep = c.linear_num_value_heads // c.linear_num_key_heads
+            per = 2 * c.linear_key_head_dim + 2 * rep * c.linear_value_head_dim if "qkvz" in name else 2 * rep
+            want = [c.linear_num_key_heads * per, h]
+        elif name in self.params:
+            want = list(self.params[name].shape)
+        else:
+            raise ValueError(f"unknown weight name {raw!r}: no such parameter in the model")
+        if shape != want:
+            raise ValueError(f"weight {raw!r} has shape {shape}, expected {want}")
 
     def _copy(self, name: str, dst: torch.Tensor, shape: list[int], src: torch.Tensor) -> None:
         if list(shape) != list(dst.shape):

@@ -48,12 +48,74 @@ class RolloutEngine:
         return {"token_ids": toks, "log_probs": lps, "stop_reason": STOP_REASON.get(last.finish_reason, "completed"),
                 "finish_reason": last.finish_reason, "spec": last.spec}
 
+    # ---- RL control (verl / OpenRLHF / SGLang names) ----
+    async def abort_all_requests(self) -> int:
+        g = self.group
+        for rid, (rank, _) in list(g.reqs.items()):
+            g.workers[rank].abort.remote(rid)
+        return len(g.reqs)
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """New requests wait until resume_generation(); in-flight ones are aborted ('abort') or finish ('wait')."""
+        if mode not in ("abort", "wait"):
+            raise ValueError("mode must be 'abort' or 'wait'")
+        self.group._accepting.clear()
+        if mode == "abort":
+            await self.abort_all_requests()
+        while self.group.reqs:
+            await asyncio.sleep(0.02)
+
+    async def resume_generation(self) -> None:
+        if not self.group.sleeping:
+            self.group._accepting.set()
+
+    async def sleep(self, level: int = 1, in_flight: str = "abort") -> list[dict]:
+        """1: KV cache freed, weights offloaded to host; 2: both dropped. Returns each rank's memory while asleep."""
+        await self.start()
+        return await self.group.sleep(level, in_flight)
+
+    async def wake_up(self) -> list[dict]:
+        return await self.group.wake_up()
+
+    async def update_weights(self, weights) -> list[dict]:
+        """weights: [(name, tensor or ObjectRef)], {name: tensor}, or an ObjectRef of either; names as in the
+        checkpoint (mtp.* to the MTP head; each expert to the rank that owns it). Call it once per chunk."""
+        await self.start()
+        return await self.group.update_weights(weights)
+
+    async def update_weights_from_tensor(self, named_tensors) -> list[dict]:
+        return await self.update_weights(named_tensors)
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update",
+                                        backend: str = "gloo") -> list[dict]:
+        await self.start()
+        return await self.group.command("init_weights_update_group", master_address, master_port, rank_offset,
+                                        world_size, group_name, backend)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
+                                              group_name: str = "weight_update") -> list[dict]:
+        res = await self.group.command("update_weights_from_distributed", list(names), [str(d) for d in dtypes],
+                                       [list(s) for s in shapes], group_name, wait_in_flight=True)
+        self.group.weights_updated = True
+        return res
+
+    async def reset_prefix_cache(self) -> bool:
+        await self.start()
+        return all(await self.group.command("reset_prefix_cache", wait_in_flight=True))
+
+    async def set_asleep_policy(self, policy: str) -> None:
+        if policy not in ("wait", "fail"):
+            raise ValueError("policy must be 'wait' or 'fail'")
+        self.group.asleep_policy = policy
+
     async def health(self) -> dict:
         return self.group.health()
 
     async def get_stats(self) -> dict:
         await self.start()
-        return {"health": self.group.health(), "ranks": await self.group.rank_stats()}
+        return {"health": self.group.health(), "ranks": await self.group.rank_stats(),
+                "memory": await self.group.command("memory")}
 
     async def worker_handles(self) -> list:
         await self.start()

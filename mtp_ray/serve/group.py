@@ -63,6 +63,14 @@ class EngineGroup:
         self.max_model_len = 0
         self._ready = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        # group commands (sleep / wake_up / weights): new requests are held while one runs or while asleep
+        self._accepting = asyncio.Event()
+        self._accepting.set()
+        self._cmd_lock = asyncio.Lock()
+        self._cmd_seq = 0
+        self.sleeping = 0
+        self.asleep_policy = "wait"  # a request that arrives while asleep: "wait" for wake_up, or "fail"
+        self.weights_updated = False
 
     # ---- life cycle ----
     async def start(self) -> None:
@@ -142,6 +150,9 @@ class EngineGroup:
         except asyncio.TimeoutError as e:
             raise GroupUnavailable(f"the engine group is not ready ({self.state})") from e
         self.validate(prompt_ids, params)
+        if self.sleeping and self.asleep_policy == "fail":
+            raise GroupUnavailable("the engine is asleep (call wake_up first)")
+        await self._accepting.wait()
         rid = request_id or uuid.uuid4().hex
         if rid in self.reqs:
             raise ValueError(f"request_id {rid!r} is already in flight")
@@ -226,6 +237,10 @@ class EngineGroup:
             q.put_nowait(err)
         self.epoch += 1
         self._kill_workers()
+        if self.weights_updated:  # a restart would reload the checkpoint: never serve other weights silently
+            self.state = "failed"
+            self.last_failure += "\nnot restarted: weights were updated since start (recreate the engine)"
+            return
         if not self.restart_on_failure:
             self.state = "failed"
             return
@@ -248,8 +263,51 @@ class EngineGroup:
                 lines.append(f"  rank {r}: unreachable ({type(e).__name__}); last poll step {self.progress[r][0]}")
         return "every rank's last state:\n" + "\n".join(lines)
 
+    # ---- group commands ----
+    async def command(self, name: str, *args, wait_in_flight: bool = False) -> list:
+        """Run a command on every rank (in lock-step there); returns the per-rank results."""
+        if self.state != "ready":
+            await asyncio.wait_for(self._ready.wait(), self.cfg.timeouts.start_s)
+        async with self._cmd_lock:
+            self._accepting.clear()
+            try:
+                while wait_in_flight and self.reqs:
+                    await asyncio.sleep(0.02)
+                self._cmd_seq += 1
+                res = await asyncio.gather(*[w.command.remote(self._cmd_seq, name, args) for w in self.workers],
+                                           return_exceptions=True)
+            finally:
+                if not self.sleeping:
+                    self._accepting.set()
+        for r, e in enumerate(res):
+            if isinstance(e, BaseException):
+                cause = e.cause if hasattr(e, "cause") and e.cause is not None else e
+                msg = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
+                raise (ValueError if isinstance(cause, ValueError) else RuntimeError)(f"{name} on rank {r}: {msg}")
+        return list(res)
+
+    async def sleep(self, level: int = 1, in_flight: str = "abort") -> list:
+        if in_flight not in ("abort", "wait"):
+            raise ValueError("in_flight must be 'abort' or 'wait'")
+        res = await self.command("sleep", level, in_flight, wait_in_flight=in_flight == "wait")
+        self.sleeping = level
+        self._accepting.clear()
+        return res
+
+    async def wake_up(self) -> list:
+        res = await self.command("wake_up")
+        self.sleeping = 0
+        self._accepting.set()
+        return res
+
+    async def update_weights(self, items) -> list:
+        res = await self.command("update_weights", items, wait_in_flight=True)
+        self.weights_updated = True
+        return res
+
     def health(self) -> dict:
         return {"healthy": self.state == "ready", "state": self.state, "restarts": self.restarts,
+                "sleeping": self.sleeping,
                 "in_flight": len(self.reqs), "load": list(self.load), "last_failure": self.last_failure,
                 "max_model_len": self.max_model_len,
                 "ranks": [{"step": p.get("step", 0), "wave": p.get("wave", 0), "counters": p.get("counters", {}),

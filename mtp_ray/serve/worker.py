@@ -45,6 +45,9 @@ class RankWorker:
         self.error: str | None = None
         self.stopped = False
         self.peers: list = []
+        # group commands (sleep, wake_up, weight updates): run on every rank at the same step, in order
+        self.cmds: list[tuple[int, str, tuple, threading.Event, dict]] = []
+        self.update_groups: dict[str, object] = {}
         self.core: EngineCore | None = None
         self.ctx: DistContext | None = None
 
@@ -92,6 +95,20 @@ class RankWorker:
             self.start_wanted = max(self.start_wanted, self.wave if wave is None else wave)
             self.cond.notify_all()
 
+    def command(self, seq: int, name: str, args: tuple) -> object:
+        """Queue a group command; returns (or raises) once this rank ran it in lock-step with the others."""
+        done, box = threading.Event(), {}
+        with self.cond:
+            self.cmds.append((seq, name, args, done, box))
+            self.start_wanted = max(self.start_wanted, self.wave)
+            self.cond.notify_all()
+        while not done.wait(1.0):
+            if self.error:
+                raise RuntimeError(self.error)
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
     def poll(self, timeout: float = 0.5) -> dict:
         """Long poll: every step message produced since the last poll, plus progress counters."""
         deadline = time.monotonic() + timeout
@@ -135,12 +152,16 @@ class RankWorker:
                 self.running = True
                 while True:
                     self._drain_inbox()
+                    with self.cond:
+                        core.meta_extra = {"next_cmd": self.cmds[0][0] if self.cmds else 0}
                     outs = core.step()
                     sync.step += 1
                     if outs:
                         self._publish(pack_step(sync.step, outs))
                     g = sync.last
-                    if g is not None and g.all_dummy and not g.any_unfinished:
+                    if g is not None and g.command_ready:
+                        self._run_command()
+                    elif g is not None and g.all_dummy and not g.any_unfinished and not g.any_command:
                         break
                 with self.cond:
                     self.running = False
@@ -156,6 +177,18 @@ class RankWorker:
             log.error("%s\n%s", self.error, traceback.format_exc())
             with self.cond:
                 self.cond.notify_all()
+
+    def _run_command(self) -> None:
+        from mtp_ray.rl.commands import run_command
+
+        with self.cond:
+            seq, name, args, done, box = self.cmds.pop(0)
+        try:
+            box["result"] = run_command(self, name, args)
+        except Exception as e:  # reported to the caller; the rank keeps serving
+            log.warning("rank %d: command %s failed: %s", self.rank, name, e)
+            box["error"] = e
+        done.set()
 
     def _drain_inbox(self) -> None:
         while True:
