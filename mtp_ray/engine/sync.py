@@ -38,7 +38,8 @@ class DPSync:
         self.ctx = ctx
         self.wave = 0
         self.step = 0
-        self.last: Gathered | None = None  # the last gathered table (wave decisions, fault reports)
+        self.last: Gathered | None = None  # the last gathered table (fault reports)
+        self.step_table: Gathered | None = None  # the target gather of the last step (wave / command decisions)
         self.target_decode = False
         # per-rank counters for operators and tests; mixed_steps: target steps where, across the group, one rank
         # held a non-last prefill chunk, another decoded and a third was idle
@@ -61,6 +62,7 @@ class DPSync:
 
     def target(self, local: DPMeta) -> Gathered | None:
         g = self._gather(local, 0)
+        self.step_table = g
         if g.all_dummy:
             return None  # nobody has work: every rank skips this step
         self.target_decode = g.global_decode

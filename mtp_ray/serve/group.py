@@ -19,6 +19,7 @@ from mtp_ray.config.engine import EngineConfig
 from mtp_ray.config.model import ModelConfig
 from mtp_ray.engine.loop import StepOutput
 from mtp_ray.engine.sampling_params import SamplingParams
+from mtp_ray.serve.group_commands import GroupCommands
 from mtp_ray.serve.protocol import unpack_step
 from mtp_ray.serve.worker import RankWorker
 
@@ -41,7 +42,7 @@ def rank_bundles(cfg: EngineConfig) -> list[dict]:
     return [{"CPU": cpu, "GPU": 1} if gpu else {"CPU": cpu} for _ in range(cfg.parallel.dp)]
 
 
-class EngineGroup:
+class EngineGroup(GroupCommands):
     def __init__(self, cfg: EngineConfig, pg=None, bundle_offset: int = 0, restart_on_failure: bool = True):
         """restart_on_failure=False (Serve): a fault leaves the group failed, check_health reports it and Serve
         replaces the whole replica; True (actor handle): the group restarts its ranks itself."""
@@ -262,48 +263,6 @@ class EngineGroup:
             except Exception as e:
                 lines.append(f"  rank {r}: unreachable ({type(e).__name__}); last poll step {self.progress[r][0]}")
         return "every rank's last state:\n" + "\n".join(lines)
-
-    # ---- group commands ----
-    async def command(self, name: str, *args, wait_in_flight: bool = False) -> list:
-        """Run a command on every rank (in lock-step there); returns the per-rank results."""
-        if self.state != "ready":
-            await asyncio.wait_for(self._ready.wait(), self.cfg.timeouts.start_s)
-        async with self._cmd_lock:
-            self._accepting.clear()
-            try:
-                while wait_in_flight and self.reqs:
-                    await asyncio.sleep(0.02)
-                self._cmd_seq += 1
-                res = await asyncio.gather(*[w.command.remote(self._cmd_seq, name, args) for w in self.workers],
-                                           return_exceptions=True)
-            finally:
-                if not self.sleeping:
-                    self._accepting.set()
-        for r, e in enumerate(res):
-            if isinstance(e, BaseException):
-                cause = e.cause if hasattr(e, "cause") and e.cause is not None else e
-                msg = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
-                raise (ValueError if isinstance(cause, ValueError) else RuntimeError)(f"{name} on rank {r}: {msg}")
-        return list(res)
-
-    async def sleep(self, level: int = 1, in_flight: str = "abort") -> list:
-        if in_flight not in ("abort", "wait"):
-            raise ValueError("in_flight must be 'abort' or 'wait'")
-        res = await self.command("sleep", level, in_flight, wait_in_flight=in_flight == "wait")
-        self.sleeping = level
-        self._accepting.clear()
-        return res
-
-    async def wake_up(self) -> list:
-        res = await self.command("wake_up")
-        self.sleeping = 0
-        self._accepting.set()
-        return res
-
-    async def update_weights(self, items) -> list:
-        res = await self.command("update_weights", items, wait_in_flight=True)
-        self.weights_updated = True
-        return res
 
     def health(self) -> dict:
         return {"healthy": self.state == "ready", "state": self.state, "restarts": self.restarts,

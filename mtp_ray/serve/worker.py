@@ -158,7 +158,7 @@ class RankWorker:
                     sync.step += 1
                     if outs:
                         self._publish(pack_step(sync.step, outs))
-                    g = sync.last
+                    g = sync.step_table
                     if g is not None and g.command_ready:
                         self._run_command()
                     elif g is not None and g.all_dummy and not g.any_unfinished and not g.any_command:

@@ -1,0 +1,52 @@
+"""Group commands (sleep, wake_up, weight updates, ...): sent to every rank, run there in lock-step at the same
+step (mtp_ray/rl/commands.py), one at a time; new requests are held while a command runs or while asleep."""
+
+from __future__ import annotations
+
+import asyncio
+
+
+class GroupCommands:
+    """Mixed into EngineGroup (which owns workers, reqs, state, _ready, _accepting, _cmd_lock, _cmd_seq)."""
+
+    async def command(self, name: str, *args, wait_in_flight: bool = False) -> list:
+        """Run a command on every rank (in lock-step there); returns the per-rank results."""
+        if self.state != "ready":
+            await asyncio.wait_for(self._ready.wait(), self.cfg.timeouts.start_s)
+        async with self._cmd_lock:
+            self._accepting.clear()
+            try:
+                while wait_in_flight and self.reqs:
+                    await asyncio.sleep(0.02)
+                self._cmd_seq += 1
+                res = await asyncio.gather(*[w.command.remote(self._cmd_seq, name, args) for w in self.workers],
+                                           return_exceptions=True)
+            finally:
+                if not self.sleeping:
+                    self._accepting.set()
+        for r, e in enumerate(res):
+            if isinstance(e, BaseException):
+                cause = e.cause if hasattr(e, "cause") and e.cause is not None else e
+                msg = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
+                raise (ValueError if isinstance(cause, ValueError) else RuntimeError)(f"{name} on rank {r}: {msg}")
+        return list(res)
+
+    async def sleep(self, level: int = 1, in_flight: str = "abort") -> list:
+        if in_flight not in ("abort", "wait"):
+            raise ValueError("in_flight must be 'abort' or 'wait'")
+        res = await self.command("sleep", level, in_flight, wait_in_flight=in_flight == "wait")
+        self.sleeping = level
+        self._accepting.clear()
+        return res
+
+    async def wake_up(self) -> list:
+        res = await self.command("wake_up")
+        self.sleeping = 0
+        self._accepting.set()
+        return res
+
+    async def update_weights(self, items) -> list:
+        res = await self.command("update_weights", items, wait_in_flight=True)
+        self.weights_updated = True
+        return res
+

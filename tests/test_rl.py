@@ -1,0 +1,187 @@
+"""RL rollout API on a dp = 2, MTP k = 2 group: weight updates (object refs and a weight-update group), sleep /
+wake_up cycles, sleep in the middle of chunked prefill, concurrent rollout workers, bad updates."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from mtp_ray import LLM, SamplingParams
+from mtp_ray.config.engine import BUNDLED_MODEL
+from mtp_ray.dist.context import free_port
+from mtp_ray.model.loader import checkpoint_tensors
+from mtp_ray.rl.engine import launch_engine
+from mtp_ray.rl.weights import TrainerWeightSender
+
+K = 2
+PROMPTS = [list(range(10, 30)), list(range(50, 60)), [7, 300, 21, 9, 88], list(range(400, 470))]
+GREEDY = {"temperature": 0, "max_tokens": 16, "ignore_eos": True}
+
+
+def weights(scale: float, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(n, read(None).float() + scale * torch.randn(shape, generator=g))
+            for n, shape, read in checkpoint_tensors(BUNDLED_MODEL)]
+
+
+def save_checkpoint(path, named) -> str:
+    shutil.copytree(BUNDLED_MODEL, path)
+    save_file({n: t.contiguous() for n, t in named}, str(path / "model.safetensors"))
+    return str(path)
+
+
+def fresh(model: str) -> tuple[list[list[int]], list[int]]:
+    """Outputs and accepted-draft counts of a fresh single-rank engine on `model`."""
+    outs = LLM(model, num_speculative_tokens=K).generate(PROMPTS, SamplingParams(**GREEDY))
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].spec["num_accepted_tokens"] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def new_weights(tmp_path_factory):
+    named = weights(0.02)
+    return named, save_checkpoint(tmp_path_factory.mktemp("w") / "new", named)
+
+
+@pytest.fixture(scope="module")
+def refs(new_weights):
+    return {"orig": fresh(BUNDLED_MODEL), "new": fresh(new_weights[1])}
+
+
+@pytest.fixture(scope="module")
+def engine(ray_cluster):
+    h = launch_engine({"spec": {"num_speculative_tokens": K}, "parallel": {"dp": 2},
+                       "scheduler": {"prefill_chunk": 8, "max_num_batched_tokens": 32}})
+    yield h
+    ray_cluster.get(h.shutdown.remote())
+
+
+def gen(ray, h) -> tuple[list[list[int]], list[int]]:
+    res = ray.get(h.generate.remote(PROMPTS, GREEDY), timeout=300)
+    return [r["token_ids"] for r in res], [r["spec"]["num_accepted_tokens"] for r in res]
+
+
+def test_bad_updates_name_the_tensor_and_keep_old_weights(ray_cluster, engine, refs):
+    ray = ray_cluster
+    assert gen(ray, engine) == refs["orig"]
+    good = weights(0.02)[:5]
+    name, t = good[0]
+    for bad, pattern in (
+            ([("model.layers.0.bogus.weight", t)], "unknown weight name 'model.layers.0.bogus.weight'"),
+            ([("mtp.fc.weight", torch.zeros(3, 3))], r"weight 'mtp.fc.weight' has shape \[3, 3\]"),
+            ([("model.norm.weight", torch.zeros(128, dtype=torch.int64))], "weight 'model.norm.weight' has dtype"),
+            ([("model.layers.0.mlp.experts.99.up_proj.weight", torch.zeros(128, 128))], "experts.99")):
+        with pytest.raises(Exception, match=pattern):
+            ray.get(engine.update_weights.remote(good + bad))  # valid tensors first: none may be applied
+    assert gen(ray, engine) == refs["orig"]
+
+
+def test_update_weights_by_object_refs_equals_fresh_engine(ray_cluster, engine, new_weights, refs):
+    ray = ray_cluster
+    named = new_weights[0]
+    # chunked, each tensor its own object ref
+    for i in range(0, len(named), 50):
+        ray.get(engine.update_weights.remote([(n, ray.put(t)) for n, t in named[i : i + 50]]))
+    toks, accepted = gen(ray, engine)
+    assert toks == refs["new"][0] and toks != refs["orig"][0]
+    assert accepted == refs["new"][1]  # the MTP head was updated too: its drafts are the fresh engine's
+    ray.get(engine.update_weights.remote(ray.put(weights(0.0))))  # back to the original weights
+    assert gen(ray, engine) == refs["orig"]
+
+
+def test_update_weights_from_distributed_equals_fresh_engine(ray_cluster, engine, new_weights, refs):
+    ray = ray_cluster
+    named = new_weights[0]
+    port = free_port()
+    joined = engine.init_weights_update_group.remote("127.0.0.1", port, 1, 3, "wu", "gloo")
+    sender = TrainerWeightSender("127.0.0.1", port, 3, "wu")  # rank 0; the two engine ranks are 1 and 2
+    ray.get(joined)
+    done = engine.update_weights_from_distributed.remote([n for n, _ in named], [str(t.dtype) for _, t in named],
+                                                         [list(t.shape) for _, t in named], "wu")
+    sender.send(named)
+    ray.get(done)
+    assert gen(ray, engine) == refs["new"]
+    # a bad name in a broadcast update: every tensor is still received (the trainer never hangs), none applied
+    bad = [("model.nope", named[0][1])] + named[1:3]
+    done = engine.update_weights_from_distributed.remote([n for n, _ in bad], [str(t.dtype) for _, t in bad],
+                                                         [list(t.shape) for _, t in bad], "wu")
+    sender.send(bad)
+    with pytest.raises(Exception, match="model.nope"):
+        ray.get(done)
+    assert gen(ray, engine) == refs["new"]
+
+
+def test_sleep_wake_cycles_equal_fresh_engine(ray_cluster, engine, new_weights, refs):
+    ray = ray_cluster
+    ray.get(engine.update_weights.remote(ray.put(weights(0.0))))
+    orig, new = ray.put(weights(0.0)), ray.put(new_weights[0])
+    for cycle in range(5):
+        mem = ray.get(engine.sleep.remote(1))
+        assert all(m["cache_bytes"] == 0 and m["asleep"] == 1 for m in mem)
+        print(f"cycle {cycle} sleep(1) per-rank memory: {mem}")
+        ray.get(engine.wake_up.remote())
+        want = "new" if cycle % 2 else "orig"
+        assert gen(ray, engine) == refs[want]
+        mem = ray.get(engine.sleep.remote(2))
+        assert all(m["cache_bytes"] == 0 and m["weights_bytes"] == 0 for m in mem)
+        print(f"cycle {cycle} sleep(2) per-rank memory: {mem}")
+        want = "orig" if cycle % 2 else "new"
+        ray.get(engine.update_weights.remote(orig if want == "orig" else new))
+        awake = ray.get(engine.wake_up.remote())
+        assert all(m["cache_bytes"] > 0 and m["weights_bytes"] > 0 for m in awake)
+        assert gen(ray, engine) == refs[want]
+    ray.get(engine.update_weights.remote(orig))
+
+
+def test_wake_up_after_sleep2_without_weights_is_refused(ray_cluster, engine, refs):
+    ray = ray_cluster
+    ray.get(engine.sleep.remote(2))
+    with pytest.raises(Exception, match="needs every weight"):
+        ray.get(engine.wake_up.remote())
+    ray.get(engine.update_weights.remote(ray.put(weights(0.0))))
+    ray.get(engine.wake_up.remote())
+    assert gen(ray, engine) == refs["orig"]
+
+
+def test_sleep_mid_chunked_prefill_and_decode_leaves_nothing_stale(ray_cluster, engine, refs):
+    ray = ray_cluster
+    def chunk_steps() -> int:
+        return sum(r["chunk_steps"] for r in ray.get(engine.get_stats.remote())["ranks"])
+
+    before = chunk_steps()
+    long_prefill = engine.generate.remote([(7 * i) % 2000 + 3 for i in range(3000)],
+                                          {"temperature": 0, "max_tokens": 4})
+    decode = engine.generate.remote([5, 6, 7], {"temperature": 0, "max_tokens": 2000, "ignore_eos": True})
+    deadline = time.time() + 60
+    while chunk_steps() < before + 20 and time.time() < deadline:  # rank A chunks 3000 tokens 8 at a time
+        time.sleep(0.05)
+    ray.get(engine.sleep.remote(1), timeout=60)
+    for r in (long_prefill, decode):
+        assert ray.get(r, timeout=60)["stop_reason"] == "aborted"
+    ray.get(engine.wake_up.remote(), timeout=60)
+    assert gen(ray, engine) == refs["orig"]
+    assert ray.get(engine.reset_prefix_cache.remote())
+    assert gen(ray, engine) == refs["orig"]
+
+
+def test_concurrent_rollout_workers(ray_cluster, engine, refs):
+    ray = ray_cluster
+
+    @ray.remote(num_cpus=0)
+    class RolloutWorker:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def rollout(self, prompts: list[list[int]]) -> list[list[int]]:
+            refs_ = [self.handle.generate.remote(p, GREEDY) for p in prompts]
+            return [r["token_ids"] for r in ray.get(refs_)]
+
+    workers = [RolloutWorker.remote(engine) for _ in range(4)]
+    jobs = [w.rollout.remote([PROMPTS[(i + j) % 4] for j in range(16)]) for i, w in enumerate(workers)]
+    outs = ray.get(jobs, timeout=600)
+    assert sum(len(o) for o in outs) == 64
+    for i, o in enumerate(outs):
+        assert o == [refs["orig"][0][(i + j) % 4] for j in range(16)]
