@@ -29,6 +29,8 @@ def server(ray_cluster):
     from mtp_ray.serve.app import build_app
 
     spec = app_spec()
+    # one group for this module (health, abort counters and routing observed on it); scaling is tested elsewhere
+    spec["args"]["group"] = {"num_replicas": 1}
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(spec["args"]), name=spec["name"], route_prefix=spec["route_prefix"])
     yield spec
@@ -218,3 +220,38 @@ def test_client_disconnect_aborts_the_request(server):
     assert h["in_flight"] == 0 and all(r["num_running"] == 0 for r in h["ranks"]), h
     time.sleep(1.0)  # the rank's counters reach the group with its next poll
     assert aborted() == before + 1
+
+
+def test_rl_methods_through_the_serve_handle(server, offline):
+    from ray import serve
+
+    h = serve.get_deployment_handle("EngineGroup", app_name=server["name"])
+    ids = offline.tokenizer.encode(PROMPTS[0])
+    want = offline.generate([ids], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].token_ids
+    params = {"temperature": 0, "max_tokens": 12}
+    assert h.generate.remote(ids, params).result()["token_ids"] == want
+    mem = h.sleep.remote(1).result()
+    assert all(m["cache_bytes"] == 0 for m in mem)
+    h.wake_up.remote().result()
+    assert h.generate.remote(ids, params).result()["token_ids"] == want
+    assert h.reset_prefix_cache.remote().result() is True
+
+
+def test_dead_rank_makes_health_503_and_serve_replaces_the_group(server, ray_cluster):
+    ray = ray_cluster
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("mtp_ray_rank_")]
+    victim = next(a for a in names if a["name"].endswith("_r1"))
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]))
+    codes, deadline = [], time.time() + 180
+    while time.time() < deadline:
+        try:
+            codes.append(requests.get(f"{BASE}/health", timeout=10).status_code)
+        except requests.RequestException:
+            codes.append(None)
+        if 503 in codes and codes[-1] == 200:
+            break
+        time.sleep(0.5)
+    assert 503 in codes, codes[-10:]
+    assert codes[-1] == 200, codes[-10:]
+    ok = post("/v1/completions", {"model": MODEL, "prompt": "after the restart", "max_tokens": 4})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4

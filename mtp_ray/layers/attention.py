@@ -34,7 +34,8 @@ def paged_attention(
         qs = q[s:e].transpose(0, 1).float()  # [Hq, n, D]
         scores = (qs @ k.transpose(1, 2)) * scale  # [Hq, n, L]
         # query j sits at absolute position ctx + j and sees keys 0..ctx + j
-        mask = torch.arange(total)[None, :] > (ctx + torch.arange(n))[:, None]
+        pos = torch.arange(total, device=q.device)
+        mask = pos[None, :] > (ctx + pos[:n])[:, None]
         scores.masked_fill_(mask, float("-inf"))
         out[s:e] = (scores.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
     return out

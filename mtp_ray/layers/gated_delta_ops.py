@@ -55,11 +55,11 @@ def chunk_gated_delta(
     g, beta = (x.view(nc, chunk, -1).permute(2, 0, 1) for x in (g, beta))  # [Hv, nc, C]
     gc = g.cumsum(-1)
     diff = gc[..., :, None] - gc[..., None, :]  # [Hv, nc, C, C]: log(Gamma_t / Gamma_j)
-    lower = torch.ones(chunk, chunk, dtype=torch.bool).tril()
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     decay = torch.where(lower, diff, float("-inf")).exp()  # incl. diagonal, 0 above
-    strict = decay.masked_fill(torch.eye(chunk, dtype=torch.bool), 0.0)
+    strict = decay.masked_fill(torch.eye(chunk, dtype=torch.bool, device=q.device), 0.0)
     kb = k * beta[..., None]
-    eye = torch.eye(chunk, dtype=q.dtype)
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
     m = eye + (kb @ k.transpose(-1, -2)) * strict
     u = torch.linalg.solve_triangular(m, v * beta[..., None], upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(m, kb * gc.exp()[..., None], upper=False, unitriangular=True)
