@@ -7,13 +7,13 @@ import torch
 
 from mtp_ray import LLM, SamplingParams
 from mtp_ray.config.engine import BUNDLED_MODEL
-from tests.helpers import make_checkpoint
+from tests.helpers import CONFIGS, make_checkpoint
 
 
-@pytest.fixture(scope="module")
-def random_ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("rand_engine")
-    hf, _ = make_checkpoint(path, "gqa2_int2", seed=11)
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def random_ckpt(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"rand_engine_{request.param}")
+    hf, _ = make_checkpoint(path, request.param, seed=11)
     return path, hf
 
 
