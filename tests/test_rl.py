@@ -185,3 +185,20 @@ def test_concurrent_rollout_workers(ray_cluster, engine, refs):
     assert sum(len(o) for o in outs) == 64
     for i, o in enumerate(outs):
         assert o == [refs["orig"][0][(i + j) % 4] for j in range(16)]
+
+
+def test_engine_on_a_placement_group_the_caller_owns(ray_cluster, refs):
+    ray = ray_cluster
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group([{"CPU": 0.5}, {"CPU": 1}, {"CPU": 1}], strategy="PACK")  # bundle 0: the caller's own
+    ray.get(pg.ready())
+    h = launch_engine({"spec": {"num_speculative_tokens": K}, "parallel": {"dp": 2}}, placement_group=pg,
+                      bundle_offset=1)
+    try:
+        assert gen(ray, h) == refs["orig"]
+        handles = ray.get(h.worker_handles.remote())
+        assert len(handles) == 2
+    finally:
+        ray.get(h.shutdown.remote())
+        remove_placement_group(pg)
