@@ -126,3 +126,8 @@ def test_engine_config_from_yaml_section_rejects_unknown_fields():
         EngineConfig.from_dict({"cache": {"blok_size": 8}})
     with pytest.raises(ValueError, match="spec.num_speculative_tokens"):
         EngineConfig.from_dict({"spec": {"num_speculative_tokens": -1}})
+
+
+def test_token_budget_must_hold_a_verify_step():
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLM(num_speculative_tokens=3, max_num_batched_tokens=3)

@@ -61,6 +61,9 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._seeds = itertools.count(cfg.seed * 1_000_003 + 1)
         self.stats = {"steps": 0, "drafted": 0, "accepted": 0, "verify_steps": 0, "aborted": 0}
+        if cfg.scheduler.max_num_batched_tokens < 1 + self.k:
+            raise ValueError(f"scheduler.max_num_batched_tokens={cfg.scheduler.max_num_batched_tokens} cannot hold "
+                             f"one verify step of 1 + k = {1 + self.k} tokens")
         need = (self.max_model_len + 2 * self.k + shape.block_size) // shape.block_size
         if shape.num_blocks - 1 < need:
             raise ValueError(f"cache.num_blocks={shape.num_blocks} cannot hold one sequence of max_model_len "
