@@ -9,6 +9,7 @@ from typing import Any
 from mtp_ray.config.engine import BUNDLED_MODEL, CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from mtp_ray.engine.detok import Detokenizer
 from mtp_ray.engine.loop import EngineCore, StepOutput
+from mtp_ray.engine.request import check_prompt
 from mtp_ray.engine.sampling_params import SamplingParams
 
 
@@ -83,11 +84,10 @@ class LLM:
         if len(plist) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
         encoded = [self.encode(p) for p in prompts]  # validate everything before anything is queued
+        vocab = self.engine.runner.model_config.vocab_size
         for (_, ids), sp in zip(encoded, plist, strict=False):
             sp.validate()
-            if len(ids) >= self.engine.max_model_len:
-                raise ValueError(f"prompt has {len(ids)} tokens; the maximum context length is "
-                                 f"{self.engine.max_model_len}")
+            check_prompt(ids, vocab, self.engine.max_model_len)
         results: dict[str, RequestOutput] = {}
         detok: dict[str, tuple[RequestOutput, CompletionOutput, Detokenizer]] = {}
         order = []

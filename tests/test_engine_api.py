@@ -131,3 +131,9 @@ def test_engine_config_from_yaml_section_rejects_unknown_fields():
 def test_token_budget_must_hold_a_verify_step():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         LLM(num_speculative_tokens=3, max_num_batched_tokens=3)
+
+
+def test_a_bad_prompt_in_a_batch_queues_nothing(llm):
+    with pytest.raises(ValueError, match="prompt token ids"):
+        llm.generate([[5, 6, 7], [5, 99999]], SamplingParams(max_tokens=3))
+    assert not llm.engine.has_unfinished()

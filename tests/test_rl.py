@@ -202,3 +202,16 @@ def test_engine_on_a_placement_group_the_caller_owns(ray_cluster, refs):
     finally:
         ray.get(h.shutdown.remote())
         remove_placement_group(pg)
+
+
+def test_pause_and_resume_generation(ray_cluster, engine, refs):
+    ray = ray_cluster
+    running = engine.generate.remote([5, 6, 7], {"temperature": 0, "max_tokens": 3000, "ignore_eos": True})
+    time.sleep(0.5)
+    ray.get(engine.pause_generation.remote("abort"), timeout=60)
+    assert ray.get(running, timeout=60)["stop_reason"] == "aborted"
+    held = engine.generate.remote(PROMPTS, GREEDY)
+    ready, _ = ray.wait([held], timeout=2.0)
+    assert not ready  # held while paused
+    ray.get(engine.resume_generation.remote())
+    assert [r["token_ids"] for r in ray.get(held, timeout=120)] == refs["orig"][0]

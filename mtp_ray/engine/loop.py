@@ -14,7 +14,7 @@ from mtp_ray.config.model import ModelConfig
 from mtp_ray.dist.dp_meta import DPMeta
 from mtp_ray.engine.block_manager import BlockManager
 from mtp_ray.engine.inputs import build, dummy_inputs, target_pieces
-from mtp_ray.engine.request import Request
+from mtp_ray.engine.request import Request, check_prompt
 from mtp_ray.engine.runner import ModelRunner
 from mtp_ray.engine.sampler import Row, logprob_info, sample_row
 from mtp_ray.engine.sampling_params import SamplingParams
@@ -73,16 +73,9 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if not prompt_ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.runner.model_config.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if self.runner.asleep:
             raise ValueError("the engine is asleep: call wake_up() first")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the maximum context length is "
-                             f"{self.max_model_len} (prompt + at least one generated token)")
+        check_prompt(prompt_ids, self.runner.model_config.vocab_size, self.max_model_len)
         gen = torch.Generator().manual_seed(params.seed if params.seed is not None else next(self._seeds))
         req = Request(request_id, list(prompt_ids), params, arrival=time.monotonic(), generator=gen)
         self.requests[request_id] = req

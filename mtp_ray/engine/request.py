@@ -69,3 +69,14 @@ class Request:
             # tokens emitted per verify step (accepted drafts + the target's own token)
             "mean_acceptance_length": (1 + self.num_accepted / self.num_verify_steps) if self.num_verify_steps else 0.0,
         }
+
+
+def check_prompt(prompt_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """The one place a token-id prompt is validated (offline API, engine, group): ValueError naming the field."""
+    if not prompt_ids:
+        raise ValueError("prompt must not be empty")
+    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in prompt_ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+    if max_model_len and len(prompt_ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(prompt_ids)} tokens; the maximum context length is {max_model_len} "
+                         f"(prompt + at least one generated token)")

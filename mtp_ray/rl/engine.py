@@ -59,15 +59,14 @@ class RolloutEngine:
         """New requests wait until resume_generation(); in-flight ones are aborted ('abort') or finish ('wait')."""
         if mode not in ("abort", "wait"):
             raise ValueError("mode must be 'abort' or 'wait'")
-        self.group._accepting.clear()
+        self.group.hold()
         if mode == "abort":
             await self.abort_all_requests()
         while self.group.reqs:
             await asyncio.sleep(0.02)
 
     async def resume_generation(self) -> None:
-        if not self.group.sleeping:
-            self.group._accepting.set()
+        self.group.release()
 
     async def sleep(self, level: int = 1, in_flight: str = "abort") -> list[dict]:
         """1: KV cache freed, weights offloaded to host; 2: both dropped. Returns each rank's memory while asleep."""

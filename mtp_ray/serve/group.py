@@ -18,6 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from mtp_ray.config.engine import EngineConfig
 from mtp_ray.config.model import ModelConfig
 from mtp_ray.engine.loop import StepOutput
+from mtp_ray.engine.request import check_prompt
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.serve.group_commands import GroupCommands
 from mtp_ray.serve.protocol import unpack_step
@@ -132,14 +133,7 @@ class EngineGroup(GroupCommands):
     # ---- requests ----
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         params.validate()
-        if not prompt_ids:
-            raise ValueError("prompt must not be empty")
-        v = self.model_config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < v for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {v})")
-        if self.max_model_len and len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the maximum context length is "
-                             f"{self.max_model_len} (prompt + at least one generated token)")
+        check_prompt(prompt_ids, self.model_config.vocab_size, self.max_model_len)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        ready_timeout: float | None = None) -> AsyncIterator[StepOutput]:

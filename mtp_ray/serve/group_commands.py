@@ -9,6 +9,14 @@ import asyncio
 class GroupCommands:
     """Mixed into EngineGroup (which owns workers, reqs, state, _ready, _accepting, _cmd_lock, _cmd_seq)."""
 
+    def hold(self) -> None:
+        """New requests wait (they are not refused) until release()."""
+        self._accepting.clear()
+
+    def release(self) -> None:
+        if not self.sleeping:
+            self._accepting.set()
+
     async def command(self, name: str, *args, wait_in_flight: bool = False) -> list:
         """Run a command on every rank (in lock-step there); returns the per-rank results."""
         if self.state != "ready":
