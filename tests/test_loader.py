@@ -145,3 +145,30 @@ def test_qwen3_next_checkpoint_matches_transformers(tmp_path):
     ids = [i % 61 for i in IDS * 6]
     ref = hf(torch.tensor([ids])).logits[0]
     assert (run(ours, ids) - ref).abs().max().item() < 1e-4
+
+
+@torch.no_grad()
+def test_attention_bias_config_matches_transformers(tmp_path):
+    from transformers import Qwen3_5MoeForCausalLM
+
+    from tests.helpers import hf_config
+
+    cfg = hf_config("gqa2_int2")
+    cfg.attention_bias = True
+    torch.manual_seed(0)
+    hf = Qwen3_5MoeForCausalLM(cfg).eval()
+    randomise(hf, 3)
+    hf.save_pretrained(tmp_path)
+    assert any(k.endswith("q_proj.bias") for k in load_file(tmp_path / "model.safetensors"))
+    ref = hf(torch.tensor([IDS])).logits[0]
+    assert (run(load_model(tmp_path, with_mtp=False), IDS) - ref).abs().max().item() < 1e-4
+
+
+def test_unused_checkpoint_tensor_is_an_error(ckpt, tmp_path):
+    bad = tmp_path / "extra"
+    shutil.copytree(ckpt, bad)
+    sd = load_file(bad / "model.safetensors")
+    sd["model.layers.0.mlp.gate.weight_scale_inv"] = torch.ones(1)
+    save_file(sd, bad / "model.safetensors")
+    with pytest.raises(ValueError, match="weight_scale_inv"):
+        load_model(bad)

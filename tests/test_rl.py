@@ -215,3 +215,17 @@ def test_pause_and_resume_generation(ray_cluster, engine, refs):
     assert not ready  # held while paused
     ray.get(engine.resume_generation.remote())
     assert [r["token_ids"] for r in ray.get(held, timeout=120)] == refs["orig"][0]
+
+
+def test_requests_while_asleep_wait_or_fail_by_policy(ray_cluster, engine, refs):
+    ray = ray_cluster
+    ray.get(engine.sleep.remote(1))
+    ray.get(engine.set_asleep_policy.remote("fail"))
+    with pytest.raises(Exception, match="asleep"):
+        ray.get(engine.generate.remote(PROMPTS[0], GREEDY), timeout=60)
+    ray.get(engine.set_asleep_policy.remote("wait"))
+    waiting = engine.generate.remote(PROMPTS, GREEDY)
+    ready, _ = ray.wait([waiting], timeout=2.0)
+    assert not ready  # never runs on freed memory: it waits for wake_up
+    ray.get(engine.wake_up.remote())
+    assert [r["token_ids"] for r in ray.get(waiting, timeout=120)] == refs["orig"][0]

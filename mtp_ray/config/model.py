@@ -40,6 +40,7 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()  # qwen3_next mlp_only_layers / decoder_sparse_step: plain MLP there
     intermediate_size: int = 0  # width of those dense MLPs
     rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
     mtp_num_hidden_layers: int = 1
@@ -118,12 +119,13 @@ class ModelConfig:
             dense_layers=dense,
             intermediate_size=int(raw.get("intermediate_size", 0) or 0),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            attention_bias=bool(raw.get("attention_bias", False)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
             mtp_num_hidden_layers=int(raw.get("mtp_num_hidden_layers", raw.get("num_nextn_predict_layers", 1)) or 0),
             eos_token_ids=eos_ids,
             gdn_grouped_projections=mt == "qwen3_next",
-            extra={"dtype": raw.get("dtype", raw.get("torch_dtype"))},
+            extra={"dtype": raw.get("dtype", raw.get("torch_dtype")), "hidden_act": raw.get("hidden_act", "silu")},
         )
         cfg.validate()
         return cfg
@@ -153,3 +155,5 @@ class ModelConfig:
         need(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok in 1..num_experts")
         need(self.rotary_dim % 2 == 0 and self.rotary_dim <= self.head_dim, "rotary_dim even and <= head_dim")
         need(not self.dense_layers or self.intermediate_size > 0, "intermediate_size for dense layers")
+        act = self.extra.get("hidden_act", "silu")
+        need(act in ("silu", "swish"), f"hidden_act {act!r} is not supported (silu)")

@@ -47,10 +47,11 @@ class GatedAttention(nn.Module):
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim * 2, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)

@@ -9,7 +9,6 @@ error that names it.
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,8 +19,6 @@ from safetensors import safe_open
 from mtp_ray.config.model import ModelConfig
 from mtp_ray.layers.moe import ExpertDispatcher, local_dispatch
 from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
-
-log = logging.getLogger(__name__)
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -71,10 +68,10 @@ class WeightLoader:
                                                                "linear_attn.in_proj_ba.weight")):
             return self._load_grouped_gdn(name, shape, read)
         if name not in self.params:
-            if self.strict:
-                raise ValueError(f"unknown weight name {name!r}: no such parameter in the model")
-            log.warning("checkpoint tensor %s has no parameter in the model; skipped", name)
-            return
+            # never ignore a tensor silently: an unused one means an unsupported feature (biases, quantisation
+            # scales, ...) and serving without it would change the output
+            kind = "weight name" if self.strict else "checkpoint tensor"
+            raise ValueError(f"unknown {kind} {name!r}: no such parameter in the model")
         self._copy(name, self.params[name], shape, read(None))
 
     def check(self, name: str, shape: list[int], dtype: torch.dtype) -> None:
