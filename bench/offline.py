@@ -2,8 +2,9 @@
 transformers `generate` vs mtp-ray (k = 0), and mtp-ray with MTP k = 0..3 (acceptance length, speed ratio).
 
     python bench/offline.py [--out bench/results/offline.json] [--max-tokens 64] [--prompts 8] [--threads 2]
+                            [--device cpu|cuda]
 
-Greedy decoding, fp32 on CPU by default. Tokens/s counts generated tokens over wall time (prefill included).
+Greedy decoding, fp32, on the CPU by default. Tokens/s counts generated tokens over wall time (prefill included).
 """
 
 from __future__ import annotations
@@ -27,15 +28,15 @@ def prompts(tok, n: int, length: int = 48) -> list[list[int]]:
     return [ids[i * 200 : i * 200 + length] for i in range(n)]
 
 
-def run_hf(ps: list[list[int]], max_tokens: int) -> dict:
+def run_hf(ps: list[list[int]], max_tokens: int, device: str) -> dict:
     from transformers import Qwen3_5MoeForCausalLM
 
-    model = Qwen3_5MoeForCausalLM.from_pretrained(BUNDLED_MODEL, dtype=torch.float32).eval()
+    model = Qwen3_5MoeForCausalLM.from_pretrained(BUNDLED_MODEL, dtype=torch.float32).eval().to(device)
     t0, n = time.perf_counter(), 0
     outs = []
     with torch.no_grad():
         for p in ps:  # batch 1, as a user of generate() would for unequal prompts
-            o = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+            o = model.generate(torch.tensor([p], device=device), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                                do_sample=False, pad_token_id=0)
             outs.append(o[0, len(p):].tolist())
             n += len(outs[-1])
@@ -43,8 +44,8 @@ def run_hf(ps: list[list[int]], max_tokens: int) -> dict:
     return {"tokens": n, "seconds": round(dt, 3), "tokens_per_s": round(n / dt, 1), "outputs": outs}
 
 
-def run_ours(ps: list[list[int]], max_tokens: int, k: int, batch: bool) -> dict:
-    llm = LLM(num_speculative_tokens=k, max_num_seqs=len(ps))
+def run_ours(ps: list[list[int]], max_tokens: int, k: int, batch: bool, device: str) -> dict:
+    llm = LLM(num_speculative_tokens=k, max_num_seqs=len(ps), device=device, dtype="float32")
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(ps[:1], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     t0 = time.perf_counter()
@@ -64,13 +65,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tok = LLM(max_num_seqs=1).tokenizer
     ps = prompts(tok, args.prompts)
-    hf = run_hf(ps, args.max_tokens)
-    rows = [run_ours(ps, args.max_tokens, k, batch=False) for k in range(4)]
-    rows += [run_ours(ps, args.max_tokens, k, batch=True) for k in (0, 3)]
+    hf = run_hf(ps, args.max_tokens, args.device)
+    rows = [run_ours(ps, args.max_tokens, k, False, args.device) for k in range(4)]
+    rows += [run_ours(ps, args.max_tokens, k, True, args.device) for k in (0, 3)]
     base1 = rows[0]["tokens_per_s"]
     for r in rows:
         r["same_tokens_as_transformers"] = r.pop("outputs") == hf["outputs"]
@@ -78,7 +80,7 @@ def main() -> None:
     hf.pop("outputs")
     result = {
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
-        "model": "bundled tiny-qwen35-mtp (fp32, CPU)", "prompts": args.prompts, "prompt_tokens": 48,
+        "model": f"bundled tiny-qwen35-mtp (fp32, {args.device})", "prompts": args.prompts, "prompt_tokens": 48,
         "max_tokens": args.max_tokens, "transformers_generate_batch1": hf, "mtp_ray": rows,
         "mtp_ray_k0_vs_transformers_batch1": round(base1 / hf["tokens_per_s"], 3),
     }
