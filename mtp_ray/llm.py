@@ -48,6 +48,14 @@ def engine_config(model: str = BUNDLED_MODEL, *, num_speculative_tokens: int = 0
     )
 
 
+def _has_tokenizer(path: str) -> bool:
+    from pathlib import Path
+
+    p = Path(path)
+    return not p.is_dir() or any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                            "tokenizer.model", "vocab.json"))
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
@@ -58,13 +66,17 @@ class LLM:
     def __init__(self, model: str = BUNDLED_MODEL, *, config: EngineConfig | None = None, **kw: Any):
         self.config = config or engine_config(model, **kw)
         self.engine = EngineCore(self.config)
-        self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
+        path = self.config.tokenizer or self.config.model
+        # a checkpoint without tokenizer files (e.g. a random model from save_pretrained) serves token ids only
+        self.tokenizer = load_tokenizer(path) if _has_tokenizer(path) else None
         self._ids = itertools.count()
 
     def encode(self, prompt: Any) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer files; pass token ids (or tokenizer=...)")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             prompt = prompt["prompt_token_ids"]
@@ -88,6 +100,8 @@ class LLM:
         for (_, ids), sp in zip(encoded, plist, strict=False):
             sp.validate()
             check_prompt(ids, vocab, self.engine.max_model_len)
+            if sp.stop and self.tokenizer is None:
+                raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
         results: dict[str, RequestOutput] = {}
         detok: dict[str, tuple[RequestOutput, CompletionOutput, Detokenizer]] = {}
         order = []

@@ -103,3 +103,13 @@ def test_mtp_under_preemption_is_unchanged():
     tight = LLM(num_speculative_tokens=3, num_blocks=32, max_model_len=100, **SMALL)
     assert greedy(tight, prompts, 24) == base
     assert tight.engine.scheduler.num_preemptions > 0
+
+
+def test_checkpoint_without_tokenizer_serves_token_ids(random_ckpt):
+    path, hf = random_ckpt
+    llm = LLM(str(path))  # save_pretrained wrote no tokenizer files
+    assert llm.tokenizer is None
+    prompts = mixed_prompts(97)[:3]
+    assert greedy(llm, prompts, 8) == hf_greedy(hf, prompts, 8)
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate("text needs a tokenizer", SamplingParams(max_tokens=2))

@@ -21,6 +21,8 @@ class Detokenizer:
         if self.stopped_by is not None:
             return
         self.token_ids.extend(new_ids)
+        if self.tokenizer is None:  # token ids only: no text, no stop strings
+            return
         full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
         if self.stop:
             start = max(0, len(self.text) - max(len(s) for s in self.stop))
