@@ -64,10 +64,10 @@ class EngineCore:
         if cfg.scheduler.max_num_batched_tokens < 1 + self.k:
             raise ValueError(f"scheduler.max_num_batched_tokens={cfg.scheduler.max_num_batched_tokens} cannot hold "
                              f"one verify step of 1 + k = {1 + self.k} tokens")
-        need = (self.max_model_len + 2 * self.k + shape.block_size) // shape.block_size
-        if shape.num_blocks - 1 < need:
+        need = self.runner.blocks_per_seq  # one sequence of max_model_len with its MTP lookahead
+        if shape.num_blocks < need:
             raise ValueError(f"cache.num_blocks={shape.num_blocks} cannot hold one sequence of max_model_len "
-                             f"{self.max_model_len} (needs {need + 1} blocks)")
+                             f"{self.max_model_len} (needs {need} blocks)")
 
     # ---- requests ----
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:

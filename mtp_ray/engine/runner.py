@@ -42,16 +42,18 @@ class ModelRunner:
                                 dispatch=dispatch)
         self.model_config: ModelConfig = self.model.config
         self.slots_per_seq = 1 + (self.k + 1 if self.k else 0)
-        self.cache_shape = self._cache_shape(max_model_len)
+        # blocks one sequence of max_model_len needs, with the MTP draft loop's lookahead and a spare
+        self.blocks_per_seq = (max_model_len + 2 * self.k + cfg.cache.block_size) // cfg.cache.block_size + 1
+        self.cache_shape = self._cache_shape()
         self.cache_bytes = 0
         self.asleep = 0  # 0: awake; else the sleep level
         self._shapes: dict[str, torch.Size] = {}  # parameter shapes while dropped (sleep level 2)
         self.restore: WeightLoader | None = None  # tracks the weights given back after sleep(2)
         self.allocate()
 
-    def _cache_shape(self, max_model_len: int) -> CacheShape:
+    def _cache_shape(self) -> CacheShape:
         c, s = self.cfg.cache, self.cfg.scheduler
-        per_seq = (max_model_len + 2 * self.k + c.block_size) // c.block_size + 1
+        per_seq = self.blocks_per_seq
         num_blocks = c.num_blocks
         if num_blocks is None:
             mc = self.model_config
@@ -107,9 +109,9 @@ class ModelRunner:
             if self.restore is None:
                 for n, p in self.model.named_parameters():
                     p.data = torch.empty(self._shapes[n], dtype=p.dtype, device=self.device)
-                self.restore = WeightLoader(self.model, strict=True)
+                self.restore = WeightLoader(self.model)
             return self.restore
-        return WeightLoader(self.model, strict=True)
+        return WeightLoader(self.model)
 
     def wake_up(self) -> None:
         if not self.asleep:

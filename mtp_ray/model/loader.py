@@ -40,10 +40,8 @@ def canonical_name(name: str) -> str:
 class WeightLoader:
     """Copies named checkpoint tensors into a model and tracks what was filled (also used by update_weights)."""
 
-    def __init__(self, model: Qwen3_5MoeForCausalLM, strict: bool = False):
-        """strict: a name that matches no parameter is an error (weight updates), not a warning (checkpoints)."""
+    def __init__(self, model: Qwen3_5MoeForCausalLM):
         self.model = model
-        self.strict = strict
         self.cfg = model.config
         self.start, self.end = model.expert_range
         self.params = dict(model.named_parameters(remove_duplicate=False))
@@ -57,30 +55,28 @@ class WeightLoader:
         return not (name.startswith("mtp.") and self.model.mtp is None)
 
     def load(self, name: str, shape: list[int], read: Reader) -> None:
+        self.check(name, shape)  # names and shapes are validated in one place; the branches below only copy
         name = canonical_name(name)
         if not self.wants(name):
             return
         if m := _PER_EXPERT.match(name):
-            return self._load_expert(m.group(1), int(m.group(2)), m.group(3), shape, read, name)
+            return self._load_expert(m.group(1), int(m.group(2)), m.group(3), read)
         if m := _FUSED.match(name):
-            return self._load_fused(m.group(1), m.group(2), shape, read, name)
+            return self._load_fused(m.group(1), m.group(2), read)
         if self.cfg.gdn_grouped_projections and name.endswith(("linear_attn.in_proj_qkvz.weight",
                                                                "linear_attn.in_proj_ba.weight")):
-            return self._load_grouped_gdn(name, shape, read)
-        if name not in self.params:
-            # never ignore a tensor silently: an unused one means an unsupported feature (biases, quantisation
-            # scales, ...) and serving without it would change the output
-            kind = "weight name" if self.strict else "checkpoint tensor"
-            raise ValueError(f"unknown {kind} {name!r}: no such parameter in the model")
-        self._copy(name, self.params[name], shape, read(None))
+            return self._load_grouped_gdn(name, read)
+        self._copy(name, self.params[name], read(None))
 
-    def check(self, name: str, shape: list[int], dtype: torch.dtype) -> None:
-        """Validate one named tensor without touching the model (so a bad update leaves the old weights)."""
+    def check(self, name: str, shape: list[int], dtype: torch.dtype | None = None) -> None:
+        """Validate one named tensor without touching the model (so a bad update leaves the old weights).
+        A name that matches nothing is an error, never skipped: an unused tensor means an unsupported feature
+        (biases, quantisation scales, ...) and serving without it would change the output."""
         raw = name
         name = canonical_name(name)
         if not self.wants(name):
             return
-        if not dtype.is_floating_point:
+        if dtype is not None and not dtype.is_floating_point:
             raise ValueError(f"weight {raw!r} has dtype {dtype}; expected a floating-point tensor")
         c, shape = self.cfg, list(shape)
         h, inter = c.hidden_size, c.moe_intermediate_size
@@ -104,48 +100,33 @@ class WeightLoader:
         if shape != want:
             raise ValueError(f"weight {raw!r} has shape {shape}, expected {want}")
 
-    def _copy(self, name: str, dst: torch.Tensor, shape: list[int], src: torch.Tensor) -> None:
-        if list(shape) != list(dst.shape):
-            raise ValueError(f"checkpoint tensor {name!r} has shape {list(shape)}, expected {list(dst.shape)}")
+    def _copy(self, name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+        assert src.shape == dst.shape, (name, src.shape, dst.shape)  # check() has validated the shape
         with torch.no_grad():
             dst.copy_(src.to(dst.dtype))
         self.filled.add((name, -1, "all"))
 
-    def _expert_param(self, prefix: str, which: str) -> torch.Tensor:
-        pname = f"{prefix}.{which}"
-        if pname not in self.params:
-            raise ValueError(f"checkpoint has experts under {prefix!r} but the model has no MoE layer there")
-        return self.params[pname]
-
-    def _load_expert(self, prefix: str, e: int, proj: str, shape: list[int], read: Reader, name: str) -> None:
+    def _load_expert(self, prefix: str, e: int, proj: str, read: Reader) -> None:
         if not self.start <= e < self.end:
             return  # another EP rank owns it
-        if e >= self.cfg.num_experts:
-            raise ValueError(f"checkpoint tensor {name!r}: expert {e} >= num_experts {self.cfg.num_experts}")
         i, inter = e - self.start, self.cfg.moe_intermediate_size
-        if proj == "down_proj":
-            dst = self._expert_param(prefix, "down_proj")[i]
-        else:
-            half = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
-            dst = self._expert_param(prefix, "gate_up_proj")[i, half]
         pname = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
-        if list(shape) != list(dst.shape):
-            raise ValueError(f"checkpoint tensor {name!r} has shape {list(shape)}, expected {list(dst.shape)}")
+        if proj == "down_proj":
+            dst = self.params[pname][i]
+        else:
+            dst = self.params[pname][i, slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)]
         with torch.no_grad():
             dst.copy_(read(None).to(dst.dtype))
         self.filled.add((pname, i, proj))
 
-    def _load_fused(self, prefix: str, which: str, shape: list[int], read: Reader, name: str) -> None:
-        param = self._expert_param(prefix, which)
-        full = [self.cfg.num_experts, *param.shape[1:]]
-        if list(shape) != full:
-            raise ValueError(f"checkpoint tensor {name!r} has shape {list(shape)}, expected {full}")
+    def _load_fused(self, prefix: str, which: str, read: Reader) -> None:
+        param = self.params[f"{prefix}.{which}"]
         with torch.no_grad():
             param.copy_(read(slice(self.start, self.end)).to(param.dtype))  # only the owned experts leave disk
         parts = ("down_proj",) if which == "down_proj" else ("gate_proj", "up_proj")
         self.filled.update((f"{prefix}.{which}", i, p) for i in range(self.end - self.start) for p in parts)
 
-    def _load_grouped_gdn(self, name: str, shape: list[int], read: Reader) -> None:
+    def _load_grouped_gdn(self, name: str, read: Reader) -> None:
         """qwen3_next packs [q, k, v, z] (and [b, a]) per key head; regroup into the split projections."""
         c = self.cfg
         hk, dk, dv, rep = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim, \
@@ -154,22 +135,16 @@ class WeightLoader:
         w = read(None)
         h = w.shape[-1]
         if name.endswith("in_proj_qkvz.weight"):
-            expect = [hk * (2 * dk + 2 * rep * dv), h]
-            if list(shape) != expect:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {list(shape)}, expected {expect}")
             q, k, v, z = w.view(hk, -1, h).split([dk, dk, rep * dv, rep * dv], dim=1)
             qkv = torch.cat([q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)])
             for sub, t in (("in_proj_qkv", qkv), ("in_proj_z", z.reshape(-1, h))):
                 pn = f"{base}.{sub}.weight"
-                self._copy(pn, self.params[pn], list(t.shape), t)
+                self._copy(pn, self.params[pn], t)
         else:
-            expect = [hk * 2 * rep, h]
-            if list(shape) != expect:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {list(shape)}, expected {expect}")
             b, a = w.view(hk, 2 * rep, h).split([rep, rep], dim=1)
             for sub, t in (("in_proj_b", b.reshape(-1, h)), ("in_proj_a", a.reshape(-1, h))):
                 pn = f"{base}.{sub}.weight"
-                self._copy(pn, self.params[pn], list(t.shape), t)
+                self._copy(pn, self.params[pn], t)
 
     def missing(self) -> list[str]:
         """Checkpoint-style names of every tensor the model needs and did not get."""
