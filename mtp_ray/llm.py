@@ -72,17 +72,13 @@ class LLM:
         self._ids = itertools.count()
 
     def encode(self, prompt: Any) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
+        if isinstance(prompt, str):  # emptiness (here and for id lists) is check_prompt's, in generate()
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer files; pass token ids (or tokenizer=...)")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             prompt = prompt["prompt_token_ids"]
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
             return None, list(prompt)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 

@@ -54,10 +54,6 @@ class ModelConfig:
         return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
 
     @property
-    def linear_attention_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
-
-    @property
     def conv_dim(self) -> int:
         return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.value_dim
 

@@ -79,10 +79,6 @@ class Gathered:
         return any(m.next_cmd for m in self.ranks)
 
     @property
-    def all_sleeping(self) -> bool:
-        return all(m.is_sleeping for m in self.ranks)
-
-    @property
     def global_decode(self) -> bool:
         """Every rank holds only decodes or nothing (and someone decodes): the low-latency EP regime."""
         return all(m.is_decoding or m.is_dummy for m in self.ranks) and not self.all_dummy
@@ -94,11 +90,6 @@ class Gathered:
     @property
     def max_num_tokens(self) -> int:
         return max(m.num_tokens for m in self.ranks)
-
-    def padding_tokens(self, buckets: tuple[int, ...] = ()) -> int:
-        """DP-wide padded token count: the smallest bucket >= every rank's num_tokens (graph batch size)."""
-        n = self.max_num_tokens
-        return next((b for b in sorted(buckets) if b >= n), n)
 
     def check(self, rank: int, collectives: bool = True) -> None:
         """Lock-step invariants; the message names the ranks that disagree."""

@@ -31,10 +31,6 @@ SAMPLING_FIELDS: dict[str, tuple[str, tuple]] = {
     "skip_special_tokens": ("skip_special_tokens", (bool,)),
     "include_stop_str_in_output": ("include_stop_str_in_output", (bool,)),
 }
-IGNORED = {"model", "user", "stream_options", "logit_bias", "suffix", "best_of", "service_tier", "store",
-           "metadata", "parallel_tool_calls", "response_format", "tools", "tool_choice", "frequency_penalty",
-           "presence_penalty", "echo"}
-
 
 @dataclass
 class ParsedRequest:
