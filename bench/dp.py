@@ -1,7 +1,10 @@
 """DP benchmark, side by side in one run: the same workload on a dp = 1 and a dp = 2 group (through the actor
 handle), plus the per-step cost of the DPMeta gather and of a dummy forward measured inside the ranks.
 
-    python bench/dp.py [--out bench/results/dp.json] [--requests 64] [--k 0]
+    python bench/dp.py [--out bench/results/dp.json] [--requests 64] [--k 0] [--device cpu|cuda]
+                       [--max-num-seqs 64]
+
+On GPUs each rank gets its own GPU (STRICT_PACK), bf16, CUDA graphs on.
 
 Note: on a 2-core machine dp = 2 puts one rank on each core; the driver and Ray share them.
 """
@@ -20,9 +23,12 @@ import ray
 from mtp_ray.rl.engine import launch_engine
 
 
-def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int) -> dict:
-    h = launch_engine({"spec": {"num_speculative_tokens": k}, "parallel": {"dp": dp},
-                       "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 1024}})
+def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int, device: str, max_num_seqs: int) -> dict:
+    cfg = {"spec": {"num_speculative_tokens": k}, "parallel": {"dp": dp}, "device": device,
+           "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 4096}}
+    if device == "cuda":
+        cfg["parallel"]["placement_strategy"] = "STRICT_PACK"
+    h = launch_engine(cfg)
     try:
         params = {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}
         ray.get(h.generate.remote(prompts[0], {**params, "max_tokens": 2}))  # warm-up
@@ -62,13 +68,21 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--k", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    if args.device == "cuda":
+        import torch
+
+        ray.init(num_cpus=8, num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False)
+    else:
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     prompts = [[(7 * i + j) % 2000 + 3 for j in range(32)] for i in range(args.requests)]
-    rows = [run(dp, args.k, prompts, args.max_tokens) for dp in (1, 2)]
-    result = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "workload": {
-        "requests": args.requests, "prompt_tokens": 32, "max_tokens": args.max_tokens, "k": args.k},
+    rows = [run(dp, args.k, prompts, args.max_tokens, args.device, args.max_num_seqs) for dp in (1, 2)]
+    result = {"machine": f"{platform.machine()} {os.cpu_count()} cores, device {args.device}", "workload": {
+        "requests": args.requests, "prompt_tokens": 32, "max_tokens": args.max_tokens, "k": args.k,
+        "max_num_seqs_per_rank": args.max_num_seqs},
         "runs": rows, "dp2_over_dp1_throughput": round(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"], 3)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -1,10 +1,11 @@
 """Offline benchmark on the bundled model, side by side in one run:
-transformers `generate` vs mtp-ray (k = 0), and mtp-ray with MTP k = 0..3 (acceptance length, speed ratio).
+transformers `generate` (batch 1 and all prompts in one batch) vs mtp-ray, and mtp-ray with MTP k = 0..3
+(acceptance length, speed ratio), with CUDA graphs on and off on a GPU.
 
     python bench/offline.py [--out bench/results/offline.json] [--max-tokens 64] [--prompts 8] [--threads 2]
-                            [--device cpu|cuda]
+                            [--device cpu|cuda] [--dtype float32|bfloat16]
 
-Greedy decoding, fp32, on the CPU by default. Tokens/s counts generated tokens over wall time (prefill included).
+Greedy decoding, fp32 on the CPU by default. Tokens/s counts generated tokens over wall time (prefill included).
 """
 
 from __future__ import annotations
@@ -28,33 +29,48 @@ def prompts(tok, n: int, length: int = 48) -> list[list[int]]:
     return [ids[i * 200 : i * 200 + length] for i in range(n)]
 
 
-def run_hf(ps: list[list[int]], max_tokens: int, device: str) -> dict:
+def run_hf(ps: list[list[int]], max_tokens: int, device: str, dtype: torch.dtype, batch: bool) -> dict:
     from transformers import Qwen3_5MoeForCausalLM
 
-    model = Qwen3_5MoeForCausalLM.from_pretrained(BUNDLED_MODEL, dtype=torch.float32).eval().to(device)
-    t0, n = time.perf_counter(), 0
-    outs = []
+    model = Qwen3_5MoeForCausalLM.from_pretrained(BUNDLED_MODEL, dtype=dtype).eval().to(device)
+    kw = {"max_new_tokens": max_tokens, "min_new_tokens": max_tokens, "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
-        for p in ps:  # batch 1, as a user of generate() would for unequal prompts
-            o = model.generate(torch.tensor([p], device=device), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                               do_sample=False, pad_token_id=0)
-            outs.append(o[0, len(p):].tolist())
-            n += len(outs[-1])
+        model.generate(torch.tensor([ps[0]], device=device), **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        _sync(device)
+        t0 = time.perf_counter()
+        if batch:  # equal-length prompts: one batch, no padding
+            o = model.generate(torch.tensor(ps, device=device), **kw)
+            outs = [r[len(ps[0]):].tolist() for r in o]
+        else:  # batch 1, as a user of generate() would for unequal prompts
+            outs = [model.generate(torch.tensor([p], device=device), **kw)[0, len(p):].tolist() for p in ps]
+        _sync(device)
     dt = time.perf_counter() - t0
-    return {"tokens": n, "seconds": round(dt, 3), "tokens_per_s": round(n / dt, 1), "outputs": outs}
+    n = sum(len(o) for o in outs)
+    return {"batch": len(ps) if batch else 1, "tokens": n, "seconds": round(dt, 3), "tokens_per_s": round(n / dt, 1),
+            "outputs": outs}
 
 
-def run_ours(ps: list[list[int]], max_tokens: int, k: int, batch: bool, device: str) -> dict:
-    llm = LLM(num_speculative_tokens=k, max_num_seqs=len(ps), device=device, dtype="float32")
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_ours(ps: list[list[int]], max_tokens: int, k: int, batch: bool, device: str, dtype: str,
+             graphs: bool = True) -> dict:
+    llm = LLM(num_speculative_tokens=k, max_num_seqs=len(ps), device=device, dtype=dtype, cuda_graphs=graphs)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(ps[:1], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    if batch:
+        llm.generate(ps, SamplingParams(temperature=0, max_tokens=4))  # warm-up (graph capture of this size)
+    st0 = dict(llm.engine.stats)
     t0 = time.perf_counter()
     outs = llm.generate(ps, sp) if batch else [llm.generate([p], sp)[0] for p in ps]
     dt = time.perf_counter() - t0
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    st = llm.engine.stats
-    return {"k": k, "batch": len(ps) if batch else 1, "tokens": n, "seconds": round(dt, 3),
-            "tokens_per_s": round(n / dt, 1),
+    st = {key: llm.engine.stats[key] - st0[key] for key in ("accepted", "verify_steps")}
+    on_gpu = device.startswith("cuda")
+    return {"k": k, "batch": len(ps) if batch else 1, "cuda_graphs": graphs and on_gpu, "tokens": n,
+            "seconds": round(dt, 3), "tokens_per_s": round(n / dt, 1),
             "mean_acceptance_length": round(1 + st["accepted"] / st["verify_steps"], 3) if st["verify_steps"] else 1.0,
             "outputs": [o.outputs[0].token_ids for o in outs]}
 
@@ -66,32 +82,46 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    tok = LLM(max_num_seqs=1).tokenizer
+    tok = LLM(max_num_seqs=1, device="cpu").tokenizer
     ps = prompts(tok, args.prompts)
-    hf = run_hf(ps, args.max_tokens, args.device)
-    rows = [run_ours(ps, args.max_tokens, k, False, args.device) for k in range(4)]
-    rows += [run_ours(ps, args.max_tokens, k, True, args.device) for k in (0, 3)]
+    tdtype = getattr(torch, args.dtype)
+    hf1 = run_hf(ps, args.max_tokens, args.device, tdtype, batch=False)
+    hfb = run_hf(ps, args.max_tokens, args.device, tdtype, batch=True)
+    rows = [run_ours(ps, args.max_tokens, k, False, args.device, args.dtype) for k in range(4)]
+    rows += [run_ours(ps, args.max_tokens, k, True, args.device, args.dtype) for k in (0, 3)]
+    if args.device.startswith("cuda"):
+        rows += [run_ours(ps, args.max_tokens, k, b, args.device, args.dtype, graphs=False)
+                 for k in (0, 3) for b in (False, True)]
     base1 = rows[0]["tokens_per_s"]
     for r in rows:
-        r["same_tokens_as_transformers"] = r.pop("outputs") == hf["outputs"]
+        ref = hf1 if r["batch"] == 1 else hfb
+        r["same_tokens_as_transformers"] = r.pop("outputs") == ref["outputs"]
         r["speed_vs_k0_batch1"] = round(r["tokens_per_s"] / base1, 3) if r["batch"] == 1 else None
-    hf.pop("outputs")
+        r["speed_vs_transformers_same_batch"] = round(r["tokens_per_s"] / ref["tokens_per_s"], 3)
+        if r["batch"] == 1 and r["k"]:
+            # the MTP target: speedup over k = 0 at least 0.8 x the mean acceptance length
+            r["speedup_over_acceptance_length"] = round(r["speed_vs_k0_batch1"] / r["mean_acceptance_length"], 3)
+    for h in (hf1, hfb):
+        h.pop("outputs")
     result = {
-        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
-        "model": f"bundled tiny-qwen35-mtp (fp32, {args.device})", "prompts": args.prompts, "prompt_tokens": 48,
-        "max_tokens": args.max_tokens, "transformers_generate_batch1": hf, "mtp_ray": rows,
-        "mtp_ray_k0_vs_transformers_batch1": round(base1 / hf["tokens_per_s"], 3),
+        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}"
+                   + (f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""),
+        "model": f"bundled tiny-qwen35-mtp ({args.dtype}, {args.device})", "prompts": args.prompts,
+        "prompt_tokens": 48, "max_tokens": args.max_tokens, "transformers_generate": [hf1, hfb], "mtp_ray": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"transformers generate, batch 1: {hf['tokens_per_s']} tok/s")
-    print("| engine | k | batch | tok/s | mean acceptance length | speed vs k=0 (batch 1) | same tokens as HF |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(f"transformers generate: batch 1 {hf1['tokens_per_s']} tok/s, batch {hfb['batch']} {hfb['tokens_per_s']}")
+    print("| engine | k | batch | graphs | tok/s | vs transformers | mean acc. len | speed vs k=0 | speed/acc. len | "
+          "same tokens as HF |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| mtp-ray | {r['k']} | {r['batch']} | {r['tokens_per_s']} | {r['mean_acceptance_length']} | "
-              f"{r['speed_vs_k0_batch1']} | {r['same_tokens_as_transformers']} |")
+        print(f"| mtp-ray | {r['k']} | {r['batch']} | {r['cuda_graphs']} | {r['tokens_per_s']} | "
+              f"{r['speed_vs_transformers_same_batch']} | {r['mean_acceptance_length']} | {r['speed_vs_k0_batch1']} | "
+              f"{r.get('speedup_over_acceptance_length')} | {r['same_tokens_as_transformers']} |")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from mtp_ray.config.engine import BUNDLED_MODEL, CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from mtp_ray.config.engine import BUNDLED_MODEL, CacheConfig, EngineConfig, GraphConfig, SchedulerConfig, SpecConfig
 from mtp_ray.engine.detok import Detokenizer
 from mtp_ray.engine.loop import EngineCore, StepOutput
 from mtp_ray.engine.request import check_prompt
@@ -37,7 +37,8 @@ class RequestOutput:
 def engine_config(model: str = BUNDLED_MODEL, *, num_speculative_tokens: int = 0, dtype: str = "auto",
                   device: str = "auto", seed: int = 0, block_size: int = 16, num_blocks: int | None = None,
                   max_num_seqs: int = 32, max_num_batched_tokens: int = 512, prefill_chunk: int = 256,
-                  max_model_len: int | None = None, tokenizer: str | None = None) -> EngineConfig:
+                  max_model_len: int | None = None, tokenizer: str | None = None, cuda_graphs: bool = True,
+                  graph_sizes: tuple[int, ...] | None = None) -> EngineConfig:
     """Flat keyword arguments (vLLM style) -> EngineConfig."""
     return EngineConfig(
         model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
@@ -45,6 +46,7 @@ def engine_config(model: str = BUNDLED_MODEL, *, num_speculative_tokens: int = 0
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   prefill_chunk=prefill_chunk, max_model_len=max_model_len),
         spec=SpecConfig(num_speculative_tokens=num_speculative_tokens),
+        graphs=GraphConfig(enabled=cuda_graphs, sizes=graph_sizes),
     )
 
 

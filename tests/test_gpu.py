@@ -40,6 +40,50 @@ def test_gpu_bf16_runs_with_mtp():
     assert llm.engine.stats["accepted"] > 0.3 * llm.engine.stats["drafted"]
 
 
+@needs_gpu
+def test_cuda_graphs_equal_eager_bf16():
+    """Graph replays (target step, greedy draft loop) give the eager uniform path's tokens exactly."""
+    for k in (0, 3):
+        eager = greedy(LLM(device="cuda", dtype="bfloat16", num_speculative_tokens=k, cuda_graphs=False))
+        llm = LLM(device="cuda", dtype="bfloat16", num_speculative_tokens=k)
+        assert greedy(llm) == eager
+        graphs = llm.engine.runner.graphs
+        assert graphs is not None and graphs.target, "no target graph was captured"
+        assert bool(graphs.draft) == bool(k), "the greedy draft loop should run as a graph"
+
+
+@needs_gpu
+def test_cuda_graphs_fp32_mtp_exact_and_sampling_reproducible():
+    ref = greedy(LLM(device="cuda", dtype="float32", cuda_graphs=False))
+    assert greedy(LLM(device="cuda", dtype="float32", num_speculative_tokens=3)) == ref
+    # seeded sampling: target graph + eager draft loop (random drafts) = all eager, token for token
+    sp = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=i, ignore_eos=True)
+          for i in range(len(PROMPTS))]
+    outs = []
+    for graphs in (True, False):
+        llm = LLM(device="cuda", dtype="float32", num_speculative_tokens=3, cuda_graphs=graphs)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)])
+    assert outs[0] == outs[1]
+
+
+@needs_gpu
+def test_cuda_graphs_recaptured_after_sleep(ray_cluster):
+    """sleep frees the caches the graphs point at and drops the graphs; after wake_up new traffic recaptures and
+    gives the same tokens (through the RL actor handle)."""
+    from mtp_ray.rl.engine import launch_engine
+
+    h = launch_engine({"device": "cuda", "dtype": "bfloat16", "spec": {"num_speculative_tokens": 3}})
+    params = {"temperature": 0, "max_tokens": 32, "ignore_eos": True}
+    try:
+        first = ray_cluster.get(h.generate.remote(PROMPTS, params))
+        ray_cluster.get(h.sleep.remote(1))
+        ray_cluster.get(h.wake_up.remote())
+        second = ray_cluster.get(h.generate.remote(PROMPTS, params))
+        assert [r["token_ids"] for r in second] == [r["token_ids"] for r in first]
+    finally:
+        ray_cluster.get(h.shutdown.remote())
+
+
 @needs_2_gpus
 def test_dp2_on_two_gpus_equals_dp1(ray_cluster):
     from mtp_ray.rl.engine import launch_engine
@@ -52,5 +96,7 @@ def test_dp2_on_two_gpus_equals_dp1(ray_cluster):
         assert [r["token_ids"] for r in res] == ref
         st = ray_cluster.get(h.get_stats.remote())
         assert len({r["collectives"] for r in st["ranks"]}) == 1
+        # decode steps ran as graphs on both ranks (DP-wide padded size), the draft loop as one graph too
+        assert all(r["graph_steps"] > 0 and r["graph_draft_loops"] > 0 for r in st["ranks"])
     finally:
         ray_cluster.get(h.shutdown.remote())

@@ -68,6 +68,28 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class GraphConfig:
+    """CUDA graphs for uniform decode / verify steps and the greedy MTP draft loop (GPU only)."""
+
+    enabled: bool = True
+    # batch sizes (sequences per rank) that get a graph; a step pads to the smallest one that fits its DP-wide
+    # largest batch. None: 1, 2, 4, 8, then multiples of 8 up to scheduler.max_num_seqs.
+    sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.sizes is not None:
+            object.__setattr__(self, "sizes", tuple(self.sizes))
+            _check(len(self.sizes) > 0 and all(isinstance(b, int) and b > 0 for b in self.sizes), "graphs.sizes",
+                   "must be a non-empty list of positive integers")
+
+    def batch_sizes(self, max_num_seqs: int) -> tuple[int, ...]:
+        if self.sizes is not None:
+            return tuple(sorted(set(self.sizes)))
+        out = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs + 8, 8))
+        return tuple(sorted({min(b, max_num_seqs) for b in out}))
+
+
+@dataclass(frozen=True)
 class TimeoutConfig:
     collective_s: float = 60.0  # a collective that takes longer fails the group (watchdog)
     progress_s: float = 90.0  # pending work but no step for this long: the group is hung
@@ -91,6 +113,7 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    graphs: GraphConfig = field(default_factory=GraphConfig)
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
@@ -122,5 +145,5 @@ def _build(cls: type, raw: dict[str, Any], path: str) -> Any:
 
 def _nested_type(cls: type, name: str) -> type | None:
     nested = {"cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig, "parallel": ParallelConfig,
-              "timeouts": TimeoutConfig}
+              "timeouts": TimeoutConfig, "graphs": GraphConfig}
     return nested.get(name) if cls is EngineConfig else None

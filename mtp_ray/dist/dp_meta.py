@@ -35,6 +35,8 @@ class DPMeta:
     collectives: int = 0  # EP collectives issued so far (lock-step check)
     ep_mode: int = EP_NORMAL  # EP mode this rank used in its previous forward (all must agree)
     next_cmd: int = 0  # sequence number of this rank's oldest pending group command (0: none)
+    graph_ok: int = 0  # this rank's batch is a uniform decode / verify batch (or a dummy): graph-capturable
+    greedy_ok: int = 1  # every live request drafts greedily: the MTP draft loop may run as one graph
 
     def to_tensor(self) -> torch.Tensor:
         return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.long)
@@ -55,6 +57,7 @@ class Gathered:
     """The all-gathered table, one DPMeta per rank; every decision below is the same on every rank."""
 
     ranks: tuple[DPMeta, ...]
+    graph_size: int = 0  # > 0: every rank replays the CUDA graph of this batch size (DP-wide padding)
 
     @property
     def world(self) -> int:
@@ -86,6 +89,19 @@ class Gathered:
     @property
     def ep_mode(self) -> int:
         return EP_LOW_LATENCY if self.global_decode else EP_NORMAL
+
+    def pick_graph_size(self, sizes: tuple[int, ...]) -> int:
+        """The graph batch size of this forward: the smallest captured size that holds the largest batch of any
+        rank, when every rank runs a uniform decode batch (or a dummy); 0: eager."""
+        if not sizes or not self.global_decode or not all(m.graph_ok for m in self.ranks):
+            return 0
+        need = max(m.batch_size for m in self.ranks)
+        return next((b for b in sorted(sizes) if b >= need), 0)
+
+    @property
+    def graph_drafts(self) -> bool:
+        """The greedy MTP draft loop runs as one graph (no per-draft gathers) on every rank."""
+        return self.graph_size > 0 and all(m.greedy_ok for m in self.ranks)
 
     @property
     def max_num_tokens(self) -> int:

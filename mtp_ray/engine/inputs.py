@@ -9,7 +9,7 @@ import torch
 from mtp_ray.engine.block_manager import BlockManager
 from mtp_ray.engine.request import Request
 from mtp_ray.engine.scheduler import Scheduled
-from mtp_ray.layers.context import ForwardBatch
+from mtp_ray.layers.context import ForwardBatch, UniformDecode
 
 
 @dataclass
@@ -61,6 +61,44 @@ def build(pieces: list[Piece], blocks: BlockManager) -> StepInputs:
         spec_state_slots=spec if any(spec) else None,
     )
     return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), batch, rows)
+
+
+def build_uniform(pieces: list[Piece], blocks: BlockManager, q_len: int, size: int | None = None,
+                  width: int | None = None) -> StepInputs:
+    """A uniform decode / verify batch (every piece has q_len tokens), padded to `size` sequences and block tables
+    `width` wide. Padded rows feed token 0 at positions 0.. into reserved block 0 and state slot 0."""
+    size = len(pieces) if size is None else size
+    assert all(len(p.tokens) == q_len and p.start > 0 for p in pieces) and len(pieces) <= size
+    ids = torch.zeros(size, q_len, dtype=torch.long)
+    pos = torch.arange(q_len).repeat(size, 1)
+    slots = torch.zeros(size, q_len, dtype=torch.long)
+    width = width or max((len(p.req.block_ids) for p in pieces), default=1)
+    tables = torch.zeros(size, width, dtype=torch.long)
+    ctx = torch.zeros(size, dtype=torch.long)
+    state = torch.zeros(size, dtype=torch.long)
+    spec = torch.zeros(size, q_len, dtype=torch.long) if any(p.spec_slots for p in pieces) else None
+    bs = blocks.block_size
+    for b, p in enumerate(pieces):
+        ids[b] = torch.tensor(p.tokens)
+        pos[b] += p.start
+        bt = torch.tensor(p.req.block_ids, dtype=torch.long)
+        tables[b, : len(bt)] = bt
+        slots[b] = bt[pos[b] // bs] * bs + pos[b] % bs
+        ctx[b] = p.start
+        state[b] = p.req.state_slots[0]
+        if spec is not None:
+            spec[b] = torch.tensor(p.spec_slots)
+    rows = [list(range(b * q_len, (b + 1) * q_len)) if p.logits == "all" else [b * q_len + q_len - 1]
+            for b, p in enumerate(pieces)]
+    batch = ForwardBatch.decode(UniformDecode(q_len, ctx, state, spec), tables, slots.view(-1))
+    return StepInputs(ids.view(-1), pos.view(-1), batch, rows)
+
+
+def is_uniform(sched: list[Scheduled], q_len: int) -> bool:
+    """Every scheduled sequence decodes (verify with k drafts, or one token with k = 0) from a non-empty cache."""
+    return bool(sched) and all(
+        s.num_new == q_len and s.completes_prefill and s.req.num_computed > 0 and (q_len == 1 or s.verify)
+        for s in sched)
 
 
 def target_pieces(sched: list[Scheduled]) -> list[Piece]:

@@ -13,7 +13,7 @@ from mtp_ray.config.engine import EngineConfig
 from mtp_ray.config.model import ModelConfig
 from mtp_ray.dist.dp_meta import DPMeta
 from mtp_ray.engine.block_manager import BlockManager
-from mtp_ray.engine.inputs import build, dummy_inputs, target_pieces
+from mtp_ray.engine.inputs import build, build_uniform, dummy_inputs, is_uniform, target_pieces
 from mtp_ray.engine.request import Request, check_prompt
 from mtp_ray.engine.runner import ModelRunner
 from mtp_ray.engine.sampler import Row, logprob_info, sample_row
@@ -52,7 +52,7 @@ class EngineCore:
         mc = ModelConfig.from_pretrained(cfg.model)
         self.max_model_len = min(cfg.scheduler.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.k = cfg.spec.k
-        self.runner = ModelRunner(cfg, self.max_model_len, expert_range, dispatch)
+        self.runner = ModelRunner(cfg, self.max_model_len, expert_range, dispatch, self.sync.barrier)
         self.eos_ids = tuple(self.runner.model_config.eos_token_ids)
         shape = self.runner.cache_shape
         self.blocks = BlockManager(shape.num_blocks, shape.block_size, shape.num_state_slots, self.runner.slots_per_seq)
@@ -105,30 +105,43 @@ class EngineCore:
 
     def _step(self) -> list[StepOutput]:
         sched = self.scheduler.schedule()
-        local = self._local_meta(sched)
-        if self.sync.target(local) is None:
+        q_len = 1 + self.k
+        uniform = is_uniform(sched, q_len)
+        local = self._local_meta(sched, uniform)
+        table = self.sync.target(local, self.runner.graph_sizes)
+        if table is None:
             return []  # no rank has work this step
         self.stats["steps"] += 1
-        inp = build(target_pieces(sched), self.blocks) if sched else dummy_inputs()
+        pieces = target_pieces(sched)
+        all_logits = None
         try:
-            hidden = self.runner.forward(inp)  # [T, H]
+            if table.graph_size:  # every rank replays the graph of the DP-wide padded size
+                inp = build_uniform(pieces, self.blocks, q_len, table.graph_size, self.runner.blocks_per_seq)
+                hidden, all_logits = self.runner.replay_target(inp, table.graph_size)
+            else:
+                inp = (build_uniform(pieces, self.blocks, q_len) if uniform else build(pieces, self.blocks) if sched
+                       else dummy_inputs())
+                hidden = self.runner.forward(inp)  # [T, H]
         finally:
             self.sync.done()
         if not sched:  # a dummy forward: keep the group in lock-step through the draft loop too
-            self.proposer.propose([])
+            self.proposer.propose([], table)
             return []
         rows = [r for rs in inp.logit_rows for r in rs]
-        logits = self.runner.logits(hidden[rows]) if rows else None
+        if all_logits is not None:
+            logits = all_logits[rows].cpu()
+        else:
+            logits = self.runner.logits(hidden[rows]) if rows else None
         outputs, items, at = [], [], 0
-        for s, start_row, lrows in zip(sched, inp.batch.cu_seqlens, inp.logit_rows, strict=False):
+        for i, (s, start_row, lrows) in enumerate(zip(sched, inp.batch.cu_seqlens, inp.logit_rows, strict=False)):
             lg = logits[at : at + len(lrows)] if lrows else None
             at += len(lrows)
-            out, item = self._postprocess(s, lg, hidden[start_row : start_row + s.num_new])
+            out, item = self._postprocess(s, lg, hidden[start_row : start_row + s.num_new], i)
             if out is not None:
                 outputs.append(out)
             if item is not None:
                 items.append(item)
-        self.proposer.propose(items)
+        self.proposer.propose(items, table)
         return outputs
 
     def warmup(self) -> None:
@@ -138,19 +151,20 @@ class EngineCore:
             self.runner.forward(dummy_inputs())
         finally:
             self.sync.done()
-        self.proposer.propose([])
+        self.proposer.propose([], None)
 
-    def _local_meta(self, sched: list[Scheduled]) -> DPMeta:
+    def _local_meta(self, sched: list[Scheduled], uniform: bool) -> DPMeta:
         n = sum(s.num_new for s in sched)
         return DPMeta(
             num_tokens=max(n, 1), batch_size=len(sched),
             is_decoding=int(bool(sched) and all(s.verify or not s.req.is_prefill for s in sched)),
             is_dummy=int(not sched), is_chunk=int(any(not s.completes_prefill for s in sched)),
             has_unfinished=int(self.scheduler.has_unfinished()), is_sleeping=int(self.runner.asleep),
+            graph_ok=int(uniform or not sched), greedy_ok=int(all(s.req.params.greedy for s in sched)),
             **self.meta_extra,
         )
 
-    def _postprocess(self, s: Scheduled, logits: torch.Tensor | None, hidden: torch.Tensor
+    def _postprocess(self, s: Scheduled, logits: torch.Tensor | None, hidden: torch.Tensor, index: int
                      ) -> tuple[StepOutput | None, DraftItem | None]:
         req, start = s.req, s.req.num_computed
         if s.verify:
@@ -170,13 +184,13 @@ class EngineCore:
             logits = logits[-1:]
         else:
             req.num_computed = start + s.num_new
-            return None, DraftItem(req, start, hidden, False) if self.k else None
+            return None, DraftItem(req, start, hidden, False, index) if self.k else None
         req.drafts, req.draft_probs = [], None
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         n = self._append(req, emitted, logits)
         out = self._output(req, emitted[:n], n)
-        item = DraftItem(req, start, hidden, True) if self.k and not req.finished else None
+        item = DraftItem(req, start, hidden, True, index) if self.k and not req.finished else None
         return out, item
 
     def _commit_spec(self, req: Request, accepted: int, k: int) -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
 from mtp_ray.config.engine import EngineConfig
 from mtp_ray.config.model import ModelConfig
 from mtp_ray.engine.cache import CacheShape, bind_caches, free_caches
+from mtp_ray.engine.graphs import CudaGraphs
 from mtp_ray.engine.inputs import StepInputs
 from mtp_ray.layers.moe import ExpertDispatcher, local_dispatch
 from mtp_ray.model.loader import WeightLoader, load_model
@@ -33,7 +35,7 @@ def resolve_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, max_model_len: int, expert_range: tuple[int, int] | None = None,
-                 dispatch: ExpertDispatcher = local_dispatch):
+                 dispatch: ExpertDispatcher = local_dispatch, barrier: Callable[[], None] | None = None):
         self.cfg = cfg
         self.device = resolve_device(cfg)
         self.dtype = resolve_dtype(cfg, self.device)
@@ -50,6 +52,16 @@ class ModelRunner:
         self._shapes: dict[str, torch.Size] = {}  # parameter shapes while dropped (sleep level 2)
         self.restore: WeightLoader | None = None  # tracks the weights given back after sleep(2)
         self.allocate()
+        self.graphs: CudaGraphs | None = None
+        if self.device.type == "cuda" and cfg.graphs.enabled:
+            sizes = cfg.graphs.batch_sizes(cfg.scheduler.max_num_seqs)
+            self.graphs = CudaGraphs(self.model, sizes, self.k, self.blocks_per_seq, cfg.cache.block_size,
+                                     self.device, barrier)
+
+    @property
+    def graph_sizes(self) -> tuple[int, ...]:
+        """Batch sizes with a CUDA graph (empty: every forward runs eagerly)."""
+        return self.graphs.sizes if self.graphs is not None and not self.asleep else ()
 
     def _cache_shape(self) -> CacheShape:
         c, s = self.cfg.cache, self.cfg.scheduler
@@ -93,6 +105,8 @@ class ModelRunner:
         if self.asleep:
             raise ValueError(f"already asleep (level {self.asleep})")
         self.free()
+        if self.graphs is not None:
+            self.graphs.reset()  # they point at the caches (and, after level 2, the weights) being freed
         params = dict(self.model.named_parameters())
         if level == 1 and self.device.type != "cpu":
             for p in params.values():
@@ -152,9 +166,25 @@ class ModelRunner:
         """[N, H] -> [N, V] fp32 on the CPU (sampling runs there)."""
         return self.model.compute_logits(hidden).cpu()
 
+    @torch.inference_mode()
+    def replay_target(self, inp: StepInputs, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Uniform batch padded to a graph size -> hidden [size * q, H], logits [size * q, V] (device, static)."""
+        assert self.graphs is not None
+        return self.graphs.run_target(inp, size)
+
+    @torch.inference_mode()
+    def replay_drafts(self, next_ids: torch.Tensor, last: torch.Tensor, size: int) -> torch.Tensor:
+        assert self.graphs is not None
+        return self.graphs.run_drafts(next_ids, last, size)
+
     def _on_device(self, inp: StepInputs):
         b = inp.batch
         if self.device.type != "cpu":
             b.block_tables = b.block_tables.to(self.device)
             b.slot_mapping = b.slot_mapping.to(self.device)
+            u = b.uniform
+            if u is not None:
+                u.context_lens, u.state_slots = u.context_lens.to(self.device), u.state_slots.to(self.device)
+                if u.spec_slots is not None:
+                    u.spec_slots = u.spec_slots.to(self.device)
         return b

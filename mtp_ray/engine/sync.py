@@ -9,6 +9,7 @@ target forward (a dummy one if it has no work) whenever any rank has work, and t
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from mtp_ray.dist.context import DistContext
 from mtp_ray.dist.dp_meta import DPMeta, Gathered
@@ -21,11 +22,20 @@ class LocalSync:
         self.wave = 0
         self.step = 0
 
-    def target(self, local: DPMeta) -> Gathered | None:
-        return None if local.is_dummy else Gathered((local,))
+    def target(self, local: DPMeta, graph_sizes: tuple[int, ...] = ()) -> Gathered | None:
+        if local.is_dummy:
+            return None
+        g = Gathered((local,))
+        return replace(g, graph_size=g.pick_graph_size(graph_sizes))
 
     def draft(self, local: DPMeta) -> Gathered:
         return Gathered((local,))
+
+    def graph_drafts(self, table: Gathered) -> None:
+        pass
+
+    def barrier(self) -> None:
+        pass
 
     def done(self) -> None:
         pass
@@ -44,7 +54,7 @@ class DPSync:
         # per-rank counters for operators and tests; mixed_steps: target steps where, across the group, one rank
         # held a non-last prefill chunk, another decoded and a third was idle
         self.counters = {"gathers": 0, "forwards": 0, "dummy_forwards": 0, "chunk_steps": 0, "decode_steps": 0,
-                         "mixed_steps": 0, "waves": 0}
+                         "mixed_steps": 0, "waves": 0, "graph_steps": 0, "graph_draft_loops": 0}
         self.timers = {"gather_s": 0.0, "forward_s": 0.0, "dummy_forward_s": 0.0}
         self._t0 = 0.0
         self._dummy = False
@@ -60,8 +70,9 @@ class DPSync:
         self._dummy = bool(local.is_dummy)
         return g
 
-    def target(self, local: DPMeta) -> Gathered | None:
+    def target(self, local: DPMeta, graph_sizes: tuple[int, ...] = ()) -> Gathered | None:
         g = self._gather(local, 0)
+        g = replace(g, graph_size=g.pick_graph_size(graph_sizes))
         self.step_table = g
         if g.all_dummy:
             return None  # nobody has work: every rank skips this step
@@ -72,6 +83,7 @@ class DPSync:
         c["dummy_forwards"] += local.is_dummy
         c["chunk_steps"] += local.is_chunk
         c["decode_steps"] += local.is_decoding
+        c["graph_steps"] += int(g.graph_size > 0)
         c["mixed_steps"] += int(any(m.is_chunk for m in g.ranks) and any(m.is_decoding for m in g.ranks)
                                 and any(m.is_dummy for m in g.ranks))
         return g
@@ -87,6 +99,18 @@ class DPSync:
         self.counters["forwards"] += 1
         self.counters["dummy_forwards"] += local.is_dummy
         return g
+
+    def barrier(self) -> None:
+        """Graph captures: every rank starts (and ends) a capture together, so collectives inside line up."""
+        self.ctx.barrier()
+
+    def graph_drafts(self, table: Gathered) -> None:
+        """The draft loop as one graph: no gather (every rank decided it from the target table), which stays
+        the forward context so a capture sees the graph's EP mode and padding."""
+        self.ctx.forward = table
+        self._t0 = time.perf_counter()
+        self.counters["forwards"] += 1
+        self.counters["graph_draft_loops"] += 1
 
     def done(self) -> None:
         if self.ctx.forward is not None:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from mtp_ray.config.model import ModelConfig
-from mtp_ray.layers.context import ForwardBatch
+from mtp_ray.layers.context import ForwardBatch, UniformDecode
 from mtp_ray.layers.norm import RMSNorm
 from mtp_ray.layers.rope import RotaryEmbedding
 
@@ -41,6 +41,35 @@ def paged_attention(
     return out
 
 
+def decode_attention(
+    q: torch.Tensor,  # [B * q_len, Hq, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, W]
+    u: UniformDecode,
+    scale: float,
+) -> torch.Tensor:  # [B * q_len, Hq, D]
+    """Uniform decode / verify batch: batched kernels only (no host sync), so CUDA graphs can capture it."""
+    if q.is_cuda:
+        from mtp_ray.layers.attention_triton import paged_decode_attention
+
+        return paged_decode_attention(q, kv_cache, block_tables, u.context_lens, u.q_len, scale)
+    # CPU: gather every block of the table (width W) and mask
+    hkv, d = kv_cache.shape[3:]
+    bsz, ql, hq = block_tables.shape[0], u.q_len, q.shape[1]
+    g = hq // hkv
+    k = kv_cache[0][block_tables].reshape(bsz, -1, hkv, d).permute(0, 2, 1, 3).float()  # [B, Hkv, L, D]
+    v = kv_cache[1][block_tables].reshape(bsz, -1, hkv, d).permute(0, 2, 1, 3).float()
+    # rows ordered (j, g): query token j, head kvh * g + g_i
+    qh = q.view(bsz, ql, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(bsz, hkv, ql * g, d).float()
+    scores = (qh @ k.transpose(-1, -2)) * scale  # [B, Hkv, ql * g, L]
+    j = torch.arange(ql, device=q.device).repeat_interleave(g)  # [ql * g]
+    limit = u.context_lens[:, None] + j[None, :]  # [B, ql * g] last visible key
+    pos = torch.arange(k.shape[2], device=q.device)
+    scores = scores.masked_fill((pos[None, None, :] > limit[:, :, None])[:, None], float("-inf"))
+    o = scores.softmax(-1) @ v  # [B, Hkv, ql * g, D]
+    return o.view(bsz, hkv, ql, g, d).permute(0, 2, 1, 3, 4).reshape(bsz * ql, hq, d).to(q.dtype)
+
+
 class GatedAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -69,11 +98,17 @@ class GatedAttention(nn.Module):
         cos, sin = self.rope.cos_sin(positions, q.dtype)
         q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
         assert self.kv_cache is not None, "KV cache not bound: allocate caches before the first forward"
-        write = batch.slot_mapping >= 0
         flat = self.kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
-        flat[0, batch.slot_mapping[write]] = k[write].to(flat.dtype)
-        flat[1, batch.slot_mapping[write]] = v[write].to(flat.dtype)
-        o = paged_attention(q, self.kv_cache, batch, self.scale)  # [T, Hq, D]
+        if batch.uniform is not None:
+            # every row has a slot (padded rows write into reserved block 0): no mask, no host sync
+            flat[0].index_copy_(0, batch.slot_mapping, k.to(flat.dtype))
+            flat[1].index_copy_(0, batch.slot_mapping, v.to(flat.dtype))
+            o = decode_attention(q, self.kv_cache, batch.block_tables, batch.uniform, self.scale)
+        else:
+            write = batch.slot_mapping >= 0
+            flat[0, batch.slot_mapping[write]] = k[write].to(flat.dtype)
+            flat[1, batch.slot_mapping[write]] = v[write].to(flat.dtype)
+            o = paged_attention(q, self.kv_cache, batch, self.scale)  # [T, Hq, D]
         o = o * torch.sigmoid(gate)
         return self.o_proj(o.reshape(t, -1))
 

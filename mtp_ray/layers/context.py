@@ -2,6 +2,10 @@
 
 A forward runs over a flat token batch: sequence b owns tokens [cu_seqlens[b], cu_seqlens[b+1]). Its KV lives
 in paged blocks (block_tables[b]); its Gated DeltaNet conv/recurrent state in one state slot.
+
+Two forms: the general one (Python lists, per-sequence loops: prefill chunks, mixed steps) and the uniform
+decode form (`uniform` set): every sequence feeds the same q_len tokens and every field is a device tensor, so
+the forward is a fixed sequence of batched kernels that a CUDA graph can capture and replay.
 """
 
 from __future__ import annotations
@@ -9,6 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class UniformDecode:
+    """Decode (q_len = 1) or MTP verify (q_len = k + 1) batch; padded rows point at block 0 / state slot 0."""
+
+    q_len: int
+    context_lens: torch.Tensor  # [B] int64 tokens already cached before this forward
+    state_slots: torch.Tensor  # [B] int64 GDN state slot: read at start, written at the end
+    spec_slots: torch.Tensor | None = None  # [B, q_len] int64 GDN state after token j (verify rollback)
 
 
 @dataclass
@@ -21,13 +35,20 @@ class ForwardBatch:
     # Speculative verify: spec_state_slots[b][j] receives the GDN conv + recurrent state after token j of
     # sequence b, so that the engine can commit the state at the accepted length (rollback).
     spec_state_slots: list[list[int]] | None = None
+    uniform: UniformDecode | None = None  # set: the batched decode form (lists above unused, may be empty)
 
     def __post_init__(self) -> None:
-        assert len(self.query_lens) == len(self.context_lens) == len(self.state_slots)
+        if self.uniform is None:
+            assert len(self.query_lens) == len(self.context_lens) == len(self.state_slots)
         assert self.slot_mapping.numel() == sum(self.query_lens)
         self.cu_seqlens = [0]
         for q in self.query_lens:
             self.cu_seqlens.append(self.cu_seqlens[-1] + q)
+
+    @classmethod
+    def decode(cls, u: UniformDecode, block_tables: torch.Tensor, slot_mapping: torch.Tensor) -> ForwardBatch:
+        b = u.context_lens.shape[0]
+        return cls([u.q_len] * b, [], block_tables, slot_mapping, [], None, u)
 
     @property
     def num_seqs(self) -> int:

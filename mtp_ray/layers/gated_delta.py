@@ -45,7 +45,54 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).float().sigmoid()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [T, Hv]
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
-        core = torch.empty(t, self.hv, self.dv, dtype=torch.float32, device=x.device)
+        if batch.uniform is not None:
+            core = self._uniform(mixed, g, beta, weight, batch)
+        else:
+            core = self._per_sequence(mixed, g, beta, weight, batch)
+        out = self.norm(core.to(x.dtype), z)  # [T, Hv, dv]
+        return self.out_proj(out.reshape(t, self.value_dim))
+
+    def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # conv_out: [..., C] -> q, k: [..., Hv, dk] (L2-normed, q scaled), v: [..., Hv, dv], fp32
+        q, k, v = conv_out.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        lead, rep = conv_out.shape[:-1], self.hv // self.hk
+        # each key head serves `rep` consecutive value heads
+        q = l2norm(q.view(*lead, self.hk, self.dk)).repeat_interleave(rep, dim=-2) * self.dk**-0.5
+        k = l2norm(k.view(*lead, self.hk, self.dk)).repeat_interleave(rep, dim=-2)
+        return q, k, v.view(*lead, self.hv, self.dv)
+
+    def _uniform(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor,
+                 batch: ForwardBatch) -> torch.Tensor:
+        """Uniform decode / verify batch: batched over sequences, a static loop over the q_len tokens."""
+        u = batch.uniform
+        assert u is not None
+        ql, kern = u.q_len, self.kernel
+        bsz = u.state_slots.shape[0]
+        conv_state = self.conv_state.index_select(0, u.state_slots)  # [B, C, K-1]
+        ssm = self.ssm_state.index_select(0, u.state_slots)  # [B, Hv, dk, dv] fp32
+        full = torch.cat([conv_state.to(mixed.dtype), mixed.view(bsz, ql, -1).transpose(1, 2)], -1)  # [B, C, K-1+ql]
+        # accumulate in fp32 and round once, as conv1d does
+        conv = (full.unfold(-1, kern, 1).float() * weight[:, None, :].float()).sum(-1).to(mixed.dtype)  # [B, C, ql]
+        q, k, v = self._qkv(F.silu(conv).transpose(1, 2))  # [B, ql, Hv, d]
+        g, beta = g.view(bsz, ql, -1), beta.view(bsz, ql, -1)
+        out = torch.empty(bsz, ql, self.hv, self.dv, dtype=torch.float32, device=mixed.device)
+        cdt = self.conv_state.dtype
+        for j in range(ql):
+            ssm = ssm * g[:, j].exp()[:, :, None, None]
+            delta = (v[:, j] - torch.einsum("bhkv,bhk->bhv", ssm, k[:, j])) * beta[:, j, :, None]
+            ssm = ssm + k[:, j, :, :, None] * delta[:, :, None, :]
+            out[:, j] = torch.einsum("bhkv,bhk->bhv", ssm, q[:, j])
+            if u.spec_slots is not None:
+                self.ssm_state.index_copy_(0, u.spec_slots[:, j], ssm)
+                self.conv_state.index_copy_(0, u.spec_slots[:, j], full[:, :, j + 1 : j + kern].to(cdt))
+        self.ssm_state.index_copy_(0, u.state_slots, ssm)
+        self.conv_state.index_copy_(0, u.state_slots, full[:, :, -(kern - 1) :].to(cdt))
+        return out.view(bsz * ql, self.hv, self.dv)
+
+    def _per_sequence(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor,
+                      batch: ForwardBatch) -> torch.Tensor:
+        t = mixed.shape[0]
+        core = torch.empty(t, self.hv, self.dv, dtype=torch.float32, device=mixed.device)
         for b in range(batch.num_seqs):
             s, e = batch.seq_range(b)
             slot = batch.state_slots[b]
@@ -53,14 +100,9 @@ class GatedDeltaNet(nn.Module):
             conv_state = torch.zeros_like(self.conv_state[slot]) if fresh else self.conv_state[slot]
             ssm = torch.zeros_like(self.ssm_state[slot]) if fresh else self.ssm_state[slot]
             conv_out, full = causal_conv1d(mixed[s:e], conv_state, weight)  # [n, C]
-            q, k, v = conv_out.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            n, rep = e - s, self.hv // self.hk
-            # each key head serves `rep` consecutive value heads
-            q = l2norm(q.view(n, self.hk, self.dk)).repeat_interleave(rep, dim=1) * self.dk**-0.5
-            k = l2norm(k.view(n, self.hk, self.dk)).repeat_interleave(rep, dim=1)
-            v = v.view(n, self.hv, self.dv)
+            q, k, v = self._qkv(conv_out)  # [n, Hv, d]
             spec = batch.spec_state_slots[b] if batch.spec_state_slots is not None else None
-            if spec or n == 1:
+            if spec or e - s == 1:
                 snaps: list[torch.Tensor] | None = [] if spec else None
                 o, ssm = recurrent_gated_delta(q, k, v, g[s:e], beta[s:e], ssm, snaps)
                 for j, dst in enumerate(spec or []):
@@ -72,5 +114,4 @@ class GatedDeltaNet(nn.Module):
             core[s:e] = o
             self.conv_state[slot] = full[:, -(self.kernel - 1) :]
             self.ssm_state[slot] = ssm
-        out = self.norm(core.to(x.dtype), z)  # [T, Hv, dv]
-        return self.out_proj(out.reshape(t, self.value_dim))
+        return core

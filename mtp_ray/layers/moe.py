@@ -43,6 +43,11 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """Sum of the local experts' weighted outputs. x: [N, H]; topk_ids / topk_w: [N, k] (global ids)."""
+        if x.is_cuda:
+            from mtp_ray.layers.moe_triton import fused_experts
+
+            return fused_experts(x, topk_ids, topk_w, self.gate_up_proj, self.down_proj, self.start)
+        # CPU: one GEMM pair per expert that received tokens
         out = torch.zeros_like(x)
         local = (topk_ids >= self.start) & (topk_ids < self.end)
         for e in torch.unique(topk_ids[local]).tolist():

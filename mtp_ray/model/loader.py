@@ -191,7 +191,7 @@ def load_model(
     cfg = ModelConfig.from_pretrained(path)
     with torch.device("meta"):
         model = Qwen3_5MoeForCausalLM(cfg, expert_range, with_mtp, dispatch)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # cast on meta: never a full-precision copy on the device
     if cfg.tie_word_embeddings:  # to_empty unties; tie again before filling
         model.lm_head.weight = model.model.embed_tokens.weight
     if with_mtp and cfg.mtp_num_hidden_layers > 0:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtp_ray.dist.dp_meta import DPMeta
+from mtp_ray.dist.dp_meta import DPMeta, Gathered
 from mtp_ray.engine.block_manager import BlockManager
 from mtp_ray.engine.inputs import Piece, build, dummy_inputs
 from mtp_ray.engine.request import Request
@@ -27,16 +27,21 @@ class DraftItem:
     start: int  # first position the target committed this step
     hidden: torch.Tensor  # [L, H] target hidden at positions start .. start + L - 1
     wants_drafts: bool  # False for a non-last prefill chunk: only its MTP KV is filled
+    index: int = 0  # the sequence's row in the step's batch (graph drafts read its rows of the static buffers)
 
 
 class MTPProposer:
     def __init__(self, runner: ModelRunner, blocks: BlockManager, k: int, sync: LocalSync | DPSync):
         self.runner, self.blocks, self.k, self.sync = runner, blocks, k, sync
 
-    def propose(self, items: list[DraftItem]) -> None:
+    def propose(self, items: list[DraftItem], table: Gathered | None) -> None:
         """Runs the k draft forwards. In lock-step (DP) mode all k run whatever this rank holds: a rank without
-        drafting work feeds a dummy token, so every rank issues the same collectives."""
+        drafting work feeds a dummy token, so every rank issues the same collectives. When the target step ran
+        as a graph and every rank drafts greedily (decided from the gathered table), the loop is one graph."""
         if self.k == 0 or (not items and not self.sync.lockstep):
+            return
+        if table is not None and table.graph_drafts:
+            self._propose_graph(items, table)
             return
         pieces = []
         for it in items:
@@ -78,6 +83,23 @@ class MTPProposer:
         for b, it in enumerate(live):
             it.req.drafts = drafts[b]
             it.req.draft_probs = torch.stack(probs[b]) if probs[b] else None
+
+    def _propose_graph(self, items: list[DraftItem], table: Gathered) -> None:
+        size, q = table.graph_size, self.k + 1
+        next_ids = torch.zeros(size * q, dtype=torch.long)
+        last = torch.zeros(size, dtype=torch.long)
+        for it in items:
+            n = it.hidden.shape[0]  # committed rows: accepted drafts + 1
+            next_ids[it.index * q : it.index * q + n] = torch.tensor(it.req.all_ids[it.start + 1 : it.start + 1 + n])
+            last[it.index] = n - 1
+        self.sync.graph_drafts(table)
+        try:
+            drafts = self.runner.replay_drafts(next_ids, last, size)  # [size, k]
+        finally:
+            self.sync.done()
+        for it in items:
+            it.req.drafts = drafts[it.index].tolist()
+            it.req.draft_probs = None
 
     def _dummy_hidden(self) -> torch.Tensor:
         r = self.runner

@@ -32,10 +32,12 @@ class TorchAllToAll:
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: Experts
                  ) -> torch.Tensor:
         mode = self.ctx.ep_mode()
+        graph = self.ctx.forward.graph_size > 0  # captured: no host sync allowed, shapes fixed by the padding
         dest = self.owner[topk_ids.reshape(-1)]  # [T*k] owning rank of each (token, expert) pair
-        counts = torch.bincount(dest, minlength=self.ctx.world)
+        counts = torch.zeros(self.ctx.world, dtype=torch.long, device=x.device).scatter_add_(
+            0, dest, torch.ones_like(dest))
         recv_counts = None
-        if mode != EP_LOW_LATENCY or self.ctx.check_collectives:
+        if mode != EP_LOW_LATENCY or (self.ctx.check_collectives and not graph):
             recv_counts = self._header(mode, counts)
         if mode == EP_LOW_LATENCY:
             return self._low_latency(x, topk_ids, topk_w, experts, dest, counts)
@@ -71,13 +73,14 @@ class TorchAllToAll:
         y = experts(x_recv, meta_recv[:, :1].long(), meta_recv[:, 1:].to(x.dtype))  # [N_recv, H], weighted
         back = x.new_empty(t * k, x.shape[1])
         self._a2a(back, y, send_n, recv_n)
-        return torch.zeros_like(x).index_add_(0, token, back)
+        return _combine(back, order, t, k)
 
     def _low_latency(self, x, topk_ids, topk_w, experts, dest, counts):
         t, k = topk_ids.shape
         world, h = self.ctx.world, x.shape[1]
-        assert self.ctx.forward is not None
-        cap = self.ctx.forward.max_num_tokens * k  # same on every rank: from the gathered table
+        fwd = self.ctx.forward
+        # same on every rank: the graph's padded token count (identical by construction) or the gathered maximum
+        cap = (t if fwd.graph_size else fwd.max_num_tokens) * k
         ids = topk_ids.reshape(-1)
         order = torch.argsort(dest, stable=True)
         starts = torch.cumsum(counts, 0) - counts
@@ -93,10 +96,14 @@ class TorchAllToAll:
         x_recv, meta_recv = torch.empty_like(x_send), torch.empty_like(meta)
         self._a2a(x_recv, x_send)
         self._a2a(meta_recv, meta)
-        valid = meta_recv[:, 0] >= 0
-        y = torch.zeros_like(x_recv)
-        if valid.any():
-            y[valid] = experts(x_recv[valid], meta_recv[valid, :1].long(), meta_recv[valid, 1:].to(x.dtype))
+        # padded rows carry expert id -1, which no expert owns: they come back as zeros
+        y = experts(x_recv, meta_recv[:, :1].long(), meta_recv[:, 1:].to(x.dtype))
         back = torch.empty_like(y)
         self._a2a(back, y)
-        return torch.zeros_like(x).index_add_(0, token, back[slot])
+        return _combine(back[slot], order, t, k)
+
+
+def _combine(back: torch.Tensor, order: torch.Tensor, t: int, k: int) -> torch.Tensor:
+    """back: [T*k, H] weighted expert outputs in sorted pair order -> [T, H] summed over each token's k pairs
+    (put back in pair order and reduced: no atomics, so the sum is deterministic)."""
+    return torch.empty_like(back).index_copy_(0, order, back).view(t, k, -1).sum(1)

@@ -1,0 +1,189 @@
+"""Decode step time on a random-weight model with the Qwen3.5-35B-A3B layer shapes, next to the memory roofline.
+
+    python bench/decode.py [--layers 40] [--batches 1 8 64 256] [--context 1024] [--out bench/results/decode.json]
+
+Shapes (the public Qwen3.5-35B-A3B config): hidden 2048, 40 layers (3 Gated DeltaNet : 1 gated attention), 16 query /
+2 KV heads of 256, GDN 16 key / 32 value heads of 128, 256 experts (top 8) of 512, a 512 shared expert, vocab 248320.
+bf16 weights, one GPU, no MTP. Each sequence has `context` tokens in its KV cache. A step is the target forward
+of B sequences x 1 token plus the lm_head, timed as a CUDA graph replay (median of 20) and eagerly (median of 5).
+
+Roofline: the bytes a step must move at least (every dense weight once, the routed experts actually selected,
+the embedding rows, KV read for every context token, GDN state read and written, fp32 logits written) over the
+device bandwidth measured in the same run (device-to-device copy, bytes read + written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from mtp_ray.config.model import ModelConfig
+from mtp_ray.engine.cache import CacheShape, bind_caches
+from mtp_ray.engine.graphs import CudaGraphs
+from mtp_ray.engine.inputs import StepInputs
+from mtp_ray.layers.context import ForwardBatch, UniformDecode
+from mtp_ray.layers.moe import SparseMoE
+from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
+
+BLOCK = 16
+
+
+def config(layers: int) -> ModelConfig:
+    types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+    return ModelConfig.from_hf_dict({
+        "model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": layers,
+        "layer_types": [types[i % 4] for i in range(layers)], "num_attention_heads": 16, "num_key_value_heads": 2,
+        "head_dim": 256, "partial_rotary_factor": 0.25,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 256, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "vocab_size": 248320,
+        "max_position_embeddings": 262144, "mtp_num_hidden_layers": 0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "eos_token_id": 0,
+    })
+
+
+def random_model(cfg: ModelConfig, device: torch.device) -> Qwen3_5MoeForCausalLM:
+    with torch.device("meta"):
+        model = Qwen3_5MoeForCausalLM(cfg, with_mtp=False)
+    model = model.to(torch.bfloat16).to_empty(device=device).eval()  # bf16 on meta first: no fp32 copy on the GPU
+    g = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.uniform_(0, math.log(16), generator=g)
+            elif name.endswith("dt_bias") or "norm" in name:
+                p.uniform_(0, 0.1, generator=g)
+            else:
+                p.normal_(0, 0.02, generator=g)
+    return model
+
+
+def bandwidth(device: torch.device) -> float:
+    """Bytes/s of a 4 GiB device-to-device copy (read + write), median of 10."""
+    a = torch.empty(1 << 30, dtype=torch.float32, device=device).normal_()
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(12):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return 2 * a.numel() * 4 / sorted(times[2:])[len(times[2:]) // 2]
+
+
+def inputs(bsz: int, context: int, width: int, vocab: int, device: torch.device) -> StepInputs:
+    tables = 1 + torch.arange(bsz * width, device=device).view(bsz, width)  # block 0 stays reserved
+    ctx = torch.full((bsz,), context, dtype=torch.long, device=device)
+    slot = tables[:, context // BLOCK] * BLOCK + context % BLOCK
+    u = UniformDecode(1, ctx, 1 + torch.arange(bsz, device=device))
+    ids = torch.randint(0, vocab, (bsz,), device=device)
+    return StepInputs(ids, ctx.clone(), ForwardBatch.decode(u, tables, slot), [[b] for b in range(bsz)])
+
+
+def timed(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps + 2):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    t = sorted(times[2:])
+    return t[len(t) // 2]
+
+
+def step_bytes(model: Qwen3_5MoeForCausalLM, cfg: ModelConfig, bsz: int, context: int, experts_hit: list[int]
+               ) -> dict:
+    expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
+    dense = sum(p.numel() * 2 for n, p in model.named_parameters()
+                if "experts." not in n and "embed_tokens" not in n)
+    n_attn, n_gdn = len(cfg.full_attention_layers), cfg.num_hidden_layers - len(cfg.full_attention_layers)
+    kv = n_attn * bsz * (context + 1) * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    state = n_gdn * bsz * 2 * (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+                               + cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * 2)
+    parts = {"dense_weights": dense, "routed_experts": sum(experts_hit) * expert_bytes,
+             "embedding_rows": bsz * cfg.hidden_size * 2, "kv_read": kv, "gdn_state_rw": state,
+             "logits_written": bsz * cfg.vocab_size * 4}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def count_experts(model: Qwen3_5MoeForCausalLM, moes: list[SparseMoE], inp: StepInputs) -> list[int]:
+    """Distinct experts each MoE layer routes this step's tokens to (one eager forward, routers wrapped)."""
+    hits: list[int] = []
+    for m in moes:
+        def counted(x, route=m.route):
+            ids, w = route(x)
+            hits.append(int(ids.unique().numel()))
+            return ids, w
+        m.route = counted
+    try:
+        model(inp.input_ids, inp.positions, inp.batch)
+    finally:
+        for m in moes:
+            del m.route  # back to the class method
+    return hits
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--out", default="bench/results/decode.json")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    bw = bandwidth(dev)
+    cfg = config(args.layers)
+    model = random_model(cfg, dev)
+    width = (args.context + 1 + BLOCK - 1) // BLOCK
+    max_b = max(args.batches)
+    bind_caches(model, CacheShape(1 + max_b * width, BLOCK, 1 + max_b), torch.bfloat16, dev)
+    for gdn in model.gdn_layers():
+        gdn.ssm_state.normal_(0, 0.1)
+    for attn in model.attention_layers():
+        attn.kv_cache.normal_()
+    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    rows = []
+    for bsz in args.batches:
+        inp = inputs(bsz, args.context, width, cfg.vocab_size, dev)
+        graphs = CudaGraphs(model, (bsz,), 0, width, BLOCK, dev)
+        with torch.inference_mode():
+            experts_hit = count_experts(model, moes, inp)
+            eager = timed(lambda inp=inp: model.compute_logits(model(inp.input_ids, inp.positions, inp.batch)), 5)
+            graphs.run_target(inp, bsz)
+            g = graphs.target[bsz][0]
+            graph = timed(g.replay, 20)
+        by = step_bytes(model, cfg, bsz, args.context, experts_hit)
+        floor = by["total"] / bw
+        rows.append({"batch": bsz, "graph_step_ms": round(graph * 1e3, 3), "eager_step_ms": round(eager * 1e3, 3),
+                     "roofline_ms": round(floor * 1e3, 3), "graph_over_roofline": round(graph / floor, 2),
+                     "achieved_GBps": round(by["total"] / graph / 1e9, 1), "tokens_per_s": round(bsz / graph, 1),
+                     "mean_experts_hit_per_layer": round(sum(experts_hit) / len(experts_hit), 1),
+                     "bytes": {k: v for k, v in by.items()}})
+        del graphs
+        torch.cuda.empty_cache()
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "measured_bandwidth_GBps": round(bw / 1e9, 1),
+              "model": f"random bf16, Qwen3.5-35B-A3B shapes, {args.layers} layers (of 40), no MTP",
+              "context": args.context, "runs": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"bandwidth {bw / 1e9:.0f} GB/s; {result['model']}; context {args.context}")
+    print("| batch | graph step ms | eager step ms | roofline ms | graph / roofline | GB/s | tok/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['batch']} | {r['graph_step_ms']} | {r['eager_step_ms']} | {r['roofline_ms']} | "
+              f"{r['graph_over_roofline']} | {r['achieved_GBps']} | {r['tokens_per_s']} |")
+
+
+if __name__ == "__main__":
+    main()

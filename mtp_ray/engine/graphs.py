@@ -1,0 +1,129 @@
+"""CUDA graphs for uniform decode / verify steps: the target forward (B x q_len tokens -> hidden, logits) and the
+greedy MTP draft loop (k chained MTP forwards with the argmax on the device), one pair of graphs per batch size.
+
+Inputs live in static buffers sized for the largest batch; a replay copies the step's inputs in with copy_ and
+runs the graph of the step's padded size (the DP-wide size from the gathered DPMeta). Graphs are captured lazily
+the first time a size is used; in a DP group every rank reaches that point at the same step (the size is a
+function of the gathered table) and captures behind a barrier, so captures happen in the same order everywhere.
+`reset()` drops every graph (after sleep, which frees the tensors they point at).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from mtp_ray.engine.inputs import StepInputs
+from mtp_ray.layers.context import ForwardBatch, UniformDecode
+from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+class CudaGraphs:
+    def __init__(self, model: Qwen3_5MoeForCausalLM, sizes: tuple[int, ...], k: int, width: int, block_size: int,
+                 device: torch.device, barrier: Callable[[], None] | None = None):
+        self.model, self.sizes, self.k, self.q = model, sizes, k, k + 1
+        self.width, self.block_size, self.device = width, block_size, device
+        self.barrier = barrier or (lambda: None)
+        max_b = max(sizes)
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=device)  # noqa: E731
+        # target step inputs (the draft loop reads them too: same positions, slots, tables)
+        self.ids, self.pos, self.slots = z(max_b * self.q), z(max_b * self.q), z(max_b * self.q)
+        self.tables, self.ctx, self.state = z(max_b, width), z(max_b), z(max_b)
+        self.spec = z(max_b, self.q) if k else None
+        # draft loop inputs: the token after each verify row, and the last committed row of each sequence
+        self.next_ids, self.last = z(max_b * self.q), z(max_b)
+        self.target: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.draft: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def reset(self) -> None:
+        self.target.clear()
+        self.draft.clear()
+        self.pool = None
+
+    # ---- the captured functions ----
+    def _batch(self, b: int) -> ForwardBatch:
+        spec = self.spec[:b] if self.spec is not None else None
+        u = UniformDecode(self.q, self.ctx[:b], self.state[:b], spec)
+        return ForwardBatch.decode(u, self.tables[:b], self.slots[: b * self.q])
+
+    def _target_fn(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = b * self.q
+        hidden = self.model(self.ids[:n], self.pos[:n], self._batch(b))  # [n, H]
+        return hidden, self.model.compute_logits(hidden)  # [n, V] fp32
+
+    def _draft_fn(self, b: int, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: the target graph's [b * q, H] output -> greedy drafts [b, k]."""
+        m, n = self.model, b * self.q
+        # step 1 over every verify row (rows past the accepted ones write MTP KV that later steps overwrite)
+        h = m.mtp_forward(self.next_ids[:n], hidden, self.pos[:n], self._batch(b), 0)  # [n, H]
+        last = self.last[:b]
+        h = h[torch.arange(b, device=self.device) * self.q + last]  # [b, H] at the last committed position
+        drafts = [m.compute_logits(h).argmax(-1)]
+        base = self.ctx[:b] + last  # position of the last committed token
+        tables = self.tables[:b]
+        for j in range(1, self.k):
+            pos = base + j  # step j + 1 feeds draft j at the next position
+            slot = tables.gather(1, (pos // self.block_size)[:, None])[:, 0] * self.block_size + pos % self.block_size
+            batch = ForwardBatch.decode(UniformDecode(1, pos, self.state[:b]), tables, slot)
+            h = m.mtp_forward(drafts[-1], h, pos, batch, j)
+            drafts.append(m.compute_logits(h).argmax(-1))
+        return torch.stack(drafts, 1)
+
+    def _capture(self, fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+        self.barrier()
+        fn()  # eager run first: kernel compilation and library handles stay out of the capture
+        torch.cuda.synchronize(self.device)
+        self.barrier()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = fn()
+        if self.pool is None:
+            self.pool = g.pool()
+        return g, out
+
+    # ---- replay ----
+    def run_target(self, inp: StepInputs, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the target graph of size b on inp (built with size b and this width) -> hidden, logits."""
+        u = inp.batch.uniform
+        assert u is not None and u.context_lens.shape[0] == b and inp.batch.block_tables.shape[1] == self.width
+        n = b * self.q
+        if b not in self.target:
+            # capture on padded rows only (zeros: block 0, state slot 0): the eager run inside the capture must not
+            # advance a real sequence's GDN state before the replay does
+            for t in (self.ids, self.pos, self.slots, self.tables, self.ctx, self.state, self.spec):
+                if t is not None:
+                    t.zero_()
+            log.info("capturing the target graph for batch %d (%d tokens)", b, n)
+            g, (hidden, logits) = self._capture(lambda: self._target_fn(b))
+            self.target[b] = (g, hidden, logits)
+        self.ids[:n].copy_(inp.input_ids, non_blocking=True)
+        self.pos[:n].copy_(inp.positions, non_blocking=True)
+        self.slots[:n].copy_(inp.batch.slot_mapping, non_blocking=True)
+        self.tables[:b].copy_(inp.batch.block_tables, non_blocking=True)
+        self.ctx[:b].copy_(u.context_lens, non_blocking=True)
+        self.state[:b].copy_(u.state_slots, non_blocking=True)
+        if self.spec is not None:
+            assert u.spec_slots is not None
+            self.spec[:b].copy_(u.spec_slots, non_blocking=True)
+        g, hidden, logits = self.target[b]
+        g.replay()
+        return hidden, logits
+
+    def run_drafts(self, next_ids: torch.Tensor, last: torch.Tensor, b: int) -> torch.Tensor:
+        """next_ids: [b * q] token after each verify row; last: [b] last committed row -> drafts [b, k] (CPU)."""
+        self.next_ids[: b * self.q].copy_(next_ids, non_blocking=True)
+        self.last[:b].copy_(last, non_blocking=True)
+        if b not in self.draft:
+            # the eager run inside the capture repeats this step's MTP forwards exactly (no recurrent state in the
+            # MTP layer): its KV writes equal the replay's
+            log.info("capturing the MTP draft-loop graph for batch %d (k=%d)", b, self.k)
+            hidden = self.target[b][1]
+            self.draft[b] = self._capture(lambda: self._draft_fn(b, hidden))
+        g, drafts = self.draft[b]
+        g.replay()
+        return drafts.cpu()

@@ -1,0 +1,102 @@
+"""Grouped-GEMM MoE experts in Triton (GPU): no host sync, so eager steps avoid a launch per expert and CUDA graphs
+can capture the MoE layer.
+
+The (token, slot) pairs are sorted by local expert; each expert's run of pairs is cut into tiles of BLOCK_M rows.
+The grid has a static upper bound of tiles (ceil(pairs / BLOCK_M) + experts); a program whose tile is empty does
+nothing. Two GEMMs (gate_up with gathered token rows, then down) with SwiGLU between; each pair's output is
+weighted, put back in pair order and summed over the top-k slots (no atomics: deterministic).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, w_ptr, c_ptr, rows_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+    N, K, stride_am, stride_we, stride_wn, stride_wk, stride_cm,
+    GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    r0 = tl.load(tile_start_ptr + t)
+    r1 = tl.load(tile_end_ptr + t)
+    if r0 < r1:
+        e = tl.load(tile_expert_ptr + t).to(tl.int64)
+        r = r0 + tl.arange(0, BLOCK_M)
+        rm = r < r1
+        if GATHER:
+            arow = tl.load(rows_ptr + r, mask=rm, other=0).to(tl.int64)
+        else:
+            arow = r.to(tl.int64)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            km = kk < K
+            a = tl.load(a_ptr + arow[:, None] * stride_am + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+            w = tl.load(w_ptr + e * stride_we + n[None, :] * stride_wn + kk[:, None] * stride_wk,
+                        mask=km[:, None] & nm[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+            if IEEE:
+                acc += tl.dot(a, w, input_precision="ieee")
+            else:
+                acc += tl.dot(a, w)
+        tl.store(c_ptr + r[:, None].to(tl.int64) * stride_cm + n[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=rm[:, None] & nm[None, :])
+
+
+def _gemm(a: torch.Tensor, w: torch.Tensor, rows: torch.Tensor | None, tiles: tuple, num_rows: int, bm: int
+          ) -> torch.Tensor:
+    """c[r] = a[rows[r] or r] @ w[expert(r)].T for every row r covered by a tile. a: [*, K]; w: [E, N, K]."""
+    tile_expert, r0, r1 = tiles
+    n_out, k_in = w.shape[1], w.shape[2]
+    c = torch.empty(num_rows, n_out, dtype=a.dtype, device=a.device)
+    ieee = a.dtype == torch.float32
+    bn, bk = 64, 32 if ieee else 64
+    grid = (tile_expert.numel(), triton.cdiv(n_out, bn))
+    _grouped_gemm_kernel[grid](
+        a, w, c, rows if rows is not None else r0, tile_expert, r0, r1,
+        n_out, k_in, a.stride(0), w.stride(0), w.stride(1), w.stride(2), c.stride(0),
+        GATHER=rows is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee, num_warps=4,
+    )
+    return c
+
+
+def fused_experts(
+    x: torch.Tensor,  # [T, H]
+    topk_ids: torch.Tensor,  # [T, k] global expert ids (ids outside [start, start + E) contribute nothing)
+    topk_w: torch.Tensor,  # [T, k]
+    gate_up: torch.Tensor,  # [E, 2I, H]
+    down: torch.Tensor,  # [E, H, I]
+    start: int,
+) -> torch.Tensor:  # [T, H]: sum over the local experts of weight * expert(x)
+    t, topk = topk_ids.shape
+    e = gate_up.shape[0]
+    pairs = t * topk
+    bm = 16 if pairs <= 256 else 64
+    local = topk_ids.reshape(-1) - start
+    valid = (local >= 0) & (local < e)
+    key = torch.where(valid, local, e)  # foreign experts sort last and get no tile
+    order = torch.argsort(key, stable=True)  # [P] pair ids, grouped by expert
+    counts = torch.zeros(e + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
+    seg_end = counts.cumsum(0)
+    seg_start = seg_end - counts
+    ntiles = (counts[:e] + bm - 1) // bm
+    tile_cum = ntiles.cumsum(0)
+    i = torch.arange(triton.cdiv(pairs, bm) + e, device=x.device)  # static bound on the number of tiles
+    tile_expert = torch.searchsorted(tile_cum, i, right=True).clamp_max(e - 1)
+    r0 = seg_start[tile_expert] + (i - (tile_cum[tile_expert] - ntiles[tile_expert])) * bm
+    r1 = torch.minimum(r0 + bm, seg_end[tile_expert])
+    live = i < tile_cum[-1]
+    tiles = (tile_expert, torch.where(live, r0, 0), torch.where(live, r1, 0))
+    h = _gemm(x, gate_up, order // topk, tiles, pairs, bm)  # [P, 2I] in sorted order
+    gate, up = h.chunk(2, dim=-1)
+    y = _gemm((F.silu(gate) * up).contiguous(), down, None, tiles, pairs, bm)  # [P, H]
+    w_sorted = topk_w.reshape(-1)[order].to(y.dtype)
+    # rows of foreign experts were never written: select, never multiply, so garbage cannot leak in
+    y = torch.where(valid[order][:, None], y * w_sorted[:, None], torch.zeros((), dtype=y.dtype, device=y.device))
+    return torch.empty_like(y).index_copy_(0, order, y).view(t, topk, -1).sum(1)

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# On the GPU device machine (offline): install the carried wheelhouse, then run the named stages.
+#   bash tools/gpu_run.sh tests decode offline dp      (results and logs go to $OUT, default ./gpu_out)
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH RAY_AUTH_MODE=disabled NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    kernels) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -25 ;;
+    tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py tests/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
+    decode) python3 bench/decode.py --out "$OUT/decode_h200.json" 2>&1 | tail -12 ;;
+    offline) python3 bench/offline.py --device cuda --dtype bfloat16 --prompts 32 --out "$OUT/offline_h200_bf16.json" 2>&1 | tail -16 ;;
+    offline32) python3 bench/offline.py --device cuda --dtype float32 --prompts 8 --out "$OUT/offline_h200_fp32.json" 2>&1 | tail -16 ;;
+    dp) python3 bench/dp.py --device cuda --requests 256 --max-tokens 64 --max-num-seqs 128 --out "$OUT/dp_h200x2.json" 2>&1 | tail -40 ;;
+    dpk) python3 bench/dp.py --device cuda --k 3 --requests 256 --max-tokens 64 --max-num-seqs 128 --out "$OUT/dp_h200x2_k3.json" 2>&1 | tail -40 ;;
+  esac
+done
+echo "=== end $(date +%T)"
