@@ -99,4 +99,4 @@ def fused_experts(
     w_sorted = topk_w.reshape(-1)[order].to(y.dtype)
     # rows of foreign experts were never written: select, never multiply, so garbage cannot leak in
     y = torch.where(valid[order][:, None], y * w_sorted[:, None], torch.zeros((), dtype=y.dtype, device=y.device))
-    return torch.empty_like(y).index_copy_(0, order, y).view(t, topk, -1).sum(1)
+    return torch.empty_like(y).index_copy_(0, order, y).view(t, topk, y.shape[-1]).sum(1)

@@ -106,4 +106,4 @@ class TorchAllToAll:
 def _combine(back: torch.Tensor, order: torch.Tensor, t: int, k: int) -> torch.Tensor:
     """back: [T*k, H] weighted expert outputs in sorted pair order -> [T, H] summed over each token's k pairs
     (put back in pair order and reduced: no atomics, so the sum is deterministic)."""
-    return torch.empty_like(back).index_copy_(0, order, back).view(t, k, -1).sum(1)
+    return torch.empty_like(back).index_copy_(0, order, back).view(t, k, back.shape[-1]).sum(1)
