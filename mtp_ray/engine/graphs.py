@@ -107,9 +107,11 @@ class CudaGraphs:
         self.tables[:b].copy_(inp.batch.block_tables, non_blocking=True)
         self.ctx[:b].copy_(u.context_lens, non_blocking=True)
         self.state[:b].copy_(u.state_slots, non_blocking=True)
-        if self.spec is not None:
-            assert u.spec_slots is not None
-            self.spec[:b].copy_(u.spec_slots, non_blocking=True)
+        if self.spec is not None:  # a dummy rank's all-padding batch has no snapshot slots: slot 0
+            if u.spec_slots is None:
+                self.spec[:b].zero_()
+            else:
+                self.spec[:b].copy_(u.spec_slots, non_blocking=True)
         g, hidden, logits = self.target[b]
         g.replay()
         return hidden, logits

@@ -66,32 +66,38 @@ def build(pieces: list[Piece], blocks: BlockManager) -> StepInputs:
 def build_uniform(pieces: list[Piece], blocks: BlockManager, q_len: int, size: int | None = None,
                   width: int | None = None) -> StepInputs:
     """A uniform decode / verify batch (every piece has q_len tokens), padded to `size` sequences and block tables
-    `width` wide. Padded rows feed token 0 at positions 0.. into reserved block 0 and state slot 0."""
+    `width` wide. Padded rows feed token 0 at positions 0.. into reserved block 0 and state slot 0.
+    Built as Python lists and turned into tensors once per field: this runs every decode step."""
     size = len(pieces) if size is None else size
-    assert all(len(p.tokens) == q_len and p.start > 0 for p in pieces) and len(pieces) <= size
-    ids = torch.zeros(size, q_len, dtype=torch.long)
-    pos = torch.arange(q_len).repeat(size, 1)
-    slots = torch.zeros(size, q_len, dtype=torch.long)
-    width = width or max((len(p.req.block_ids) for p in pieces), default=1)
-    tables = torch.zeros(size, width, dtype=torch.long)
-    ctx = torch.zeros(size, dtype=torch.long)
-    state = torch.zeros(size, dtype=torch.long)
-    spec = torch.zeros(size, q_len, dtype=torch.long) if any(p.spec_slots for p in pieces) else None
+    assert len(pieces) <= size and all(len(p.tokens) == q_len and p.start > 0 for p in pieces)
+    pad = size - len(pieces)
     bs = blocks.block_size
-    for b, p in enumerate(pieces):
-        ids[b] = torch.tensor(p.tokens)
-        pos[b] += p.start
-        bt = torch.tensor(p.req.block_ids, dtype=torch.long)
-        tables[b, : len(bt)] = bt
-        slots[b] = bt[pos[b] // bs] * bs + pos[b] % bs
-        ctx[b] = p.start
-        state[b] = p.req.state_slots[0]
-        if spec is not None:
-            spec[b] = torch.tensor(p.spec_slots)
+    width = width or max((len(p.req.block_ids) for p in pieces), default=1)
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    tables: list[list[int]] = []
+    for p in pieces:
+        bt = p.req.block_ids
+        ids += p.tokens
+        ps = range(p.start, p.start + q_len)
+        pos += ps
+        slots += [bt[x // bs] * bs + x % bs for x in ps]
+        tables.append(bt + [0] * (width - len(bt)))
+    ids += [0] * (pad * q_len)
+    pos += list(range(q_len)) * pad
+    slots += [0] * (pad * q_len)
+    tables += [[0] * width] * pad
+    ctx = [p.start for p in pieces] + [0] * pad
+    state = [p.req.state_slots[0] for p in pieces] + [0] * pad
+    spec = None
+    if any(p.spec_slots for p in pieces):
+        spec = torch.tensor([p.spec_slots for p in pieces] + [[0] * q_len] * pad, dtype=torch.long)
     rows = [list(range(b * q_len, (b + 1) * q_len)) if p.logits == "all" else [b * q_len + q_len - 1]
             for b, p in enumerate(pieces)]
-    batch = ForwardBatch.decode(UniformDecode(q_len, ctx, state, spec), tables, slots.view(-1))
-    return StepInputs(ids.view(-1), pos.view(-1), batch, rows)
+    t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    batch = ForwardBatch.decode(UniformDecode(q_len, t(ctx), t(state), spec), t(tables), t(slots))
+    return StepInputs(t(ids), t(pos), batch, rows)
 
 
 def is_uniform(sched: list[Scheduled], q_len: int) -> bool:

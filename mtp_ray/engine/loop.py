@@ -132,9 +132,10 @@ class EngineCore:
             logits = all_logits[rows].cpu()
         else:
             logits = self.runner.logits(hidden[rows]) if rows else None
+        logprobs = torch.log_softmax(logits, dim=-1) if logits is not None else None  # one call for the step
         outputs, items, at = [], [], 0
         for i, (s, start_row, lrows) in enumerate(zip(sched, inp.batch.cu_seqlens, inp.logit_rows, strict=False)):
-            lg = logits[at : at + len(lrows)] if lrows else None
+            lg = (logits[at : at + len(lrows)], logprobs[at : at + len(lrows)]) if lrows else None
             at += len(lrows)
             out, item = self._postprocess(s, lg, hidden[start_row : start_row + s.num_new], i)
             if out is not None:
@@ -164,9 +165,11 @@ class EngineCore:
             **self.meta_extra,
         )
 
-    def _postprocess(self, s: Scheduled, logits: torch.Tensor | None, hidden: torch.Tensor, index: int
-                     ) -> tuple[StepOutput | None, DraftItem | None]:
+    def _postprocess(self, s: Scheduled, lg: tuple[torch.Tensor, torch.Tensor] | None, hidden: torch.Tensor,
+                     index: int) -> tuple[StepOutput | None, DraftItem | None]:
+        """lg: this sequence's (logits, log-probs) rows, or None for a non-last prefill chunk."""
         req, start = s.req, s.req.num_computed
+        logits, logprobs = lg if lg is not None else (None, None)
         if s.verify:
             assert logits is not None
             k = len(req.drafts)
@@ -181,14 +184,14 @@ class EngineCore:
             assert logits is not None
             emitted = [sample_row(logits[0], self._row(req, [], len(req.output_ids)), req.generator)]
             req.num_computed = start + s.num_new
-            logits = logits[-1:]
+            logprobs = logprobs[-1:]
         else:
             req.num_computed = start + s.num_new
             return None, DraftItem(req, start, hidden, False, index) if self.k else None
         req.drafts, req.draft_probs = [], None
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        n = self._append(req, emitted, logits)
+        n = self._append(req, emitted, logprobs)
         out = self._output(req, emitted[:n], n)
         item = DraftItem(req, start, hidden, True, index) if self.k and not req.finished else None
         return out, item
@@ -214,12 +217,12 @@ class EngineCore:
         history = req.all_ids + extra if p.repetition_penalty != 1.0 else []
         return Row(p, history, num_output, stop)
 
-    def _append(self, req: Request, tokens: list[int], logits: torch.Tensor) -> int:
+    def _append(self, req: Request, tokens: list[int], logprobs: torch.Tensor) -> int:
         """Append emitted tokens until a stop condition; returns how many were kept."""
         p = req.params
         for i, t in enumerate(tokens):
             req.output_ids.append(t)
-            lp, top = logprob_info(logits[i], t, p.logprobs)
+            lp, top = logprob_info(logprobs[i], t, p.logprobs)
             req.output_logprobs.append(lp)
             req.top_logprobs.append(top)
             reason = None

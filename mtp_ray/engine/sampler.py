@@ -64,9 +64,9 @@ def sample_row(logits: torch.Tensor, row: Row, gen: torch.Generator | None) -> i
     return draw(probs(x, row.params), gen)
 
 
-def logprob_info(logits: torch.Tensor, token: int, top_n: int | None) -> tuple[float, dict[int, float]]:
-    """Raw logprob of `token` and the top_n alternatives {token: logprob}."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
+def logprob_info(lp: torch.Tensor, token: int, top_n: int | None) -> tuple[float, dict[int, float]]:
+    """lp: [V] raw log-probabilities (log_softmax of the logits, computed for the whole step at once) ->
+    logprob of `token` and the top_n alternatives {token: logprob}."""
     top: dict[int, float] = {}
     if top_n:
         v, i = torch.topk(lp, top_n)
