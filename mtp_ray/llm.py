@@ -68,6 +68,8 @@ class LLM:
     def __init__(self, model: str = BUNDLED_MODEL, *, config: EngineConfig | None = None, **kw: Any):
         self.config = config or engine_config(model, **kw)
         self.engine = EngineCore(self.config)
+        if self.engine.runner.graphs is not None:
+            self.engine.warmup()  # captures the CUDA graphs up front
         path = self.config.tokenizer or self.config.model
         # a checkpoint without tokenizer files (e.g. a random model from save_pretrained) serves token ids only
         self.tokenizer = load_tokenizer(path) if _has_tokenizer(path) else None

@@ -146,13 +146,27 @@ class EngineCore:
         return outputs
 
     def warmup(self) -> None:
-        """One dummy target forward and the k draft forwards, run as a decode step (all ranks together)."""
+        """All ranks together: one eager dummy decode step with the k draft forwards, then (GPU) every CUDA graph
+        size is captured, largest first, on padded rows only, so that no capture stalls a serving step."""
         self.sync.target(DPMeta(num_tokens=1, batch_size=1, is_decoding=1, is_dummy=0, has_unfinished=1))
         try:
             self.runner.forward(dummy_inputs())
         finally:
             self.sync.done()
         self.proposer.propose([], None)
+        q_len = 1 + self.k
+        for size in sorted(self.runner.graph_sizes, reverse=True):
+            meta = DPMeta(num_tokens=size * q_len, batch_size=size, is_decoding=1, is_dummy=0, has_unfinished=1,
+                          graph_ok=1)
+            table = self.sync.target(meta, (size,))
+            assert table is not None and table.graph_size == size
+            try:
+                self.runner.replay_target(build_uniform([], self.blocks, q_len, size, self.runner.blocks_per_seq),
+                                          size)
+            finally:
+                self.sync.done()
+            if self.k:
+                self.proposer.propose_graph([], table)
 
     def _local_meta(self, sched: list[Scheduled], uniform: bool) -> DPMeta:
         n = sum(s.num_new for s in sched)

@@ -41,7 +41,7 @@ class MTPProposer:
         if self.k == 0 or (not items and not self.sync.lockstep):
             return
         if table is not None and table.graph_drafts:
-            self._propose_graph(items, table)
+            self.propose_graph(items, table)
             return
         pieces = []
         for it in items:
@@ -84,7 +84,7 @@ class MTPProposer:
             it.req.drafts = drafts[b]
             it.req.draft_probs = torch.stack(probs[b]) if probs[b] else None
 
-    def _propose_graph(self, items: list[DraftItem], table: Gathered) -> None:
+    def propose_graph(self, items: list[DraftItem], table: Gathered) -> None:
         size, q = table.graph_size, self.k + 1
         next_ids = torch.zeros(size * q, dtype=torch.long)
         last = torch.zeros(size, dtype=torch.long)
