@@ -36,8 +36,8 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$tmp/src"
 cp -r "$here/pyproject.toml" "$here/README.md" "$here/mtp_ray" "$tmp/src/"
 python3 -m pip wheel -q --no-deps "$tmp/src" -w "$tmp/self"  # built from a copy: no build/ left in the checkout
-# the project's runtime dependencies (from pyproject.toml) plus the optional GPU GDN kernels (fla-core)
-python3 -m pip download -q "${plat[@]}" 'ray[serve]==2.60.0' msgpack pyyaml fla-core $pins -d "$tmp/deps" 2>&1 \
+# the project's runtime dependencies (from pyproject.toml); torch, transformers and triton come with the host image
+python3 -m pip download -q "${plat[@]}" 'ray[serve]==2.60.0' msgpack pyyaml $pins -d "$tmp/deps" 2>&1 \
   | grep -v "is ignored" || true
 [[ $torch == 1 ]] && { python3 -m pip download -q "${plat[@]}" torch -d "$tmp/deps" 2>&1 | grep -v "is ignored" || true; have=${have/torch/}; }
 mkdir -p "$out"
