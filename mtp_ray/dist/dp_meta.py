@@ -7,7 +7,7 @@ the same wave, step and forward, and must have issued the same number of collect
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
@@ -97,6 +97,10 @@ class Gathered:
             return 0
         need = max(m.batch_size for m in self.ranks)
         return next((b for b in sorted(sizes) if b >= need), 0)
+
+    def with_graph_size(self, sizes: tuple[int, ...]) -> Gathered:
+        """This table with its graph decision made (graph_size set from the captured sizes)."""
+        return replace(self, graph_size=self.pick_graph_size(sizes))
 
     @property
     def graph_drafts(self) -> bool:

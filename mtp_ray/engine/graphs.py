@@ -2,10 +2,10 @@
 greedy MTP draft loop (k chained MTP forwards with the argmax on the device), one pair of graphs per batch size.
 
 Inputs live in static buffers sized for the largest batch; a replay copies the step's inputs in with copy_ and
-runs the graph of the step's padded size (the DP-wide size from the gathered DPMeta). Graphs are captured lazily
-the first time a size is used; in a DP group every rank reaches that point at the same step (the size is a
-function of the gathered table) and captures behind a barrier, so captures happen in the same order everywhere.
-`reset()` drops every graph (after sleep, which frees the tensors they point at).
+runs the graph of the step's padded size (the DP-wide size from the gathered DPMeta). A size without a graph is
+captured when first used: every size at engine warmup, and again on first use after `reset()` (sleep frees the
+tensors the graphs point at). In a DP group every rank reaches a capture at the same step (the size is a function
+of the gathered table) and captures behind a barrier, so captures happen in the same order everywhere.
 """
 
 from __future__ import annotations

@@ -71,7 +71,6 @@ def build_uniform(pieces: list[Piece], blocks: BlockManager, q_len: int, size: i
     size = len(pieces) if size is None else size
     assert len(pieces) <= size and all(len(p.tokens) == q_len and p.start > 0 for p in pieces)
     pad = size - len(pieces)
-    bs = blocks.block_size
     width = width or max((len(p.req.block_ids) for p in pieces), default=1)
     ids: list[int] = []
     pos: list[int] = []
@@ -82,7 +81,7 @@ def build_uniform(pieces: list[Piece], blocks: BlockManager, q_len: int, size: i
         ids += p.tokens
         ps = range(p.start, p.start + q_len)
         pos += ps
-        slots += [bt[x // bs] * bs + x % bs for x in ps]
+        slots += [blocks.slot_of(p.req, x) for x in ps]
         tables.append(bt + [0] * (width - len(bt)))
     ids += [0] * (pad * q_len)
     pos += list(range(q_len)) * pad

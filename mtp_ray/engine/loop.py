@@ -113,14 +113,17 @@ class EngineCore:
             return []  # no rank has work this step
         self.stats["steps"] += 1
         pieces = target_pieces(sched)
+        if table.graph_size:  # every rank replays the graph of the DP-wide padded size
+            inp = build_uniform(pieces, self.blocks, q_len, table.graph_size, self.runner.blocks_per_seq)
+        elif uniform:
+            inp = build_uniform(pieces, self.blocks, q_len)
+        else:
+            inp = build(pieces, self.blocks) if sched else dummy_inputs()
         all_logits = None
         try:
-            if table.graph_size:  # every rank replays the graph of the DP-wide padded size
-                inp = build_uniform(pieces, self.blocks, q_len, table.graph_size, self.runner.blocks_per_seq)
+            if table.graph_size:
                 hidden, all_logits = self.runner.replay_target(inp, table.graph_size)
             else:
-                inp = (build_uniform(pieces, self.blocks, q_len) if uniform else build(pieces, self.blocks) if sched
-                       else dummy_inputs())
                 hidden = self.runner.forward(inp)  # [T, H]
         finally:
             self.sync.done()

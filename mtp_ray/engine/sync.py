@@ -9,7 +9,6 @@ target forward (a dummy one if it has no work) whenever any rank has work, and t
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 from mtp_ray.dist.context import DistContext
 from mtp_ray.dist.dp_meta import DPMeta, Gathered
@@ -25,8 +24,7 @@ class LocalSync:
     def target(self, local: DPMeta, graph_sizes: tuple[int, ...] = ()) -> Gathered | None:
         if local.is_dummy:
             return None
-        g = Gathered((local,))
-        return replace(g, graph_size=g.pick_graph_size(graph_sizes))
+        return Gathered((local,)).with_graph_size(graph_sizes)
 
     def draft(self, local: DPMeta) -> Gathered:
         return Gathered((local,))
@@ -71,8 +69,7 @@ class DPSync:
         return g
 
     def target(self, local: DPMeta, graph_sizes: tuple[int, ...] = ()) -> Gathered | None:
-        g = self._gather(local, 0)
-        g = replace(g, graph_size=g.pick_graph_size(graph_sizes))
+        g = self._gather(local, 0).with_graph_size(graph_sizes)
         self.step_table = g
         if g.all_dummy:
             return None  # nobody has work: every rank skips this step
