@@ -51,10 +51,13 @@ def test_paged_decode_attention(dtype, tol, hq, hkv, d, q_len):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("t,e,topk,h,inter,start", [(1, 8, 2, 128, 128, 0), (7, 16, 4, 64, 96, 0),
                                                     (300, 16, 4, 64, 96, 8), (33, 64, 8, 256, 128, 0)])
-def test_fused_experts(dtype, tol, t, e, topk, h, inter, start):
+@pytest.mark.parametrize("path", ["sorted", "pairs"])
+def test_fused_experts(dtype, tol, t, e, topk, h, inter, start, path):
     from mtp_ray.layers.moe import Experts
+    from mtp_ray.layers.moe_small_triton import pair_experts
     from mtp_ray.layers.moe_triton import fused_experts
 
+    fn = fused_experts if path == "sorted" else pair_experts
     g = torch.Generator().manual_seed(t * 7 + e)
     n_local = e - start if start else e
     ex = Experts(h, inter, start, start + n_local)
@@ -70,7 +73,143 @@ def test_fused_experts(dtype, tol, t, e, topk, h, inter, start):
         ref = ex.float()(x, ids, w)
     ex = ex.to(DEVICE, dtype)
     with torch.no_grad():
-        out = fused_experts(x.to(DEVICE, dtype), ids.to(DEVICE), w.to(DEVICE, dtype), ex.gate_up_proj, ex.down_proj,
+        out = fn(x.to(DEVICE, dtype), ids.to(DEVICE), w.to(DEVICE, dtype), ex.gate_up_proj, ex.down_proj,
                             start)
     assert torch.isfinite(out).all()
     assert _rel(out.cpu(), ref) < tol
+
+
+@needs_device
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("rows,d", [(1, 128), (7, 2048), (33, 96)])
+def test_rms_norms(dtype, tol, rows, d):
+    from mtp_ray.layers.norm import GatedRMSNorm, RMSNorm
+    from mtp_ray.layers.norm_triton import gated_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(rows + d)
+    x, r, z = (torch.randn(rows, d, generator=g).to(dtype) for _ in range(3))
+    norm, gated = RMSNorm(d).to(dtype), GatedRMSNorm(d).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(d, generator=g) * 0.1)
+        gated.weight.copy_(1 + torch.randn(d, generator=g) * 0.1)
+        ref, ref_sum, ref_gated = norm(x + r), x + r, gated(x, z)
+        dev = lambda t: t.to(DEVICE)  # noqa: E731
+        out, s = rms_norm(dev(x), dev(norm.weight), norm.eps, dev(r))
+        # the residual stream is rounded exactly as x + r (the CPU interpreter truncates fp32 -> bf16 instead)
+        assert torch.equal(s.cpu(), ref_sum) if DEVICE == "cuda" else _rel(s.cpu(), ref_sum) < tol
+        assert _rel(out.cpu(), ref) < tol
+        assert _rel(rms_norm(dev(x), dev(norm.weight), norm.eps)[0].cpu(), norm(x)) < tol
+        assert _rel(gated_rms_norm(dev(x), dev(z), dev(gated.weight), gated.eps).cpu(), ref_gated) < tol
+
+
+@needs_device
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("hk,hv,dk,dv,q_len,spec", [(2, 4, 32, 32, 1, False), (2, 4, 32, 32, 4, True),
+                                                     (1, 3, 64, 48, 2, True), (4, 8, 128, 128, 1, False)])
+def test_gdn_decode(dtype, tol, hk, hv, dk, dv, q_len, spec):
+    """conv_decode + recurrent_decode = GatedDeltaNet._uniform: outputs, main and snapshot states."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from mtp_ray.config.engine import BUNDLED_MODEL
+    from mtp_ray.config.model import ModelConfig
+    from mtp_ray.layers.gated_delta import GatedDeltaNet
+    from mtp_ray.layers.gated_delta_triton import conv_decode, recurrent_decode
+
+    cfg = dataclasses.replace(ModelConfig.from_pretrained(BUNDLED_MODEL), linear_num_key_heads=hk,
+                              linear_num_value_heads=hv, linear_key_head_dim=dk, linear_value_head_dim=dv)
+    g = torch.Generator().manual_seed(hk * 100 + dv + q_len)
+    m = GatedDeltaNet(cfg)
+    c, b, slots = m.conv_dim, 3, 12
+    with torch.no_grad():
+        m.conv1d.weight.copy_(torch.randn(c, 1, m.kernel, generator=g) * 0.5)
+        m.A_log.copy_(torch.randn(hv, generator=g))
+        m.dt_bias.copy_(torch.randn(hv, generator=g))
+    conv0 = torch.randn(slots, c, m.kernel - 1, generator=g)
+    ssm0 = torch.randn(slots, hv, dk, dv, generator=g) * 0.1
+    mixed = torch.randn(b * q_len, c, generator=g)
+    a_raw, b_raw = torch.randn(b * q_len, hv, generator=g), torch.randn(b * q_len, hv, generator=g)
+    state_slots = torch.tensor([3, 7, 1])
+    spec_slots = torch.tensor([[2, 4, 5, 6][:q_len], [8, 9, 10, 11][:q_len], [0, 0, 0, 0][:q_len]]) if spec else None
+    # reference: the module's batched PyTorch path, fp32 on the CPU
+    m.conv_state, m.ssm_state = conv0.clone(), ssm0.clone()
+    beta = b_raw.sigmoid()
+    gg = -m.A_log.float().exp() * F.softplus(a_raw + m.dt_bias.float())
+    batch = ForwardBatch.decode(UniformDecode(q_len, torch.zeros(b, dtype=torch.long), state_slots, spec_slots),
+                                torch.zeros(b, 1, dtype=torch.long), torch.zeros(b * q_len, dtype=torch.long))
+    with torch.no_grad():
+        ref = m._uniform(mixed, gg, beta, m.conv1d.weight[:, 0, :], batch)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    conv_state, ssm_state = dev(conv0.to(dtype)), dev(ssm0)
+    w = dev(m.conv1d.weight.detach()[:, 0, :].to(dtype).contiguous())
+    ss, sp = dev(state_slots), dev(spec_slots) if spec else None
+    with torch.no_grad():
+        conv = conv_decode(dev(mixed.to(dtype)), conv_state, w, ss, sp, q_len)
+        out = recurrent_decode(conv, dev(a_raw.to(dtype)), dev(b_raw.to(dtype)), dev(m.A_log.detach()),
+                               dev(m.dt_bias.detach()), ssm_state, ss, sp, q_len, hk, dk, dtype)
+    assert _rel(out.cpu(), ref) < tol
+    touched = state_slots.tolist() + ([s for row in spec_slots[:2].tolist() for s in row] if spec else [])
+    for s in touched:
+        assert _rel(ssm_state[s].cpu(), m.ssm_state[s]) < tol, s
+        assert _rel(conv_state[s].cpu().float(), m.conv_state[s]) < tol, s
+    untouched = [s for s in range(1, slots) if s not in touched and s != 0]
+    for s in untouched:
+        assert torch.equal(ssm_state[s].cpu(), ssm0[s])
+
+
+@needs_device
+@pytest.mark.parametrize("t,e,topk,norm", [(1, 8, 2, True), (5, 256, 8, True), (3, 64, 4, False), (2, 512, 10, True)])
+def test_route_topk(t, e, topk, norm):
+    from mtp_ray.layers.moe_small_triton import route_topk
+
+    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(e + t))
+    p = torch.softmax(logits, -1)
+    w, ids = torch.topk(p, topk, -1)
+    if norm:
+        w = w / w.sum(-1, keepdim=True)
+    got_ids, got_w = route_topk(logits.to(DEVICE), topk, norm, torch.float32)
+    assert torch.equal(got_ids.cpu(), ids)
+    assert _rel(got_w.cpu(), w) < 1e-5
+
+
+@needs_device
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("t,hq,hkv,d,rd", [(1, 4, 2, 32, 8), (6, 16, 2, 256, 64), (5, 8, 8, 64, 64)])
+def test_qk_norm_rope_store(dtype, tol, t, hq, hkv, d, rd):
+    from mtp_ray.layers.attention_triton import paged_decode_attention, qk_norm_rope_store
+    from mtp_ray.layers.norm import RMSNorm
+    from mtp_ray.layers.rope import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(t + hq + d)
+    qg = torch.randn(t, hq, 2 * d, generator=g).to(dtype)
+    k, v = torch.randn(t, hkv * d, generator=g).to(dtype), torch.randn(t, hkv * d, generator=g).to(dtype)
+    qn, kn = RMSNorm(d).to(dtype), RMSNorm(d).to(dtype)
+    with torch.no_grad():
+        qn.weight.copy_(torch.randn(d, generator=g) * 0.1)
+        kn.weight.copy_(torch.randn(d, generator=g) * 0.1)
+    pos = torch.tensor([7, 300, 4095, 0, 12, 99][:t])
+    cos, sin = RotaryEmbedding(rd, 10000.0).cos_sin(pos, dtype)
+    slots = torch.tensor([5, -1, 17, 30, 2, 9][:t])  # -1: not written
+    with torch.no_grad():
+        ref_q = RotaryEmbedding.apply(qn(qg[..., :d]), cos, sin)
+        ref_k = RotaryEmbedding.apply(kn(k.view(t, hkv, d)), cos, sin)
+        cache = torch.randn(2, 4, 8, hkv, d, generator=g).to(dtype)
+        dev = lambda x: x.to(DEVICE)  # noqa: E731
+        cache_d = dev(cache)
+        q = qk_norm_rope_store(dev(qg), dev(k), dev(v), dev(qn.weight), dev(kn.weight), qn.eps, dev(cos), dev(sin),
+                               dev(slots), cache_d)
+        got = cache_d.cpu().view(2, -1, hkv, d)
+    assert _rel(q.cpu(), ref_q) < tol
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert _rel(got[0, s], ref_k[i]) < tol and torch.equal(got[1, s], v[i].view(hkv, d))
+    assert torch.equal(got[:, 1], cache.view(2, -1, hkv, d)[:, 1])  # slot 1 is nobody's
+    # the decode kernel's fused output gate = o * sigmoid(gate)
+    tables = torch.arange(4).view(1, 4).repeat(t, 1)
+    ctx = torch.tensor([3, 9, 20, 1, 0, 5][:t])
+    u = UniformDecode(1, ctx, ctx)
+    plain = paged_decode_attention(q, cache_d, dev(tables), dev(ctx), 1, d**-0.5)
+    gated = paged_decode_attention(q, cache_d, dev(tables), dev(ctx), 1, d**-0.5, dev(qg[..., d:]))
+    assert _rel(gated.cpu(), plain.cpu() * torch.sigmoid(qg[..., d:])) < tol
+    assert _rel(decode_attention(q.cpu(), cache_d.cpu(), tables, u, d**-0.5, qg[..., d:]), gated.cpu()) < 2 * tol

@@ -47,12 +47,13 @@ def decode_attention(
     block_tables: torch.Tensor,  # [B, W]
     u: UniformDecode,
     scale: float,
+    gate: torch.Tensor | None = None,  # [B * q_len, Hq, D]: the output is multiplied by sigmoid(gate)
 ) -> torch.Tensor:  # [B * q_len, Hq, D]
     """Uniform decode / verify batch: batched kernels only (no host sync), so CUDA graphs can capture it."""
     if q.is_cuda:
         from mtp_ray.layers.attention_triton import paged_decode_attention
 
-        return paged_decode_attention(q, kv_cache, block_tables, u.context_lens, u.q_len, scale)
+        return paged_decode_attention(q, kv_cache, block_tables, u.context_lens, u.q_len, scale, gate)
     # CPU: gather every block of the table (width W) and mask
     hkv, d = kv_cache.shape[3:]
     bsz, ql, hq = block_tables.shape[0], u.q_len, q.shape[1]
@@ -67,7 +68,8 @@ def decode_attention(
     pos = torch.arange(k.shape[2], device=q.device)
     scores = scores.masked_fill((pos[None, None, :] > limit[:, :, None])[:, None], float("-inf"))
     o = scores.softmax(-1) @ v  # [B, Hkv, ql * g, D]
-    return o.view(bsz, hkv, ql, g, d).permute(0, 2, 1, 3, 4).reshape(bsz * ql, hq, d).to(q.dtype)
+    o = o.view(bsz, hkv, ql, g, d).permute(0, 2, 1, 3, 4).reshape(bsz * ql, hq, d).to(q.dtype)
+    return o * torch.sigmoid(gate) if gate is not None else o
 
 
 class GatedAttention(nn.Module):
@@ -92,23 +94,27 @@ class GatedAttention(nn.Module):
         t = x.shape[0]
         qg = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]  # [T, Hq, D] each
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        cos, sin = self.rope.cos_sin(positions, q.dtype)
-        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        key = (self.rope.rotary_dim, self.rope.theta, x.dtype)
+        if key not in batch.rope_cache:  # once per forward, shared by every attention layer
+            batch.rope_cache[key] = self.rope.cos_sin(positions, x.dtype)
+        cos, sin = batch.rope_cache[key]  # [T, rotary_dim] each
+        k, v = self.k_proj(x), self.v_proj(x)  # [T, Hkv * D]
         assert self.kv_cache is not None, "KV cache not bound: allocate caches before the first forward"
-        flat = self.kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
-        if batch.uniform is not None:
-            # every row has a slot (padded rows write into reserved block 0): no mask, no host sync
-            flat[0].index_copy_(0, batch.slot_mapping, k.to(flat.dtype))
-            flat[1].index_copy_(0, batch.slot_mapping, v.to(flat.dtype))
-            o = decode_attention(q, self.kv_cache, batch.block_tables, batch.uniform, self.scale)
+        if x.is_cuda:  # q/k norms, RoPE and the KV write in one kernel
+            from mtp_ray.layers.attention_triton import qk_norm_rope_store
+
+            q = qk_norm_rope_store(qg, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin,
+                                   batch.slot_mapping, self.kv_cache)
         else:
-            write = batch.slot_mapping >= 0
+            q = RotaryEmbedding.apply(self.q_norm(q), cos, sin)
+            k = RotaryEmbedding.apply(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), cos, sin)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            flat = self.kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
+            write = batch.slot_mapping >= 0 if batch.uniform is None else slice(None)  # uniform: every row writes
             flat[0, batch.slot_mapping[write]] = k[write].to(flat.dtype)
             flat[1, batch.slot_mapping[write]] = v[write].to(flat.dtype)
-            o = paged_attention(q, self.kv_cache, batch, self.scale)  # [T, Hq, D]
-        o = o * torch.sigmoid(gate)
+        if batch.uniform is not None:  # batched kernels only (no host sync): CUDA graphs capture this
+            o = decode_attention(q, self.kv_cache, batch.block_tables, batch.uniform, self.scale, gate)
+        else:
+            o = paged_attention(q, self.kv_cache, batch, self.scale) * torch.sigmoid(gate)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, -1))
-

@@ -15,11 +15,11 @@ import triton.language as tl
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, o_ptr,
-    stride_qt, stride_qh, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, o_ptr, g_ptr,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh, stride_gt, stride_gh,
     scale,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, GATE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -61,9 +61,14 @@ def _paged_decode_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    out = acc / l_i[:, None]
+    dt = o_ptr.dtype.element_ty
+    out = (acc / l_i[:, None]).to(dt)
+    if GATE:  # the layer's sigmoid output gate, rounded as `o * torch.sigmoid(gate)`
+        g = tl.load(g_ptr + (b * Q_LEN + j)[:, None] * stride_gt + head[:, None] * stride_gh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) * tl.sigmoid(g).to(dt).to(tl.float32)).to(dt)
     tl.store(o_ptr + (b * Q_LEN + j)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+             out, mask=row_ok[:, None] & d_ok[None, :])
 
 
 def paged_decode_attention(
@@ -73,6 +78,7 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [B]
     q_len: int,
     scale: float,
+    gate: torch.Tensor | None = None,  # [B * q_len, Hq, D]: output * sigmoid(gate)
 ) -> torch.Tensor:  # [B * q_len, Hq, D]
     _, _, block_size, hkv, d = kv_cache.shape
     bsz = block_tables.shape[0]
@@ -83,10 +89,70 @@ def paged_decode_attention(
     block_m = max(16, triton.next_power_of_2(group * q_len))
     block_n = 64 if block_d <= 128 else 32
     _paged_decode_kernel[(bsz, hkv)](
-        q, k, v, block_tables, context_lens, out,
+        q, k, v, block_tables, context_lens, out, gate if gate is not None else q,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        gate.stride(0) if gate is not None else 0, gate.stride(1) if gate is not None else 0,
         scale,
         Q_LEN=q_len, GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, IEEE=q.dtype == torch.float32, num_warps=4,
+        BLOCK_D=block_d, IEEE=q.dtype == torch.float32, GATE=gate is not None, num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _qk_norm_rope_kernel(qg_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slot_ptr, qo_ptr, kc_ptr, vc_ptr,
+                         stride_qt, stride_qh, stride_kt, stride_cs, stride_ot, stride_oh, stride_cache, eps,
+                         HQ: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    hh = tl.program_id(1)
+    d = tl.arange(0, BD)
+    dm = d < D
+    half: tl.constexpr = RD // 2
+    rot = d < RD
+    partner = tl.where(d < half, d + half, d - half)
+    if hh < HQ:
+        src = qg_ptr + t * stride_qt + hh * stride_qh
+        w_ptr = qw_ptr
+    else:
+        src = k_ptr + t * stride_kt + (hh - HQ) * D
+        w_ptr = kw_ptr
+    dt = qo_ptr.dtype.element_ty
+    x = tl.load(src + d, mask=dm, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
+    xn = (x * rstd * (1.0 + tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32))).to(dt).to(tl.float32)
+    xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
+    xpn = (xp * rstd * (1.0 + tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32))).to(dt).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_cs + d, mask=rot, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_cs + d, mask=rot, other=0.0).to(tl.float32)
+    sign = tl.where(d < half, -1.0, 1.0)
+    # as RotaryEmbedding.apply: x * cos + rotate_half(x) * sin, every product and the sum rounded
+    y = ((xn * c).to(dt).to(tl.float32) + (sign * xpn * s).to(dt).to(tl.float32)).to(dt)
+    y = tl.where(rot, y, xn.to(dt))
+    if hh < HQ:
+        tl.store(qo_ptr + t * stride_ot + hh * stride_oh + d, y, mask=dm)
+    else:
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:
+            off = slot * stride_cache + (hh - HQ) * D + d
+            tl.store(kc_ptr + off, y.to(kc_ptr.dtype.element_ty), mask=dm)
+            v = tl.load(v_ptr + t * stride_kt + (hh - HQ) * D + d, mask=dm, other=0.0)
+            tl.store(vc_ptr + off, v.to(vc_ptr.dtype.element_ty), mask=dm)
+
+
+def qk_norm_rope_store(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                       k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                       slot_mapping: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    """One launch for the attention prologue. qg: [T, Hq, 2D] (q | gate per head); k, v: [T, Hkv * D];
+    cos, sin: [T, rotary_dim] in the model dtype. Returns q [T, Hq, D] zero-centred RMS-normed and rotated; k
+    (normed, rotated) and v go into kv_cache [2, blocks, block_size, Hkv, D] at slot_mapping (-1: not written)."""
+    t, hq, d = qg.shape[0], qg.shape[1], qg.shape[2] // 2
+    hkv = kv_cache.shape[3]
+    assert qg.stride(2) == 1 and k.stride(1) == 1 and v.stride(0) == k.stride(0) and cos.stride(0) == sin.stride(0)
+    flat = kv_cache.view(2, -1, hkv, d)
+    q = torch.empty(t, hq, d, dtype=qg.dtype, device=qg.device)
+    _qk_norm_rope_kernel[(t, hq + hkv)](
+        qg, k, v, q_weight, k_weight, cos, sin, slot_mapping, q, flat[0], flat[1],
+        qg.stride(0), qg.stride(1), k.stride(0), cos.stride(0), q.stride(0), q.stride(1), flat.stride(1), eps,
+        HQ=hq, D=d, RD=cos.shape[1], BD=triton.next_power_of_2(d), num_warps=1,
+    )
+    return q

@@ -10,7 +10,7 @@ the forward is a fixed sequence of batched kernels that a CUDA graph can capture
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,8 @@ class ForwardBatch:
     # sequence b, so that the engine can commit the state at the accepted length (rollback).
     spec_state_slots: list[list[int]] | None = None
     uniform: UniformDecode | None = None  # set: the batched decode form (lists above unused, may be empty)
+    # RoPE cos / sin of this forward's positions, computed by the first attention layer and shared by the rest
+    rope_cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.uniform is None:

@@ -42,13 +42,22 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         mixed = self.in_proj_qkv(x)  # [T, conv_dim]
         z = self.in_proj_z(x).view(t, self.hv, self.dv)
-        beta = self.in_proj_b(x).float().sigmoid()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [T, Hv]
+        b_raw, a_raw = self.in_proj_b(x), self.in_proj_a(x)  # [T, Hv] each
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
-        if batch.uniform is not None:
-            core = self._uniform(mixed, g, beta, weight, batch)
+        u = batch.uniform
+        if u is not None and x.is_cuda:  # two fused kernels (conv, recurrence), no per-token launches
+            from mtp_ray.layers.gated_delta_triton import conv_decode, recurrent_decode
+
+            conv = conv_decode(mixed, self.conv_state, weight, u.state_slots, u.spec_slots, u.q_len)
+            core = recurrent_decode(conv, a_raw, b_raw, self.A_log, self.dt_bias, self.ssm_state, u.state_slots,
+                                    u.spec_slots, u.q_len, self.hk, self.dk, x.dtype)
         else:
-            core = self._per_sequence(mixed, g, beta, weight, batch)
+            beta = b_raw.float().sigmoid()  # [T, Hv]
+            g = -self.A_log.float().exp() * F.softplus(a_raw.float() + self.dt_bias.float())  # [T, Hv]
+            if u is not None:
+                core = self._uniform(mixed, g, beta, weight, batch)
+            else:
+                core = self._per_sequence(mixed, g, beta, weight, batch)
         out = self.norm(core.to(x.dtype), z)  # [T, Hv, dv]
         return self.out_proj(out.reshape(t, self.value_dim))
 

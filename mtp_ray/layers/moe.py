@@ -44,9 +44,13 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """Sum of the local experts' weighted outputs. x: [N, H]; topk_ids / topk_w: [N, k] (global ids)."""
         if x.is_cuda:
+            from mtp_ray.layers.moe_small_triton import pair_experts
             from mtp_ray.layers.moe_triton import fused_experts
 
-            return fused_experts(x, topk_ids, topk_w, self.gate_up_proj, self.down_proj, self.start)
+            # few (token, slot) pairs: GEMVs per pair beat sorting them into tiles (static choice: graph-safe)
+            small = topk_ids.numel() <= max(self.end - self.start, 16)
+            fn = pair_experts if small else fused_experts
+            return fn(x, topk_ids, topk_w, self.gate_up_proj, self.down_proj, self.start)
         # CPU: one GEMM pair per expert that received tokens
         out = torch.zeros_like(x)
         local = (topk_ids >= self.start) & (topk_ids < self.end)
@@ -87,6 +91,10 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [T, H] -> topk ids [T, k] int64, weights [T, k] in x.dtype
+        if x.is_cuda:
+            from mtp_ray.layers.moe_small_triton import route_topk
+
+            return route_topk(self.gate(x), self.top_k, self.norm_topk, x.dtype)
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         w, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:

@@ -12,7 +12,7 @@ from torch import nn
 class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, theta: float):
         super().__init__()
-        self.rotary_dim = rotary_dim
+        self.rotary_dim, self.theta = rotary_dim, theta
         # a plain attribute, not a buffer: models are built on the meta device and then filled from checkpoints
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device="cpu") / rotary_dim))
 

@@ -32,5 +32,5 @@ class DecoderLayer(nn.Module):
             h = self.linear_attn(h, batch)
         else:
             h = self.self_attn(h, positions, batch)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.add_forward(h, x)  # x <- x + h; h <- norm(x)
+        return x + self.mlp(h)

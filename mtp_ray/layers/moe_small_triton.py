@@ -1,0 +1,133 @@
+"""Small-batch MoE in Triton (GPU): the router's softmax + top-k in one launch, and the experts of a few tokens as
+two GEMV launches with no sorting, for decode steps where the sorted grouped GEMM (moe_triton.py) spends more
+time planning tiles than multiplying.
+
+- `route_topk`: per token, softmax over the router logits (fp32), top-k by repeated argmax (descending, lowest
+  id first on ties), renormalised -> ids, weights in the activation dtype.
+- `pair_experts`: gate_up + SwiGLU per (token, slot) pair (one program per pair and output tile), then down +
+  weighting + sum over the slots in slot order per token (no atomics: deterministic). Roundings follow
+  Experts / fused_experts: each GEMM output, SiLU, the product and the weighted output are rounded to the
+  activation dtype; the slot sum runs in fp32 and is rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, TOPK: tl.constexpr, NORM: tl.constexpr,
+                  BLOCK_E: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    p = tl.where(e < E, p, -1.0)
+    total = 0.0
+    for j in tl.static_range(TOPK):
+        best = tl.argmax(p, 0, tie_break_left=True)
+        val = tl.max(p, 0)
+        tl.store(ids_ptr + t * TOPK + j, best.to(tl.int64))
+        tl.store(w_ptr + t * TOPK + j, val)
+        total += val
+        p = tl.where(e == best, -1.0, p)
+    if NORM:
+        for j in tl.static_range(TOPK):
+            tl.store(w_ptr + t * TOPK + j, tl.load(w_ptr + t * TOPK + j) / total)
+
+
+def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [T, E] router output -> ids [T, k] int64, weights [T, k] in dtype."""
+    t, e = logits.shape
+    ids = torch.empty(t, top_k, dtype=torch.long, device=logits.device)
+    w = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    _route_kernel[(t,)](logits, ids, w, e, logits.stride(0), TOPK=top_k, NORM=renormalize,
+                        BLOCK_E=triton.next_power_of_2(e), num_warps=1 if e <= 256 else 4)
+    return ids, w.to(dtype)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, act_ptr, start, E_LOCAL, H, INTER,
+                    stride_x, stride_we, stride_wn, stride_a,
+                    TOPK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    e = tl.load(ids_ptr + p) - start
+    if (e >= 0) & (e < E_LOCAL):
+        t = p // TOPK
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nm = n < INTER
+        acc_g = tl.zeros([BN], tl.float32)
+        acc_u = tl.zeros([BN], tl.float32)
+        base = w_ptr + e * stride_we
+        for k0 in range(0, H, BK):
+            kk = k0 + tl.arange(0, BK)
+            km = kk < H
+            x = tl.load(x_ptr + t * stride_x + kk, mask=km, other=0.0).to(tl.float32)
+            m2 = nm[:, None] & km[None, :]
+            wg = tl.load(base + n[:, None] * stride_wn + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+            wu = tl.load(base + (INTER + n[:, None]) * stride_wn + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+            acc_g += tl.sum(wg * x[None, :], 1)
+            acc_u += tl.sum(wu * x[None, :], 1)
+        dt = act_ptr.dtype.element_ty
+        g = acc_g.to(dt).to(tl.float32)
+        sg = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
+        tl.store(act_ptr + p * stride_a + n, (sg * acc_u.to(dt).to(tl.float32)).to(dt), mask=nm)
+
+
+@triton.jit
+def _down_kernel(act_ptr, ids_ptr, tw_ptr, w_ptr, out_ptr, start, E_LOCAL, H, INTER,
+                 stride_a, stride_we, stride_wn, stride_o,
+                 TOPK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nm = n < H
+    dt = out_ptr.dtype.element_ty
+    total = tl.zeros([BN], tl.float32)
+    for j in tl.static_range(TOPK):
+        p = t * TOPK + j
+        e = tl.load(ids_ptr + p) - start
+        if (e >= 0) & (e < E_LOCAL):
+            acc = tl.zeros([BN], tl.float32)
+            for k0 in range(0, INTER, BK):
+                kk = k0 + tl.arange(0, BK)
+                km = kk < INTER
+                a = tl.load(act_ptr + p * stride_a + kk, mask=km, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + e * stride_we + n[:, None] * stride_wn + kk[None, :],
+                            mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(w * a[None, :], 1)
+            weight = tl.load(tw_ptr + p).to(tl.float32)
+            total += (acc.to(dt).to(tl.float32) * weight).to(dt).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + n, total.to(dt), mask=nm)
+
+
+def pair_experts(
+    x: torch.Tensor,  # [T, H]
+    topk_ids: torch.Tensor,  # [T, k] global expert ids (ids outside [start, start + E) contribute nothing)
+    topk_w: torch.Tensor,  # [T, k]
+    gate_up: torch.Tensor,  # [E, 2I, H]
+    down: torch.Tensor,  # [E, H, I]
+    start: int,
+) -> torch.Tensor:  # [T, H]
+    t, topk = topk_ids.shape
+    e, two_i, h = gate_up.shape
+    inter = two_i // 2
+    assert gate_up.stride(2) == 1 and down.stride(2) == 1 and x.stride(1) == 1
+    ids = topk_ids.contiguous()
+    tw = topk_w.contiguous()
+    act = torch.empty(t * topk, inter, dtype=x.dtype, device=x.device)
+    bn = 32
+    _gate_up_kernel[(t * topk, triton.cdiv(inter, bn))](
+        x, ids, gate_up, act, start, e, h, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        TOPK=topk, BN=bn, BK=128, num_warps=4,
+    )
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    bn = 16 if t < 8 else 64
+    _down_kernel[(t, triton.cdiv(h, bn))](
+        act, ids, tw, down, out, start, e, h, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        TOPK=topk, BN=bn, BK=128, num_warps=4,
+    )
+    return out
