@@ -184,7 +184,8 @@ def main() -> None:
     model = random_model(cfg, dev)
     width = (args.context + 2 * k + BLOCK) // BLOCK + 1
     max_b = max(args.batches + args.mtp_batches)
-    bind_caches(model, CacheShape(1 + max_b * width, BLOCK, 1 + max_b * (k + 2)), torch.bfloat16, dev)
+    slots = 1 + max(args.batches) + max(args.mtp_batches) * (k + 1)  # main slots + MTP verify snapshots
+    bind_caches(model, CacheShape(1 + max_b * width, BLOCK, slots), torch.bfloat16, dev)
     for gdn in model.gdn_layers():
         gdn.ssm_state.normal_(0, 0.1)
     for attn in model.attention_layers():

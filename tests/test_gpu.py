@@ -100,3 +100,25 @@ def test_dp2_on_two_gpus_equals_dp1(ray_cluster):
         assert all(r["graph_steps"] > 0 and r["graph_draft_loops"] > 0 for r in st["ranks"])
     finally:
         ray_cluster.get(h.shutdown.remote())
+
+
+@needs_gpu
+def test_device_greedy_equals_host_path():
+    """Plain greedy graph steps verify on the device (one small copy per step, the draft loop right after the
+    target graph); a request for top log-probs takes the host path: same tokens, same log-probs."""
+    for k in (0, 3):
+        llm = LLM(device="cuda", dtype="float32", num_speculative_tokens=k)
+        fast = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        before = llm.engine.stats["device_greedy_steps"]
+        assert before > 0
+        slow = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2))
+        assert llm.engine.stats["device_greedy_steps"] == before
+        for f, s in zip(fast, slow, strict=True):
+            assert f.outputs[0].token_ids == s.outputs[0].token_ids
+            assert max(abs(a - b) for a, b in zip(f.outputs[0].logprobs, s.outputs[0].logprobs, strict=True)) < 1e-4
+        # a stop token inside the accepted drafts ends the request there, as on the host path
+        ids = fast[1].outputs[0].token_ids
+        end = ids.index(ids[5]) + 1  # the first occurrence of that token
+        cut = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                      stop_token_ids=[ids[5]]))
+        assert cut[0].outputs[0].token_ids == ids[:end] and cut[0].outputs[0].finish_reason == "stop"

@@ -36,7 +36,8 @@ class CudaGraphs:
         self.spec = z(max_b, self.q) if k else None
         # draft loop inputs: the token after each verify row, and the last committed row of each sequence
         self.next_ids, self.last = z(max_b * self.q), z(max_b)
-        self.target: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # size -> (graph, hidden [n, H], logits [n, V], argmax [n], log-prob of the argmax [n])
+        self.target: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.draft: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
@@ -51,10 +52,12 @@ class CudaGraphs:
         u = UniformDecode(self.q, self.ctx[:b], self.state[:b], spec)
         return ForwardBatch.decode(u, self.tables[:b], self.slots[: b * self.q])
 
-    def _target_fn(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _target_fn(self, b: int) -> tuple[torch.Tensor, ...]:
         n = b * self.q
         hidden = self.model(self.ids[:n], self.pos[:n], self._batch(b))  # [n, H]
-        return hidden, self.model.compute_logits(hidden)  # [n, V] fp32
+        logits = self.model.compute_logits(hidden)  # [n, V] fp32
+        top, ids = logits.max(-1)  # greedy rows need only these two numbers per row (first max on ties)
+        return hidden, logits, ids, top - logits.logsumexp(-1)
 
     def _draft_fn(self, b: int, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: the target graph's [b * q, H] output -> greedy drafts [b, k]."""
@@ -99,8 +102,8 @@ class CudaGraphs:
                 if t is not None:
                     t.zero_()
             log.info("capturing the target graph for batch %d (%d tokens)", b, n)
-            g, (hidden, logits) = self._capture(lambda: self._target_fn(b))
-            self.target[b] = (g, hidden, logits)
+            g, outs = self._capture(lambda: self._target_fn(b))
+            self.target[b] = (g, *outs)
         self.ids[:n].copy_(inp.input_ids, non_blocking=True)
         self.pos[:n].copy_(inp.positions, non_blocking=True)
         self.slots[:n].copy_(inp.batch.slot_mapping, non_blocking=True)
@@ -112,14 +115,38 @@ class CudaGraphs:
                 self.spec[:b].zero_()
             else:
                 self.spec[:b].copy_(u.spec_slots, non_blocking=True)
-        g, hidden, logits = self.target[b]
+        g, hidden, logits = self.target[b][:3]
         g.replay()
         return hidden, logits
 
-    def run_drafts(self, next_ids: torch.Tensor, last: torch.Tensor, b: int) -> torch.Tensor:
-        """next_ids: [b * q] token after each verify row; last: [b] last committed row -> drafts [b, k] (CPU)."""
-        self.next_ids[: b * self.q].copy_(next_ids, non_blocking=True)
-        self.last[:b].copy_(last, non_blocking=True)
+    def greedy_verify(self, b: int) -> None:
+        """After a target replay: greedy acceptance on the device. The drafts are the verify rows' own inputs
+        (ids[1:] of each sequence); a sequence accepts while draft j equals the target argmax of row j. Sets the
+        draft loop's inputs (the token after every row = that row's argmax; the last committed row = the
+        accepted count) with no host round trip."""
+        n, top = b * self.q, self.target[b][3]
+        if self.k:
+            match = top[:n].view(b, self.q)[:, : self.k] == self.ids[:n].view(b, self.q)[:, 1:]
+            self.last[:b].copy_(match.long().cumprod(1).sum(1))
+            self.next_ids[:n].copy_(top[:n])
+
+    def greedy_results(self, b: int, with_drafts: bool) -> list[list[float]]:
+        """One device -> host copy per step: per sequence [argmax of each row (q), log-prob of each (q),
+        accepted drafts (1), next drafts (k, when the draft loop ran)] as floats (ids are exact below 2**53)."""
+        n, (top, lp) = b * self.q, self.target[b][3:]
+        parts = [top[:n].view(b, self.q).double(), lp[:n].view(b, self.q).double()]
+        if self.k:
+            parts.append(self.last[:b, None].double())
+            if with_drafts:
+                parts.append(self.draft[b][1].double())
+        return torch.cat(parts, 1).cpu().tolist()
+
+    def run_drafts(self, next_ids: torch.Tensor | None, last: torch.Tensor | None, b: int) -> torch.Tensor:
+        """next_ids: [b * q] token after each verify row; last: [b] last committed row -> drafts [b, k] (device).
+        None: the inputs are already in place (greedy_verify)."""
+        if next_ids is not None and last is not None:
+            self.next_ids[: b * self.q].copy_(next_ids, non_blocking=True)
+            self.last[:b].copy_(last, non_blocking=True)
         if b not in self.draft:
             # the eager run inside the capture repeats this step's MTP forwards exactly (no recurrent state in the
             # MTP layer): its KV writes equal the replay's
@@ -128,4 +155,4 @@ class CudaGraphs:
             self.draft[b] = self._capture(lambda: self._draft_fn(b, hidden))
         g, drafts = self.draft[b]
         g.replay()
-        return drafts.cpu()
+        return drafts

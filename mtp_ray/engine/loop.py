@@ -11,7 +11,7 @@ import torch
 
 from mtp_ray.config.engine import EngineConfig
 from mtp_ray.config.model import ModelConfig
-from mtp_ray.dist.dp_meta import DPMeta
+from mtp_ray.dist.dp_meta import DPMeta, Gathered
 from mtp_ray.engine.block_manager import BlockManager
 from mtp_ray.engine.inputs import build, build_uniform, dummy_inputs, is_uniform, target_pieces
 from mtp_ray.engine.request import Request, check_prompt
@@ -60,7 +60,8 @@ class EngineCore:
         self.proposer = MTPProposer(self.runner, self.blocks, self.k, self.sync)
         self.requests: dict[str, Request] = {}
         self._seeds = itertools.count(cfg.seed * 1_000_003 + 1)
-        self.stats = {"steps": 0, "drafted": 0, "accepted": 0, "verify_steps": 0, "aborted": 0}
+        self.stats = {"steps": 0, "drafted": 0, "accepted": 0, "verify_steps": 0, "aborted": 0,
+                      "device_greedy_steps": 0}
         if cfg.scheduler.max_num_batched_tokens < 1 + self.k:
             raise ValueError(f"scheduler.max_num_batched_tokens={cfg.scheduler.max_num_batched_tokens} cannot hold "
                              f"one verify step of 1 + k = {1 + self.k} tokens")
@@ -130,6 +131,8 @@ class EngineCore:
         if not sched:  # a dummy forward: keep the group in lock-step through the draft loop too
             self.proposer.propose([], table)
             return []
+        if table.graph_size and (self.k == 0 or table.graph_drafts) and all(self._plain_greedy(s.req) for s in sched):
+            return self._device_greedy(sched, table)
         rows = [r for rs in inp.logit_rows for r in rs]
         if all_logits is not None:
             logits = all_logits[rows].cpu()
@@ -146,6 +149,39 @@ class EngineCore:
             if item is not None:
                 items.append(item)
         self.proposer.propose(items, table)
+        return outputs
+
+    @staticmethod
+    def _plain_greedy(req: Request) -> bool:
+        """Greedy on the raw logits (nothing reshapes them) and no top-n log-probs: the device argmax decides."""
+        p = req.params
+        return p.greedy and p.repetition_penalty == 1.0 and not p.logprobs and len(req.output_ids) >= p.min_tokens
+
+    def _device_greedy(self, sched: list[Scheduled], table: Gathered) -> list[StepOutput]:
+        """A graph step whose rows are all plain greedy: acceptance on the device, the draft-loop graph straight
+        after the target graph, one small device -> host copy (ids, log-probs, accepted count, next drafts)."""
+        size = table.graph_size
+        self.stats["device_greedy_steps"] += 1
+        self.runner.greedy_verify(size)
+        if self.k:
+            self.proposer.replay_graph(table)
+        res = self.runner.greedy_results(size, with_drafts=self.k > 0)
+        q, outputs = 1 + self.k, []
+        for i, s in enumerate(sched):
+            req, row = s.req, res[i]
+            a = int(row[2 * q]) if self.k else 0  # accepted drafts
+            emitted = [int(t) for t in row[: a + 1]]
+            info = [(lp, {}) for lp in row[q : q + a + 1]]
+            if self.k:
+                self._commit_spec(req, a, self.k)
+            req.num_computed += a + 1
+            req.drafts, req.draft_probs = [], None
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            n = self._append(req, emitted, info)
+            outputs.append(self._output(req, emitted[:n], n))
+            if self.k and not req.finished:
+                req.drafts = [int(t) for t in row[2 * q + 1 :]]
         return outputs
 
     def warmup(self) -> None:
@@ -208,7 +244,8 @@ class EngineCore:
         req.drafts, req.draft_probs = [], None
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        n = self._append(req, emitted, logprobs)
+        info = [logprob_info(logprobs[i], t, req.params.logprobs) for i, t in enumerate(emitted)]
+        n = self._append(req, emitted, info)
         out = self._output(req, emitted[:n], n)
         item = DraftItem(req, start, hidden, True, index) if self.k and not req.finished else None
         return out, item
@@ -234,12 +271,13 @@ class EngineCore:
         history = req.all_ids + extra if p.repetition_penalty != 1.0 else []
         return Row(p, history, num_output, stop)
 
-    def _append(self, req: Request, tokens: list[int], logprobs: torch.Tensor) -> int:
-        """Append emitted tokens until a stop condition; returns how many were kept."""
+    def _append(self, req: Request, tokens: list[int], info: list[tuple[float, dict[int, float]]]) -> int:
+        """Append emitted tokens (with their (logprob, top logprobs)) until a stop condition; returns how many
+        were kept."""
         p = req.params
         for i, t in enumerate(tokens):
             req.output_ids.append(t)
-            lp, top = logprob_info(logprobs[i], t, p.logprobs)
+            lp, top = info[i]
             req.output_logprobs.append(lp)
             req.top_logprobs.append(top)
             reason = None

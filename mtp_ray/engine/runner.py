@@ -173,9 +173,20 @@ class ModelRunner:
         return self.graphs.run_target(inp, size)
 
     @torch.inference_mode()
-    def replay_drafts(self, next_ids: torch.Tensor, last: torch.Tensor, size: int) -> torch.Tensor:
+    def replay_drafts(self, next_ids: torch.Tensor | None, last: torch.Tensor | None, size: int) -> torch.Tensor:
+        """-> drafts [size, k] on the device; next_ids / last None: set on the device by greedy_verify."""
         assert self.graphs is not None
         return self.graphs.run_drafts(next_ids, last, size)
+
+    @torch.inference_mode()
+    def greedy_verify(self, size: int) -> None:
+        assert self.graphs is not None
+        self.graphs.greedy_verify(size)
+
+    @torch.inference_mode()
+    def greedy_results(self, size: int, with_drafts: bool) -> list[list[float]]:
+        assert self.graphs is not None
+        return self.graphs.greedy_results(size, with_drafts)
 
     def _on_device(self, inp: StepInputs):
         b = inp.batch

@@ -92,14 +92,20 @@ class MTPProposer:
             n = it.hidden.shape[0]  # committed rows: accepted drafts + 1
             next_ids[it.index * q : it.index * q + n] = torch.tensor(it.req.all_ids[it.start + 1 : it.start + 1 + n])
             last[it.index] = n - 1
-        self.sync.graph_drafts(table)
-        try:
-            drafts = self.runner.replay_drafts(next_ids, last, size)  # [size, k]
-        finally:
-            self.sync.done()
+        drafts = self.replay_graph(table, next_ids, last).cpu()  # [size, k]
         for it in items:
             it.req.drafts = drafts[it.index].tolist()
             it.req.draft_probs = None
+
+    def replay_graph(self, table: Gathered, next_ids: torch.Tensor | None = None, last: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+        """The draft-loop graph of the step's padded size, in lock-step with the group -> drafts [size, k] on the
+        device. next_ids / last None: greedy_verify already put them on the device."""
+        self.sync.graph_drafts(table)
+        try:
+            return self.runner.replay_drafts(next_ids, last, table.graph_size)
+        finally:
+            self.sync.done()
 
     def _dummy_hidden(self) -> torch.Tensor:
         r = self.runner
