@@ -40,6 +40,8 @@ def test_paged_decode_attention(dtype, tol, hq, hkv, d, q_len):
     kv, tables, q = kv.to(DEVICE), tables.to(DEVICE), q.to(DEVICE)
     ctx_t = torch.tensor(ctx, device=DEVICE)
     out = paged_decode_attention(q, kv, tables, ctx_t, q_len, d**-0.5)
+    for splits in (1, 3, 16):  # flash-decoding splits (some empty for short contexts) give the same result
+        assert _rel(paged_decode_attention(q, kv, tables, ctx_t, q_len, d**-0.5, splits=splits), out) < tol
     ref = paged_attention(q.float(), kv.float(), ForwardBatch([q_len] * b, ctx, tables, torch.zeros(b * q_len),
                                                              [0] * b), d**-0.5)
     assert _rel(out, ref) < tol
@@ -213,3 +215,26 @@ def test_qk_norm_rope_store(dtype, tol, t, hq, hkv, d, rd):
     gated = paged_decode_attention(q, cache_d, dev(tables), dev(ctx), 1, d**-0.5, dev(qg[..., d:]))
     assert _rel(gated.cpu(), plain.cpu() * torch.sigmoid(qg[..., d:])) < tol
     assert _rel(decode_attention(q.cpu(), cache_d.cpu(), tables, u, d**-0.5, qg[..., d:]), gated.cpu()) < 2 * tol
+
+
+@needs_device
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("t,h,inter", [(1, 128, 128), (4, 2048, 512), (8, 96, 80)])
+def test_shared_expert_add(dtype, tol, t, h, inter):
+    from mtp_ray.layers.moe import MLP
+    from mtp_ray.layers.moe_small_triton import shared_expert_add
+
+    g = torch.Generator().manual_seed(t * h + inter)
+    mlp = MLP(h, inter)
+    gate = torch.nn.Linear(h, 1, bias=False)
+    with torch.no_grad():
+        for p in [*mlp.parameters(), gate.weight]:
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    mlp, gate = mlp.to(dtype), gate.to(dtype)
+    x, routed = torch.randn(t, h, generator=g).to(dtype), torch.randn(t, h, generator=g).to(dtype)
+    with torch.no_grad():
+        ref = routed + torch.sigmoid(gate(x)) * mlp(x)
+        dev = lambda v: v.to(DEVICE)  # noqa: E731
+        out = shared_expert_add(dev(x), dev(routed), dev(mlp.gate_proj.weight), dev(mlp.up_proj.weight),
+                                dev(mlp.down_proj.weight), dev(gate.weight))
+    assert _rel(out.cpu(), ref) < tol

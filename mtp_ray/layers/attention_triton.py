@@ -14,15 +14,30 @@ import triton.language as tl
 
 
 @triton.jit
+def _store_out(o_ptr, g_ptr, out, b, j, head, d, row_ok, d_ok, stride_ot, stride_oh, stride_gt, stride_gh,
+               Q_LEN: tl.constexpr, GATE: tl.constexpr):
+    dt = o_ptr.dtype.element_ty
+    out = out.to(dt)
+    if GATE:  # the layer's sigmoid output gate, rounded as `o * torch.sigmoid(gate)`
+        g = tl.load(g_ptr + (b * Q_LEN + j)[:, None] * stride_gt + head[:, None] * stride_gh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) * tl.sigmoid(g).to(dt).to(tl.float32)).to(dt)
+    tl.store(o_ptr + (b * Q_LEN + j)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out, mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, o_ptr, g_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, o_ptr, g_ptr, part_ptr, ml_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh, stride_gt, stride_gh,
     scale,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, GATE: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     rows = tl.arange(0, BLOCK_M)  # row = j * GROUP + g: query token j, head kvh * GROUP + g
     j = rows // GROUP
     head = kvh * GROUP + rows % GROUP
@@ -34,12 +49,16 @@ def _paged_decode_kernel(
     ctx = tl.load(ctx_ptr + b)
     total = ctx + Q_LEN
     limit = ctx + j  # last key position each row may see
+    # this program's share of the keys (flash-decoding split; one split: all of them)
+    chunk = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, total)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, total, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        pos_ok = pos < total
+        pos_ok = pos < hi
         blk = tl.load(bt_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=pos_ok, other=0)
         slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_off = slot[:, None] * stride_ks + kvh * stride_kh + d[None, :]
@@ -52,8 +71,9 @@ def _paged_decode_kernel(
         s = s * scale
         s = tl.where((pos[None, :] <= limit[:, None]) & pos_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row may see no key of a split's block
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
         if IEEE:
@@ -61,14 +81,44 @@ def _paged_decode_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    dt = o_ptr.dtype.element_ty
-    out = (acc / l_i[:, None]).to(dt)
-    if GATE:  # the layer's sigmoid output gate, rounded as `o * torch.sigmoid(gate)`
-        g = tl.load(g_ptr + (b * Q_LEN + j)[:, None] * stride_gt + head[:, None] * stride_gh + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        out = (out.to(tl.float32) * tl.sigmoid(g).to(dt).to(tl.float32)).to(dt)
-    tl.store(o_ptr + (b * Q_LEN + j)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out, mask=row_ok[:, None] & d_ok[None, :])
+    if SPLITS == 1:
+        _store_out(o_ptr, g_ptr, acc / l_i[:, None], b, j, head, d, row_ok, d_ok, stride_ot, stride_oh, stride_gt,
+                   stride_gh, Q_LEN, GATE)
+    else:  # partial results, merged by _combine_kernel
+        base = (b * tl.num_programs(1) + kvh) * SPLITS + split
+        tl.store(ml_ptr + (2 * base) * BLOCK_M + rows, m_i)
+        tl.store(ml_ptr + (2 * base + 1) * BLOCK_M + rows, l_i)
+        tl.store(part_ptr + base * BLOCK_M * BLOCK_D + rows[:, None] * BLOCK_D + d[None, :], acc)
+
+
+@triton.jit
+def _combine_kernel(part_ptr, ml_ptr, o_ptr, g_ptr, stride_ot, stride_oh, stride_gt, stride_gh,
+                    Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_D: tl.constexpr, GATE: tl.constexpr, SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    j = rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    row_ok = rows < Q_LEN * GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for s in tl.static_range(SPLITS):
+        base = (b * tl.num_programs(1) + kvh) * SPLITS + s
+        m_s = tl.load(ml_ptr + (2 * base) * BLOCK_M + rows)
+        l_s = tl.load(ml_ptr + (2 * base + 1) * BLOCK_M + rows)
+        a_s = tl.load(part_ptr + base * BLOCK_M * BLOCK_D + rows[:, None] * BLOCK_D + d[None, :])
+        m_new = tl.maximum(m, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha, beta = tl.exp(m - m_safe), tl.exp(m_s - m_safe)
+        l_sum = l_sum * alpha + l_s * beta
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        m = m_new
+    _store_out(o_ptr, g_ptr, acc / l_sum[:, None], b, j, head, d, row_ok, d_ok, stride_ot, stride_oh, stride_gt,
+               stride_gh, Q_LEN, GATE)
 
 
 def paged_decode_attention(
@@ -79,6 +129,7 @@ def paged_decode_attention(
     q_len: int,
     scale: float,
     gate: torch.Tensor | None = None,  # [B * q_len, Hq, D]: output * sigmoid(gate)
+    splits: int | None = None,  # key splits per (sequence, KV head); None: enough programs to fill the GPU
 ) -> torch.Tensor:  # [B * q_len, Hq, D]
     _, _, block_size, hkv, d = kv_cache.shape
     bsz = block_tables.shape[0]
@@ -88,14 +139,27 @@ def paged_decode_attention(
     block_d = triton.next_power_of_2(d)
     block_m = max(16, triton.next_power_of_2(group * q_len))
     block_n = 64 if block_d <= 128 else 32
-    _paged_decode_kernel[(bsz, hkv)](
-        q, k, v, block_tables, context_lens, out, gate if gate is not None else q,
+    if splits is None:  # a static function of the batch shape, so a CUDA graph keeps its choice
+        splits = max(1, min(16, 128 // (bsz * hkv)))
+    part = ml = out  # unused when splits == 1
+    if splits > 1:
+        part = torch.empty(bsz * hkv * splits * block_m * block_d, dtype=torch.float32, device=q.device)
+        ml = torch.empty(bsz * hkv * splits * 2 * block_m, dtype=torch.float32, device=q.device)
+    g = gate if gate is not None else q
+    gs = (gate.stride(0), gate.stride(1)) if gate is not None else (0, 0)
+    _paged_decode_kernel[(bsz, hkv, splits)](
+        q, k, v, block_tables, context_lens, out, g, part, ml,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        gate.stride(0) if gate is not None else 0, gate.stride(1) if gate is not None else 0,
-        scale,
+        *gs, scale,
         Q_LEN=q_len, GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, IEEE=q.dtype == torch.float32, GATE=gate is not None, num_warps=4,
+        BLOCK_D=block_d, IEEE=q.dtype == torch.float32, GATE=gate is not None, SPLITS=splits, num_warps=4,
     )
+    if splits > 1:
+        _combine_kernel[(bsz, hkv)](
+            part, ml, out, g, out.stride(0), out.stride(1), *gs,
+            Q_LEN=q_len, GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d, GATE=gate is not None,
+            SPLITS=splits, num_warps=4,
+        )
     return out
 
 

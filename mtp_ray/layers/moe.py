@@ -14,6 +14,8 @@ from torch import nn
 
 from mtp_ray.config.model import ModelConfig
 
+SHARED_GEMV_TOKENS = 8  # up to this many tokens the shared expert runs as two GEMV launches (GPU), not 9 kernels
+
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     # x: [..., 2I] = [gate | up]
@@ -105,5 +107,11 @@ class SparseMoE(nn.Module):
         ids, w = self.route(x)
         out = self.dispatch(x, ids, w, self.experts)
         if self.has_shared:
+            if x.is_cuda and x.shape[0] <= SHARED_GEMV_TOKENS:
+                from mtp_ray.layers.moe_small_triton import shared_expert_add
+
+                se = self.shared_expert
+                return shared_expert_add(x, out, se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
+                                         self.shared_expert_gate.weight)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

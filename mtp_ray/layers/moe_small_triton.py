@@ -51,9 +51,10 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, act_ptr, start, E_LOCAL, H, INTER,
+def _gate_up_kernel(x_ptr, ids_ptr, g_ptr, u_ptr, act_ptr, start, E_LOCAL, H, INTER,
                     stride_x, stride_we, stride_wn, stride_a,
                     TOPK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """act[p] = silu(x[p // TOPK] @ G[e].T) * (x @ U[e].T) for pair p's local expert e (G, U: [E, I, H] views)."""
     p = tl.program_id(0).to(tl.int64)
     e = tl.load(ids_ptr + p) - start
     if (e >= 0) & (e < E_LOCAL):
@@ -62,14 +63,14 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, act_ptr, start, E_LOCAL, H, INTER,
         nm = n < INTER
         acc_g = tl.zeros([BN], tl.float32)
         acc_u = tl.zeros([BN], tl.float32)
-        base = w_ptr + e * stride_we
+        off = e * stride_we + n[:, None] * stride_wn
         for k0 in range(0, H, BK):
             kk = k0 + tl.arange(0, BK)
             km = kk < H
             x = tl.load(x_ptr + t * stride_x + kk, mask=km, other=0.0).to(tl.float32)
             m2 = nm[:, None] & km[None, :]
-            wg = tl.load(base + n[:, None] * stride_wn + kk[None, :], mask=m2, other=0.0).to(tl.float32)
-            wu = tl.load(base + (INTER + n[:, None]) * stride_wn + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+            wg = tl.load(g_ptr + off + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+            wu = tl.load(u_ptr + off + kk[None, :], mask=m2, other=0.0).to(tl.float32)
             acc_g += tl.sum(wg * x[None, :], 1)
             acc_u += tl.sum(wu * x[None, :], 1)
         dt = act_ptr.dtype.element_ty
@@ -104,6 +105,21 @@ def _down_kernel(act_ptr, ids_ptr, tw_ptr, w_ptr, out_ptr, start, E_LOCAL, H, IN
     tl.store(out_ptr + t * stride_o + n, total.to(dt), mask=nm)
 
 
+def _gate_up(x: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, u: torch.Tensor, start: int, topk: int
+             ) -> torch.Tensor:
+    """x: [T, H]; ids: [T * topk]; g, u: [E, I, H] (same strides) -> SwiGLU activations [T * topk, I]."""
+    e, inter, h = g.shape
+    assert g.stride() == u.stride() and g.stride(2) == 1 and x.stride(1) == 1
+    act = torch.empty(ids.numel(), inter, dtype=x.dtype, device=x.device)
+    # GEMV tiles: a few weight rows over the whole hidden dim per program, many programs (bandwidth-bound)
+    bk = min(triton.next_power_of_2(h), 2048)
+    _gate_up_kernel[(ids.numel(), triton.cdiv(inter, 4))](
+        x, ids, g, u, act, start, e, h, inter, x.stride(0), g.stride(0), g.stride(1), act.stride(0),
+        TOPK=topk, BN=4, BK=bk, num_warps=4,
+    )
+    return act
+
+
 def pair_experts(
     x: torch.Tensor,  # [T, H]
     topk_ids: torch.Tensor,  # [T, k] global expert ids (ids outside [start, start + E) contribute nothing)
@@ -115,19 +131,59 @@ def pair_experts(
     t, topk = topk_ids.shape
     e, two_i, h = gate_up.shape
     inter = two_i // 2
-    assert gate_up.stride(2) == 1 and down.stride(2) == 1 and x.stride(1) == 1
+    assert down.stride(2) == 1
     ids = topk_ids.contiguous()
-    tw = topk_w.contiguous()
-    act = torch.empty(t * topk, inter, dtype=x.dtype, device=x.device)
-    bn = 32
-    _gate_up_kernel[(t * topk, triton.cdiv(inter, bn))](
-        x, ids, gate_up, act, start, e, h, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        TOPK=topk, BN=bn, BK=128, num_warps=4,
-    )
+    act = _gate_up(x, ids, gate_up[:, :inter], gate_up[:, inter:], start, topk)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    bn = 16 if t < 8 else 64
-    _down_kernel[(t, triton.cdiv(h, bn))](
-        act, ids, tw, down, out, start, e, h, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        TOPK=topk, BN=bn, BK=128, num_warps=4,
+    bk = min(triton.next_power_of_2(inter), 1024)
+    _down_kernel[(t, triton.cdiv(h, 8))](
+        act, ids, topk_w.contiguous(), down, out, start, e, h, inter, act.stride(0), down.stride(0), down.stride(1),
+        out.stride(0), TOPK=topk, BN=8, BK=bk, num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _shared_down_kernel(act_ptr, w_ptr, x_ptr, gw_ptr, r_ptr, out_ptr, H, INTER,
+                        stride_a, stride_wn, stride_x, stride_r, stride_o,
+                        BN: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr):
+    """out = routed + sigmoid(x @ gw) * (act @ W.T), each step rounded as SparseMoE.forward rounds it."""
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nm = n < H
+    dt = out_ptr.dtype.element_ty
+    acc = tl.zeros([BN], tl.float32)
+    for k0 in range(0, INTER, BK):
+        kk = k0 + tl.arange(0, BK)
+        km = kk < INTER
+        a = tl.load(act_ptr + t * stride_a + kk, mask=km, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + n[:, None] * stride_wn + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * a[None, :], 1)
+    gacc = tl.zeros([BH], tl.float32)
+    for h0 in range(0, H, BH):  # the shared-expert gate: one dot product per token
+        hh = h0 + tl.arange(0, BH)
+        hm = hh < H
+        gacc += tl.load(x_ptr + t * stride_x + hh, mask=hm, other=0.0).to(tl.float32) * \
+            tl.load(gw_ptr + hh, mask=hm, other=0.0).to(tl.float32)
+    gate = tl.sigmoid(tl.sum(gacc, 0).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    shared = (acc.to(dt).to(tl.float32) * gate).to(dt).to(tl.float32)
+    routed = tl.load(r_ptr + t * stride_r + n, mask=nm, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + n, (routed + shared).to(dt), mask=nm)
+
+
+def shared_expert_add(x: torch.Tensor, routed: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor,
+                      down_w: torch.Tensor, shared_gate_w: torch.Tensor) -> torch.Tensor:
+    """routed + sigmoid(x @ shared_gate_w.T) * down(silu(gate(x)) * up(x)) in two launches (few tokens).
+    x, routed: [T, H]; gate_w, up_w: [I, H]; down_w: [H, I]; shared_gate_w: [1, H]."""
+    t, h = x.shape
+    inter = gate_w.shape[0]
+    assert down_w.stride(1) == 1 and routed.stride(1) == 1
+    zeros = torch.zeros(t, dtype=torch.long, device=x.device)
+    act = _gate_up(x, zeros, gate_w[None], up_w[None], 0, 1)  # [T, I]
+    out = torch.empty_like(routed)
+    _shared_down_kernel[(t, triton.cdiv(h, 8))](
+        act, down_w, x, shared_gate_w, routed, out, h, inter, act.stride(0), down_w.stride(0), x.stride(0),
+        routed.stride(0), out.stride(0), BN=8, BK=min(triton.next_power_of_2(inter), 1024),
+        BH=min(triton.next_power_of_2(h), 2048), num_warps=4,
     )
     return out

@@ -26,11 +26,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried as (x, residual) with the stream = x + residual, so every residual add
+        fuses into the norm after it (one kernel on the GPU). residual None: x is the stream itself.
+        Returns (this layer's MLP output, the residual stream before it)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
         if self.layer_type == "linear_attention":
             h = self.linear_attn(h, batch)
         else:
             h = self.self_attn(h, positions, batch)
-        h, x = self.post_attention_layernorm.add_forward(h, x)  # x <- x + h; h <- norm(x)
-        return x + self.mlp(h)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual

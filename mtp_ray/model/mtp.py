@@ -31,8 +31,8 @@ class MTPHead(nn.Module):
         # emb, hidden: [T, H]
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
         # with several MTP layers, draft step j uses layer j mod n (one layer: every step reuses it)
-        x = self.layers[step % len(self.layers)](x, positions, batch)
-        return self.norm(x)
+        x, residual = self.layers[step % len(self.layers)](x, positions, batch)
+        return self.norm.add_forward(x, residual)[0]
 
     def attention_layers(self) -> list[GatedAttention]:
         return [layer.self_attn for layer in self.layers]

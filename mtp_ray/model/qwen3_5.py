@@ -26,10 +26,10 @@ class TextModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, H]
+        x, residual = self.embed_tokens(input_ids), None  # [T, H]
         for layer in self.layers:
-            x = layer(x, positions, batch)
-        return self.norm(x)  # [T, H], the hidden state the MTP head consumes
+            x, residual = layer(x, positions, batch, residual)
+        return self.norm.add_forward(x, residual)[0]  # [T, H], the hidden state the MTP head consumes
 
 
 class Qwen3_5MoeForCausalLM(nn.Module):
