@@ -238,3 +238,20 @@ def test_shared_expert_add(dtype, tol, t, h, inter):
         out = shared_expert_add(dev(x), dev(routed), dev(mlp.gate_proj.weight), dev(mlp.up_proj.weight),
                                 dev(mlp.down_proj.weight), dev(gate.weight))
     assert _rel(out.cpu(), ref) < tol
+
+
+@needs_device
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("m,n,k", [(1, 32, 128), (4, 8192, 2048), (16, 2048, 4096), (3, 100, 96)])
+def test_gemv(dtype, tol, m, n, k):
+    from mtp_ray.layers.linear import Linear
+    from mtp_ray.layers.linear_triton import gemv
+
+    g = torch.Generator().manual_seed(m * n + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * k**-0.5
+    out = gemv(x.to(DEVICE, dtype), w.to(DEVICE, dtype))
+    assert out.dtype == dtype and _rel(out.cpu(), x @ w.T) < tol
+    lin = Linear(k, n, bias=False).to(DEVICE, dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        assert _rel(lin(x.to(DEVICE, dtype)).cpu(), x @ w.T) < tol

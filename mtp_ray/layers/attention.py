@@ -8,6 +8,7 @@ from torch import nn
 
 from mtp_ray.config.model import ModelConfig
 from mtp_ray.layers.context import ForwardBatch, UniformDecode
+from mtp_ray.layers.linear import Linear
 from mtp_ray.layers.norm import RMSNorm
 from mtp_ray.layers.rope import RotaryEmbedding
 
@@ -79,10 +80,10 @@ class GatedAttention(nn.Module):
         self.head_dim = cfg.head_dim
         h = cfg.hidden_size
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim * 2, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.q_proj = Linear(h, self.num_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)

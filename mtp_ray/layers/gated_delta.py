@@ -9,6 +9,7 @@ from torch import nn
 from mtp_ray.config.model import ModelConfig
 from mtp_ray.layers.context import ForwardBatch
 from mtp_ray.layers.gated_delta_ops import causal_conv1d, chunk_gated_delta, l2norm, recurrent_gated_delta
+from mtp_ray.layers.linear import Linear
 from mtp_ray.layers.norm import GatedRMSNorm
 
 
@@ -21,17 +22,17 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = cfg.linear_conv_kernel_dim
-        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(h, self.hv, bias=False)
-        self.in_proj_a = nn.Linear(h, self.hv, bias=False)
+        self.in_proj_qkv = Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(h, self.value_dim, bias=False)
+        self.in_proj_b = Linear(h, self.hv, bias=False)
+        self.in_proj_a = Linear(h, self.hv, bias=False)
         # HF keeps nn.Conv1d's [C, 1, K] weight; we keep that shape so checkpoints load as they are
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.zeros(self.conv_dim, 1, self.kernel))
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self.out_proj = Linear(self.value_dim, h, bias=False)
         # bound by the engine: conv_state [slots, conv_dim, K-1] (model dtype), ssm_state [slots, Hv, dk, dv] fp32
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp_ray.config.model import ModelConfig
+from mtp_ray.layers.linear import Linear
 
 SHARED_GEMV_TOKENS = 8  # up to this many tokens the shared expert runs as two GEMV launches (GPU), not 9 kernels
 
@@ -26,9 +27,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -83,12 +84,12 @@ class SparseMoE(nn.Module):
         start, end = expert_range or (0, cfg.num_experts)
         assert 0 <= start < end <= cfg.num_experts, f"bad expert range {expert_range}"
         self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.hidden_size, cfg.moe_intermediate_size, start, end)
         self.has_shared = cfg.shared_expert_intermediate_size > 0
         if self.has_shared:
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
         self.dispatch = dispatch
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,24 +19,25 @@ import triton.language as tl
 
 @triton.jit
 def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, TOPK: tl.constexpr, NORM: tl.constexpr,
-                  BLOCK_E: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, 0))
     p = p / tl.sum(p, 0)
     p = tl.where(e < E, p, -1.0)
-    total = 0.0
+    slot = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], tl.int64)
+    vals = tl.zeros([BLOCK_K], tl.float32)
     for j in tl.static_range(TOPK):
         best = tl.argmax(p, 0, tie_break_left=True)
-        val = tl.max(p, 0)
-        tl.store(ids_ptr + t * TOPK + j, best.to(tl.int64))
-        tl.store(w_ptr + t * TOPK + j, val)
-        total += val
+        ids = tl.where(slot == j, best.to(tl.int64), ids)
+        vals = tl.where(slot == j, tl.max(p, 0), vals)
         p = tl.where(e == best, -1.0, p)
     if NORM:
-        for j in tl.static_range(TOPK):
-            tl.store(w_ptr + t * TOPK + j, tl.load(w_ptr + t * TOPK + j) / total)
+        vals = vals / tl.sum(vals, 0)
+    tl.store(ids_ptr + t * TOPK + slot, ids, mask=slot < TOPK)
+    tl.store(w_ptr + t * TOPK + slot, vals.to(w_ptr.dtype.element_ty), mask=slot < TOPK)
 
 
 def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
@@ -44,19 +45,24 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch
     """logits: [T, E] router output -> ids [T, k] int64, weights [T, k] in dtype."""
     t, e = logits.shape
     ids = torch.empty(t, top_k, dtype=torch.long, device=logits.device)
-    w = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    w = torch.empty(t, top_k, dtype=dtype, device=logits.device)
     _route_kernel[(t,)](logits, ids, w, e, logits.stride(0), TOPK=top_k, NORM=renormalize,
-                        BLOCK_E=triton.next_power_of_2(e), num_warps=1 if e <= 256 else 4)
-    return ids, w.to(dtype)
+                        BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
+                        num_warps=1 if e <= 256 else 4)
+    return ids, w
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, g_ptr, u_ptr, act_ptr, start, E_LOCAL, H, INTER,
                     stride_x, stride_we, stride_wn, stride_a,
-                    TOPK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """act[p] = silu(x[p // TOPK] @ G[e].T) * (x @ U[e].T) for pair p's local expert e (G, U: [E, I, H] views)."""
+                    TOPK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SINGLE: tl.constexpr):
+    """act[p] = silu(x[p // TOPK] @ G[e].T) * (x @ U[e].T) for pair p's local expert e (G, U: [E, I, H] views).
+    SINGLE: one expert for every token (the shared expert), no ids."""
     p = tl.program_id(0).to(tl.int64)
-    e = tl.load(ids_ptr + p) - start
+    if SINGLE:
+        e = p * 0
+    else:
+        e = tl.load(ids_ptr + p) - start
     if (e >= 0) & (e < E_LOCAL):
         t = p // TOPK
         n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -88,34 +94,39 @@ def _down_kernel(act_ptr, ids_ptr, tw_ptr, w_ptr, out_ptr, start, E_LOCAL, H, IN
     nm = n < H
     dt = out_ptr.dtype.element_ty
     total = tl.zeros([BN], tl.float32)
+    # straight-line over the slots (foreign experts masked, not branched): all TOPK tiles can be in flight
     for j in tl.static_range(TOPK):
         p = t * TOPK + j
         e = tl.load(ids_ptr + p) - start
-        if (e >= 0) & (e < E_LOCAL):
-            acc = tl.zeros([BN], tl.float32)
-            for k0 in range(0, INTER, BK):
-                kk = k0 + tl.arange(0, BK)
-                km = kk < INTER
-                a = tl.load(act_ptr + p * stride_a + kk, mask=km, other=0.0).to(tl.float32)
-                w = tl.load(w_ptr + e * stride_we + n[:, None] * stride_wn + kk[None, :],
-                            mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
-                acc += tl.sum(w * a[None, :], 1)
-            weight = tl.load(tw_ptr + p).to(tl.float32)
-            total += (acc.to(dt).to(tl.float32) * weight).to(dt).to(tl.float32)
+        valid = (e >= 0) & (e < E_LOCAL)
+        e = tl.where(valid, e, 0)
+        lim = tl.where(valid, INTER, 0)  # a foreign expert's loads are all masked off
+        acc = tl.zeros([BN], tl.float32)
+        for k0 in range(0, INTER, BK):
+            kk = k0 + tl.arange(0, BK)
+            km = kk < lim
+            a = tl.load(act_ptr + p * stride_a + kk, mask=km, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + e * stride_we + n[:, None] * stride_wn + kk[None, :],
+                        mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w * a[None, :], 1)
+        weight = tl.load(tw_ptr + p).to(tl.float32)
+        total += tl.where(valid, (acc.to(dt).to(tl.float32) * weight).to(dt).to(tl.float32), 0.0)
     tl.store(out_ptr + t * stride_o + n, total.to(dt), mask=nm)
 
 
-def _gate_up(x: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, u: torch.Tensor, start: int, topk: int
+def _gate_up(x: torch.Tensor, ids: torch.Tensor | None, g: torch.Tensor, u: torch.Tensor, start: int, topk: int
              ) -> torch.Tensor:
-    """x: [T, H]; ids: [T * topk]; g, u: [E, I, H] (same strides) -> SwiGLU activations [T * topk, I]."""
+    """x: [T, H]; ids: [T * topk] (None: expert 0 for every token, topk 1); g, u: [E, I, H] (same strides)
+    -> SwiGLU activations [T * topk, I]."""
     e, inter, h = g.shape
     assert g.stride() == u.stride() and g.stride(2) == 1 and x.stride(1) == 1
-    act = torch.empty(ids.numel(), inter, dtype=x.dtype, device=x.device)
+    rows = ids.numel() if ids is not None else x.shape[0]
+    act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     # GEMV tiles: a few weight rows over the whole hidden dim per program, many programs (bandwidth-bound)
     bk = min(triton.next_power_of_2(h), 2048)
-    _gate_up_kernel[(ids.numel(), triton.cdiv(inter, 4))](
-        x, ids, g, u, act, start, e, h, inter, x.stride(0), g.stride(0), g.stride(1), act.stride(0),
-        TOPK=topk, BN=4, BK=bk, num_warps=4,
+    _gate_up_kernel[(rows, triton.cdiv(inter, 4))](
+        x, ids if ids is not None else x, g, u, act, start, e, h, inter, x.stride(0), g.stride(0), g.stride(1),
+        act.stride(0), TOPK=topk, BN=4, BK=bk, SINGLE=ids is None, num_warps=4,
     )
     return act
 
@@ -136,9 +147,9 @@ def pair_experts(
     act = _gate_up(x, ids, gate_up[:, :inter], gate_up[:, inter:], start, topk)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     bk = min(triton.next_power_of_2(inter), 1024)
-    _down_kernel[(t, triton.cdiv(h, 8))](
+    _down_kernel[(t, triton.cdiv(h, 4))](
         act, ids, topk_w.contiguous(), down, out, start, e, h, inter, act.stride(0), down.stride(0), down.stride(1),
-        out.stride(0), TOPK=topk, BN=8, BK=bk, num_warps=4,
+        out.stride(0), TOPK=topk, BN=4, BK=bk, num_warps=4,
     )
     return out
 
@@ -178,8 +189,7 @@ def shared_expert_add(x: torch.Tensor, routed: torch.Tensor, gate_w: torch.Tenso
     t, h = x.shape
     inter = gate_w.shape[0]
     assert down_w.stride(1) == 1 and routed.stride(1) == 1
-    zeros = torch.zeros(t, dtype=torch.long, device=x.device)
-    act = _gate_up(x, zeros, gate_w[None], up_w[None], 0, 1)  # [T, I]
+    act = _gate_up(x, None, gate_w[None], up_w[None], 0, 1)  # [T, I]
     out = torch.empty_like(routed)
     _shared_down_kernel[(t, triton.cdiv(h, 8))](
         act, down_w, x, shared_gate_w, routed, out, h, inter, act.stride(0), down_w.stride(0), x.stride(0),

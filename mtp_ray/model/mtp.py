@@ -9,6 +9,7 @@ from torch import nn
 from mtp_ray.config.model import ModelConfig
 from mtp_ray.layers.attention import GatedAttention
 from mtp_ray.layers.context import ForwardBatch
+from mtp_ray.layers.linear import Linear
 from mtp_ray.layers.moe import ExpertDispatcher
 from mtp_ray.layers.norm import RMSNorm
 from mtp_ray.model.decoder import DecoderLayer
@@ -18,7 +19,7 @@ class MTPHead(nn.Module):
     def __init__(self, cfg: ModelConfig, expert_range: tuple[int, int] | None, dispatch: ExpertDispatcher):
         super().__init__()
         h = cfg.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.fc = Linear(2 * h, h, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(
