@@ -121,8 +121,8 @@ def timed(fn, reps: int) -> float:
 def step_bytes(model: Qwen3_5MoeForCausalLM, cfg: ModelConfig, bsz: int, context: int, experts_hit: list[int]
                ) -> dict:
     expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
-    dense = sum(p.numel() * 2 for n, p in model.named_parameters()
-                if "experts." not in n and "embed_tokens" not in n)
+    dense = sum(p.numel() * 2 for n, p in model.named_parameters()  # the target step reads no MTP weight
+                if "experts." not in n and "embed_tokens" not in n and not n.startswith("mtp."))
     n_attn, n_gdn = len(cfg.full_attention_layers), cfg.num_hidden_layers - len(cfg.full_attention_layers)
     kv = n_attn * bsz * (context + 1) * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
     state = n_gdn * bsz * 2 * (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
