@@ -137,3 +137,29 @@ def test_a_bad_prompt_in_a_batch_queues_nothing(llm):
     with pytest.raises(ValueError, match="prompt token ids"):
         llm.generate([[5, 6, 7], [5, 99999]], SamplingParams(max_tokens=3))
     assert not llm.engine.has_unfinished()
+
+
+def test_incremental_detokenizer_equals_full_decode(llm):
+    """The detokenizer decodes only a window of recent tokens (linear in the output length); its text equals a
+    full decode after every chunk, across multi-byte characters, and stop strings still cut the text."""
+    import random
+
+    from mtp_ray.engine.detok import Detokenizer
+
+    tok = llm.tokenizer
+    rng = random.Random(0)
+    text = "def f(x):\n    return x * 2  # ünïcödé ✓ 漢字テスト 🙂🙂\n" * 12
+    ids = tok.encode(text, add_special_tokens=False)
+    ids += [rng.randrange(tok.vocab_size) for _ in range(150)]  # arbitrary ids: partial UTF-8 byte tokens too
+    d = Detokenizer(tok, [])
+    at = 0
+    while at < len(ids):
+        n = rng.randint(1, 4)
+        d.add(ids[at : at + n])
+        at += n
+        assert d.text == tok.decode(ids[:at], skip_special_tokens=True)
+    assert d.committed > len(ids) // 2  # most of the output was committed, not re-decoded each step
+    stop = Detokenizer(tok, ["return x"])
+    for i in range(len(ids)):
+        stop.add(ids[i : i + 1])
+    assert stop.stopped_by == "return x" and stop.text == text[: text.index("return x")]

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+WINDOW = 48  # tokens decoded together at most (beyond it the older ones are committed as text)
+KEEP = 8  # tokens left after the boundary when committing (context for the next decodes)
+
 
 @dataclass
 class Detokenizer:
@@ -15,6 +18,21 @@ class Detokenizer:
     text: str = ""  # output text so far, cut at the stop string once one matched
     stopped_by: str | None = None
     emitted: int = 0  # characters already handed out by delta()
+    # text of token_ids[:committed] (decoding only the tail keeps a long generation linear, not quadratic)
+    committed: int = 0
+    committed_text: str = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _commit(self, tail: str) -> None:
+        """Move the boundary forward to KEEP tokens before the end, only where decoding the two sides apart
+        gives exactly the text of decoding them together (so text always equals a full decode)."""
+        split = len(self.token_ids) - KEEP
+        head = self._decode(self.token_ids[self.committed : split])
+        rest = self._decode(self.token_ids[split:])
+        if head + rest == tail and not head.endswith("\ufffd"):
+            self.committed, self.committed_text = split, self.committed_text + head
 
     def add(self, new_ids: list[int]) -> None:
         """Append tokens; on a stop string set stopped_by and cut the text there."""
@@ -23,7 +41,11 @@ class Detokenizer:
         self.token_ids.extend(new_ids)
         if self.tokenizer is None:  # token ids only: no text, no stop strings
             return
-        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+        tail = self._decode(self.token_ids[self.committed :])
+        if len(self.token_ids) - self.committed > WINDOW:
+            self._commit(tail)
+            tail = self._decode(self.token_ids[self.committed :])
+        full = self.committed_text + tail
         if self.stop:
             start = max(0, len(self.text) - max(len(s) for s in self.stop))
             hits = [(i, s) for s in self.stop if (i := full.find(s, start)) >= 0]
