@@ -105,3 +105,14 @@ def test_random_workload_keeps_block_invariants_and_finishes_everything():
     assert all(r.status is Status.FINISHED for r in live) and len(live) > 40
     assert s.num_preemptions > 0
     assert s.blocks.num_free_blocks == 23
+
+
+def test_request_token_slices_equal_all_ids():
+    from mtp_ray.engine.request import Request
+    from mtp_ray.engine.sampling_params import SamplingParams
+
+    r = Request("r", [1, 2, 3, 4], SamplingParams())
+    r.output_ids = [5, 6, 7]
+    for a in range(8):
+        for b in range(a, 9):
+            assert r.tokens(a, b) == r.all_ids[a:b], (a, b)

@@ -111,10 +111,10 @@ def target_pieces(sched: list[Scheduled]) -> list[Piece]:
     for s in sched:
         r = s.req
         if s.verify:
-            toks = [r.all_ids[r.num_computed]] + r.drafts
+            toks = r.tokens(r.num_computed, r.num_computed + 1) + r.drafts
             out.append(Piece(r, r.num_computed, toks, "all", r.state_slots[1 : 2 + len(r.drafts)]))
         else:
-            toks = r.all_ids[r.num_computed : r.num_computed + s.num_new]
+            toks = r.tokens(r.num_computed, r.num_computed + s.num_new)
             out.append(Piece(r, r.num_computed, toks, "last" if s.completes_prefill else "none"))
     return out
 

@@ -46,7 +46,7 @@ class MTPProposer:
         pieces = []
         for it in items:
             n = it.hidden.shape[0]
-            toks = it.req.all_ids[it.start + 1 : it.start + 1 + n]
+            toks = it.req.tokens(it.start + 1, it.start + 1 + n)
             assert len(toks) == n, "MTP step 1 needs the token after every committed position"
             pieces.append(Piece(it.req, it.start, toks, "last" if it.wants_drafts else "none"))
         hidden = torch.cat([it.hidden for it in items]) if items else self._dummy_hidden()
@@ -90,7 +90,7 @@ class MTPProposer:
         last = torch.zeros(size, dtype=torch.long)
         for it in items:
             n = it.hidden.shape[0]  # committed rows: accepted drafts + 1
-            next_ids[it.index * q : it.index * q + n] = torch.tensor(it.req.all_ids[it.start + 1 : it.start + 1 + n])
+            next_ids[it.index * q : it.index * q + n] = torch.tensor(it.req.tokens(it.start + 1, it.start + 1 + n))
             last[it.index] = n - 1
         drafts = self.replay_graph(table, next_ids, last).cpu()  # [size, k]
         for it in items:
