@@ -113,3 +113,20 @@ def test_checkpoint_without_tokenizer_serves_token_ids(random_ckpt):
     assert greedy(llm, prompts, 8) == hf_greedy(hf, prompts, 8)
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate("text needs a tokenizer", SamplingParams(max_tokens=2))
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_split_prefill_steps_same_tokens_more_uniform_steps(k):
+    """Prefill and decode in separate steps (the policy used with CUDA graphs): same greedy tokens as mixed steps,
+    and no forward mixes decodes with prefill pieces (so decode steps stay graph-eligible) while new requests are
+    admitted mid-flight."""
+    prompts = mixed_prompts(2048, seed=5) * 2
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    runs = {}
+    for split in (False, True):
+        llm = LLM(num_speculative_tokens=k, max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=32,
+                  split_prefill=split)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        runs[split] = (outs, llm.engine.stats["mixed_steps"])
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] == 0 < runs[False][1], runs

@@ -116,3 +116,34 @@ def test_request_token_slices_equal_all_ids():
     for a in range(8):
         for b in range(a, 9):
             assert r.tokens(a, b) == r.all_ids[a:b], (a, b)
+
+
+def test_split_mode_never_mixes_and_alternates_with_decodes():
+    """Split mode: a step is all prefill pieces or all decodes; while both wait they alternate (no decode waits
+    more than one prefill step) and everything finishes."""
+    s = make(k=0, max_num_seqs=4, max_num_batched_tokens=12, prefill_chunk=4)
+    s.split = True
+    rng = random.Random(3)
+    for i in range(10):
+        s.add(req(i, rng.randint(1, 11)))  # a 1-token prompt is a prefill, not a decode
+    kinds, prefill_run = [], 0
+    for _ in range(300):
+        if not s.has_unfinished():
+            break
+        decodes_waiting = any(r.is_decode for r in s.running)
+        out = s.schedule()
+        assert out, "a step with work pending scheduled nothing"
+        dec = {x.req.is_decode for x in out}
+        assert len(dec) == 1, "a step mixed prefill pieces and decodes"
+        kinds.append(dec.pop())
+        prefill_run = prefill_run + 1 if (not kinds[-1] and decodes_waiting) else 0
+        assert prefill_run <= 1, "decodes waited more than one prefill step"
+        for x in out:
+            done = x.completes_prefill
+            x.req.num_computed += x.num_new
+            if done:
+                x.req.output_ids.append(7)
+                if len(x.req.output_ids) >= 3:
+                    s.finish(x.req, "length")
+    assert not s.has_unfinished()
+    assert True in kinds and False in kinds

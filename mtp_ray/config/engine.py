@@ -27,6 +27,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # token budget of one target forward
     prefill_chunk: int = 256  # longest prefill piece one sequence gets in one step
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # prefill pieces and decodes in separate steps (SGLang style), alternating while both wait, so decode steps stay
+    # uniform and replay a CUDA graph; False: mixed steps (vLLM style); None: split exactly when graphs are in use
+    split_prefill: bool | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs > 0, "scheduler.max_num_seqs", "must be > 0")

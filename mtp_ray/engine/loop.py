@@ -56,12 +56,15 @@ class EngineCore:
         self.eos_ids = tuple(self.runner.model_config.eos_token_ids)
         shape = self.runner.cache_shape
         self.blocks = BlockManager(shape.num_blocks, shape.block_size, shape.num_state_slots, self.runner.slots_per_seq)
-        self.scheduler = Scheduler(cfg.scheduler, self.blocks, lookahead=self.k)
+        split = cfg.scheduler.split_prefill
+        split = bool(self.runner.graphs) if split is None else split  # auto: split when decode steps are graphs
+        self.scheduler = Scheduler(cfg.scheduler, self.blocks, lookahead=self.k, split=split)
         self.proposer = MTPProposer(self.runner, self.blocks, self.k, self.sync)
         self.requests: dict[str, Request] = {}
         self._seeds = itertools.count(cfg.seed * 1_000_003 + 1)
         self.stats = {"steps": 0, "drafted": 0, "accepted": 0, "verify_steps": 0, "aborted": 0,
-                      "device_greedy_steps": 0}
+                      "device_greedy_steps": 0, "uniform_steps": 0,
+                      "mixed_steps": 0}
         if cfg.scheduler.max_num_batched_tokens < 1 + self.k:
             raise ValueError(f"scheduler.max_num_batched_tokens={cfg.scheduler.max_num_batched_tokens} cannot hold "
                              f"one verify step of 1 + k = {1 + self.k} tokens")
@@ -113,6 +116,9 @@ class EngineCore:
         if table is None:
             return []  # no rank has work this step
         self.stats["steps"] += 1
+        self.stats["uniform_steps"] += int(uniform)
+        decodes = sum(s.req.is_decode for s in sched)
+        self.stats["mixed_steps"] += int(0 < decodes < len(sched))  # decodes and prefill pieces in one forward
         pieces = target_pieces(sched)
         if table.graph_size:  # every rank replays the graph of the DP-wide padded size
             inp = build_uniform(pieces, self.blocks, q_len, table.graph_size, self.runner.blocks_per_seq)

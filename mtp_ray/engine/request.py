@@ -66,6 +66,11 @@ class Request:
         return self.num_computed < self.num_tokens - 1
 
     @property
+    def is_decode(self) -> bool:
+        """The next step feeds only the newest token (plus drafts) on top of a cached prefix."""
+        return 0 < self.num_computed == self.num_tokens - 1
+
+    @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 

@@ -1,5 +1,9 @@
-"""Continuous-batching scheduler (pure Python): FCFS, a token budget per step, chunked prefill mixed with decodes,
-preemption by recompute when KV blocks run out.
+"""Continuous-batching scheduler (pure Python): FCFS, a token budget per step, chunked prefill, preemption by
+recompute when KV blocks run out.
+
+Mixed mode: one step holds prefill pieces and decodes together. Split mode (`split`): a step holds either prefill
+pieces (with admissions) or decodes, never both; while both kinds wait they alternate, so a decode step is a uniform
+batch (a CUDA graph replay) and no decode waits more than one prefill step.
 
 A request always computes tokens [num_computed, num_tokens): a prefill (or a recompute after preemption) is
 more than one token, a decode is exactly the newest token, followed by its k drafts when it has them (verify).
@@ -29,13 +33,15 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, lookahead: int):
+    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, lookahead: int, split: bool = False):
         self.cfg = cfg
         self.blocks = blocks
         self.lookahead = lookahead
+        self.split = split
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.last_was_prefill = False
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -50,12 +56,28 @@ class Scheduler:
         return min(remaining, self.cfg.prefill_chunk, budget), False
 
     def schedule(self) -> list[Scheduled]:
+        if not self.split:
+            return self._schedule(decodes=True, prefills=True)
+        has_decode = any(r.is_decode for r in self.running)
+        has_prefill = bool(self.waiting) or not all(r.is_decode for r in self.running)
+        prefill_turn = has_prefill and not (has_decode and self.last_was_prefill)
+        out = self._schedule(decodes=not prefill_turn, prefills=prefill_turn)
+        if not out and has_decode and prefill_turn:  # nothing admissible (blocks): decode instead
+            out = self._schedule(decodes=True, prefills=False)
+            prefill_turn = False
+        self.last_was_prefill = prefill_turn and bool(out)
+        return out
+
+    def _schedule(self, decodes: bool, prefills: bool) -> list[Scheduled]:
         budget = self.cfg.max_num_batched_tokens
         out: list[Scheduled] = []
         preempted = False
         i = 0
         while i < len(self.running):
             req = self.running[i]
+            if not (decodes if req.is_decode else prefills):
+                i += 1  # the other kind's step
+                continue
             n, verify = self._cost(req, budget)
             if n > budget or n == 0:
                 i += 1  # no room this step; it keeps its blocks and runs next step
@@ -72,7 +94,7 @@ class Scheduler:
             budget -= n
             i += 1
         # after a preemption nothing new is admitted this step (it would only be preempted again)
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not preempted:
+        while prefills and self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not preempted:
             req = self.waiting[0]
             n, _ = self._cost(req, budget)
             if not self.blocks.ensure(req, req.num_computed + n + self.lookahead):
