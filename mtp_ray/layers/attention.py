@@ -95,7 +95,7 @@ class GatedAttention(nn.Module):
         t = x.shape[0]
         qg = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]  # [T, Hq, D] each
-        key = (self.rope.rotary_dim, self.rope.theta, x.dtype)
+        key = (self.rope.rotary_dim, self.rope.theta, x.dtype, positions.data_ptr())
         if key not in batch.rope_cache:  # once per forward, shared by every attention layer
             batch.rope_cache[key] = self.rope.cos_sin(positions, x.dtype)
         cos, sin = batch.rope_cache[key]  # [T, rotary_dim] each
