@@ -57,15 +57,19 @@ def dp3_k3(ray_cluster):
     ray_cluster.get(h.shutdown.remote())
 
 
-@pytest.mark.parametrize("dp,k", [(2, 0), (2, 3), (3, 0)])
-def test_dp_outputs_equal_dp1(ray_cluster, ref, dp, k):
-    h = launch_engine(cfg(dp, k))
+@pytest.mark.parametrize("dp,k,draft_gathers", [(2, 0, False), (2, 3, False), (3, 0, False), (2, 2, True)])
+def test_dp_outputs_equal_dp1(ray_cluster, ref, dp, k, draft_gathers):
+    h = launch_engine(cfg(dp, k, parallel={"draft_gathers": draft_gathers}))
     try:
         assert [r["token_ids"] for r in run(h, PROMPTS, MAX_TOKENS)] == ref
         st = stats(h)
         assert st["health"]["restarts"] == 0
         assert len({r["collectives"] for r in st["ranks"]}) == 1  # every rank issued the same collectives
         assert len({r["forwards"] for r in st["ranks"]}) == 1
+        for r in st["ranks"]:  # one DPMeta gather per step covers its k draft forwards, unless exact mode asks
+            steps = r["forwards"] // (1 + k)
+            assert r["gathers"] >= (r["forwards"] if draft_gathers else steps)
+            assert draft_gathers or k == 0 or r["gathers"] < r["forwards"]
     finally:
         ray_cluster.get(h.shutdown.remote())
 

@@ -59,6 +59,7 @@ class ParallelConfig:
     threads_per_rank: int = 1  # torch CPU threads in each rank actor
     cpus_per_rank: float = 1.0  # logical CPUs a rank's bundle reserves (fractions fit a small laptop)
     check_collectives: bool = True  # compare per-rank collective counters at every DPMeta gather
+    draft_gathers: bool = False  # also gather DPMeta before every draft forward (exact mode; default: one per step)
     inject_ep_flip_rank: int = -1  # test hook: this rank deliberately takes the other EP mode
 
     def __post_init__(self) -> None:

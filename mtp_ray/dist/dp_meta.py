@@ -127,6 +127,16 @@ class Gathered:
         return "\n".join(f"  rank {r}: {m.describe()}" for r, m in enumerate(self.ranks))
 
 
+def draft_tables(target: Gathered) -> tuple[Gathered, Gathered]:
+    """The tables of the eager draft forwards that follow a target forward, without gathering again: the same
+    ranks and EP mode (rule 4), no graph, and token counts that bound what each rank feeds. Draft step 1 runs
+    over the rows the target step committed (at most its num_tokens); steps 2..k over one token per sequence
+    that drafts (at most its batch_size; 1 for a dummy)."""
+    first = replace(target, graph_size=0)
+    later = Gathered(tuple(replace(m, num_tokens=max(m.batch_size, 1)) for m in target.ranks))
+    return first, later
+
+
 def _odd_ranks(vals: list[int]) -> list[int]:
     counts = {v: vals.count(v) for v in vals}
     common = max(counts, key=lambda v: counts[v])

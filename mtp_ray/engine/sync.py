@@ -1,9 +1,12 @@
 """Step synchronisation: how an engine agrees with its peers before each forward.
 
 LocalSync (one rank): no gather; a step with no work is skipped, drafts run only for sequences that want them.
-DPSync (a DP x EP group): one DPMeta all-gather before every target and every draft forward; the gathered table
-is set as the forward context (read by the EP dispatcher) and cleared after the forward. Every rank runs the
-target forward (a dummy one if it has no work) whenever any rank has work, and then exactly k draft forwards.
+DPSync (a DP x EP group): one DPMeta all-gather before every target forward; the gathered table is set as the
+forward context (read by the EP dispatcher) and cleared after the forward. Every rank runs the target forward (a
+dummy one if it has no work) whenever any rank has work, and then exactly k draft forwards. The target gather
+covers the draft forwards too (DESIGN rule 1, speed): their tables are derived from it, the same on every rank
+(target EP mode; low-latency capacity from bounds on the draft token counts), and the collective counters they
+move are compared at the next gather. `draft_gathers=True` gathers before every draft forward as well (exact mode).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import time
 
 from mtp_ray.dist.context import DistContext
-from mtp_ray.dist.dp_meta import DPMeta, Gathered
+from mtp_ray.dist.dp_meta import DPMeta, Gathered, draft_tables
 
 
 class LocalSync:
@@ -42,8 +45,10 @@ class LocalSync:
 class DPSync:
     lockstep = True
 
-    def __init__(self, ctx: DistContext):
+    def __init__(self, ctx: DistContext, draft_gathers: bool = False):
         self.ctx = ctx
+        self.draft_gathers = draft_gathers
+        self.draft_tables: tuple[Gathered, Gathered] | None = None  # derived from the target gather: step 1, 2..k
         self.wave = 0
         self.step = 0
         self.last: Gathered | None = None  # the last gathered table (fault reports)
@@ -74,6 +79,7 @@ class DPSync:
         if g.all_dummy:
             return None  # nobody has work: every rank skips this step
         self.target_decode = g.global_decode
+        self.draft_tables = draft_tables(g)
         self.ctx.forward = g
         c = self.counters
         c["forwards"] += 1
@@ -88,6 +94,14 @@ class DPSync:
     def draft(self, local: DPMeta) -> Gathered:
         # rule 4: a draft forward keeps the target step's global decode state (and so its EP mode)
         local.is_decoding = int(self.target_decode)
+        if not self.draft_gathers:
+            assert self.draft_tables is not None, "a draft forward before any target forward"
+            g = self.draft_tables[0 if local.forward_idx <= 1 else 1]
+            self._t0, self._dummy = time.perf_counter(), bool(local.is_dummy)
+            self.ctx.forward = g
+            self.counters["forwards"] += 1
+            self.counters["dummy_forwards"] += local.is_dummy
+            return g
         g = self._gather(local, local.forward_idx)
         if g.global_decode != self.target_decode and not g.all_dummy:
             # cannot differ when every rank follows the rule; checked so a broken rank cannot flip modes mid-loop
