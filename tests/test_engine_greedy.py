@@ -127,6 +127,6 @@ def test_split_prefill_steps_same_tokens_more_uniform_steps(k):
         llm = LLM(num_speculative_tokens=k, max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=32,
                   split_prefill=split)
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        runs[split] = (outs, llm.engine.stats["mixed_steps"])
+        runs[split] = (outs, llm.engine.stats["mixed_batch_steps"])
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] == 0 < runs[False][1], runs

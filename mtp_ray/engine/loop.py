@@ -64,7 +64,7 @@ class EngineCore:
         self._seeds = itertools.count(cfg.seed * 1_000_003 + 1)
         self.stats = {"steps": 0, "drafted": 0, "accepted": 0, "verify_steps": 0, "aborted": 0,
                       "device_greedy_steps": 0, "uniform_steps": 0,
-                      "mixed_steps": 0}
+                      "mixed_batch_steps": 0}
         if cfg.scheduler.max_num_batched_tokens < 1 + self.k:
             raise ValueError(f"scheduler.max_num_batched_tokens={cfg.scheduler.max_num_batched_tokens} cannot hold "
                              f"one verify step of 1 + k = {1 + self.k} tokens")
@@ -118,7 +118,7 @@ class EngineCore:
         self.stats["steps"] += 1
         self.stats["uniform_steps"] += int(uniform)
         decodes = sum(s.req.is_decode for s in sched)
-        self.stats["mixed_steps"] += int(0 < decodes < len(sched))  # decodes and prefill pieces in one forward
+        self.stats["mixed_batch_steps"] += int(0 < decodes < len(sched))  # decodes + prefill pieces, one forward
         pieces = target_pieces(sched)
         if table.graph_size:  # every rank replays the graph of the DP-wide padded size
             inp = build_uniform(pieces, self.blocks, q_len, table.graph_size, self.runner.blocks_per_seq)
