@@ -163,3 +163,17 @@ def test_incremental_detokenizer_equals_full_decode(llm):
     for i in range(len(ids)):
         stop.add(ids[i : i + 1])
     assert stop.stopped_by == "return x" and stop.text == text[: text.index("return x")]
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_plain_greedy_fast_path_equals_full_sampling_path(k):
+    """Plain greedy rows take the step's one argmax (and its log-prob); a request for top log-probs goes through
+    the per-row sampler and verifier: same tokens, same log-probs, with and without MTP."""
+    llm = LLM(num_speculative_tokens=k)
+    prompts = [[5, 17, 200, 31], list(range(40, 90)), [9] * 13]
+    fast = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    full = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1))
+    for f, s in zip(fast, full, strict=True):
+        assert f.outputs[0].token_ids == s.outputs[0].token_ids
+        assert f.outputs[0].logprobs == pytest.approx(s.outputs[0].logprobs, abs=1e-6)
+        assert all(lp <= 0 for lp in f.outputs[0].logprobs)

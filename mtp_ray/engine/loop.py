@@ -144,11 +144,18 @@ class EngineCore:
             logits = all_logits[rows].cpu()
         else:
             logits = self.runner.logits(hidden[rows]) if rows else None
-        logprobs = torch.log_softmax(logits, dim=-1) if logits is not None else None  # one call for the step
+        g_ids: list[int] = []
+        g_lp: list[float] = []
+        logprobs = None
+        if logits is not None:  # one call each for the whole step: log-probs, and the argmax greedy rows take
+            logprobs = torch.log_softmax(logits, dim=-1)
+            top = logits.argmax(-1)
+            g_ids, g_lp = top.tolist(), logprobs.gather(1, top[:, None])[:, 0].tolist()
         outputs, items, at = [], [], 0
         for i, (s, start_row, lrows) in enumerate(zip(sched, inp.batch.cu_seqlens, inp.logit_rows, strict=False)):
-            lg = (logits[at : at + len(lrows)], logprobs[at : at + len(lrows)]) if lrows else None
-            at += len(lrows)
+            n = len(lrows)
+            lg = (logits[at : at + n], logprobs[at : at + n], g_ids[at : at + n], g_lp[at : at + n]) if n else None
+            at += n
             out, item = self._postprocess(s, lg, hidden[start_row : start_row + s.num_new], i)
             if out is not None:
                 outputs.append(out)
@@ -224,33 +231,45 @@ class EngineCore:
             **self.meta_extra,
         )
 
-    def _postprocess(self, s: Scheduled, lg: tuple[torch.Tensor, torch.Tensor] | None, hidden: torch.Tensor,
+    def _postprocess(self, s: Scheduled, lg: tuple | None, hidden: torch.Tensor,
                      index: int) -> tuple[StepOutput | None, DraftItem | None]:
-        """lg: this sequence's (logits, log-probs) rows, or None for a non-last prefill chunk."""
+        """lg: this sequence's rows as (logits, log-probs, argmax ids, their log-probs), or None for a non-last
+        prefill chunk. Plain greedy requests take the argmax as computed for the whole step."""
         req, start = s.req, s.req.num_computed
-        logits, logprobs = lg if lg is not None else (None, None)
+        logits, logprobs, g_ids, g_lp = lg if lg is not None else (None, None, [], [])
+        fast = self._plain_greedy(req)
         if s.verify:
             assert logits is not None
             k = len(req.drafts)
-            out_before = len(req.output_ids)
-            rows = [self._row(req, req.drafts[:i], out_before + i) for i in range(k + 1)]
-            emitted = verify(logits, req.drafts, req.draft_probs, rows, req.generator)
+            if fast:  # accept while the draft is the target's argmax, then the argmax itself
+                a = next((i for i in range(k) if req.drafts[i] != g_ids[i]), k)
+                emitted = req.drafts[:a] + [g_ids[a]]
+            else:
+                out_before = len(req.output_ids)
+                rows = [self._row(req, req.drafts[:i], out_before + i) for i in range(k + 1)]
+                emitted = verify(logits, req.drafts, req.draft_probs, rows, req.generator)
             a = len(emitted) - 1
             self._commit_spec(req, a, k)
             req.num_computed = start + a + 1
             hidden = hidden[: a + 1]
         elif s.completes_prefill:
             assert logits is not None
-            emitted = [sample_row(logits[0], self._row(req, [], len(req.output_ids)), req.generator)]
+            if fast:
+                emitted = [g_ids[-1]]
+            else:
+                emitted = [sample_row(logits[0], self._row(req, [], len(req.output_ids)), req.generator)]
             req.num_computed = start + s.num_new
-            logprobs = logprobs[-1:]
+            logprobs, g_lp = logprobs[-1:], g_lp[-1:]
         else:
             req.num_computed = start + s.num_new
             return None, DraftItem(req, start, hidden, False, index) if self.k else None
         req.drafts, req.draft_probs = [], None
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        info = [logprob_info(logprobs[i], t, req.params.logprobs) for i, t in enumerate(emitted)]
+        if fast:
+            info = [(g_lp[i], {}) for i in range(len(emitted))]
+        else:
+            info = [logprob_info(logprobs[i], t, req.params.logprobs) for i, t in enumerate(emitted)]
         n = self._append(req, emitted, info)
         out = self._output(req, emitted[:n], n)
         item = DraftItem(req, start, hidden, True, index) if self.k and not req.finished else None
