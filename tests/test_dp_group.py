@@ -106,10 +106,26 @@ def test_chunked_prefill_decode_and_idle_in_one_step(dp3_k3):
 
 
 def test_stress_random_arrivals_and_wave_edge_bursts(ray_cluster, dp3_k3):
+    stress(dp3_k3)
+
+
+def test_stress_with_split_prefill_steps(ray_cluster):
+    """The scheduling used with CUDA graphs (prefill and decode never in one step, turns chosen per rank) under
+    the same random arrivals and wave-edge bursts: same tokens, lock-step kept, no mixed batch on any rank."""
+    h = launch_engine(cfg(2, 2, scheduler={"split_prefill": True}))
+    try:
+        stress(h, n=150)
+        assert all(r["mixed_batch_steps"] == 0 and r["uniform_steps"] > 0 for r in stats(h)["ranks"])
+    finally:
+        import ray
+
+        ray.get(h.shutdown.remote())
+
+
+def stress(handle, n: int = 300) -> None:
     import ray
 
     rng = random.Random(7)
-    n = 300
     prompts = [[rng.randrange(3, 2000) for _ in range(rng.randint(1, 60))] for _ in range(n)]
     mts = [rng.randint(1, 24) for _ in range(n)]
     ref = reference(prompts, mts)
@@ -125,7 +141,7 @@ def test_stress_random_arrivals_and_wave_edge_bursts(ray_cluster, dp3_k3):
             time.sleep(rng.choice([0, 0, 0.002, 0.01, 0.03]))
         for _ in range(burst):
             if i < n:
-                ref_i = dp3_k3.generate.remote(prompts[i], {"max_tokens": mts[i], **GREEDY})
+                ref_i = handle.generate.remote(prompts[i], {"max_tokens": mts[i], **GREEDY})
                 pending.append(ref_i)
                 results[ref_i] = i
                 i += 1
@@ -134,7 +150,7 @@ def test_stress_random_arrivals_and_wave_edge_bursts(ray_cluster, dp3_k3):
     for r, o in zip(pending, outs):
         got[results[r]] = o["token_ids"]
     assert got == ref
-    st = stats(dp3_k3)
+    st = stats(handle)
     assert st["health"]["restarts"] == 0
     assert len({r["collectives"] for r in st["ranks"]}) == 1
     assert min(r["waves"] for r in st["ranks"]) > 5
