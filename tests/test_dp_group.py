@@ -110,12 +110,15 @@ def test_stress_random_arrivals_and_wave_edge_bursts(ray_cluster, dp3_k3):
 
 
 def test_stress_with_split_prefill_steps(ray_cluster):
-    """The scheduling used with CUDA graphs (prefill and decode never in one step, turns chosen per rank) under
+    """The scheduling used with CUDA graphs (prefill and decode never in one step, turns agreed by the group) under
     the same random arrivals and wave-edge bursts: same tokens, lock-step kept, no mixed batch on any rank."""
     h = launch_engine(cfg(2, 2, scheduler={"split_prefill": True}))
     try:
         stress(h, n=150)
-        assert all(r["mixed_batch_steps"] == 0 and r["uniform_steps"] > 0 for r in stats(h)["ranks"])
+        ranks = stats(h)["ranks"]
+        assert all(r["mixed_batch_steps"] == 0 and r["uniform_steps"] > 0 for r in ranks)
+        # turns come from the gathered table, so uniform decode steps line up across ranks (graph-eligible)
+        assert len({r["uniform_group_steps"] for r in ranks}) == 1 and ranks[0]["uniform_group_steps"] > 0
     finally:
         import ray
 

@@ -147,3 +147,46 @@ def test_split_mode_never_mixes_and_alternates_with_decodes():
                     s.finish(x.req, "length")
     assert not s.has_unfinished()
     assert True in kinds and False in kinds
+
+
+def test_group_turns_are_a_function_of_the_gathered_table():
+    """DP split scheduling: the next turn comes from the last gathered table (the same on every rank);
+    alternates while prefill and decode work are both pending somewhere; None when nothing is pending."""
+    from mtp_ray.dist.dp_meta import DPMeta, Gathered
+
+    def table(*pending):
+        return Gathered(tuple(DPMeta(pending_prefill=p, pending_decode=d) for p, d in pending))
+
+    assert table((0, 0), (0, 0)).next_prefill_turn(False) is None  # e.g. a wave start: each rank alone
+    assert table((1, 0), (0, 0)).next_prefill_turn(True) is True  # only prefill work anywhere
+    assert table((0, 1), (0, 1)).next_prefill_turn(False) is False  # only decodes
+    mixed = table((1, 0), (0, 1))  # rank 0 prefills, rank 1 decodes: turns alternate group-wide
+    assert mixed.next_prefill_turn(False) is True and mixed.next_prefill_turn(True) is False
+
+
+def test_group_turn_overrides_the_local_alternation():
+    s = make(k=0, max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk=8)
+    s.split = True
+    s.add(req(0, 3))
+    run_step(s)  # prefill of request 0 (alone): it decodes from now on
+    assert s.running[0].is_decode
+    # a group prefill turn on a rank with no prefill work: it decodes (the group step is eager anyway)
+    assert [x.req.request_id for x in run_step_turn(s, True)] == ["0"]
+    s.add(req(1, 5))
+    # a group decode turn: the new request waits, the decode runs (the group's decode step stays uniform)
+    assert [x.req.request_id for x in run_step_turn(s, False)] == ["0"]
+    assert [x.req.request_id for x in run_step_turn(s, True)] == ["1"]
+    s2 = make(k=0)
+    s2.split = True
+    s2.add(req(2, 4))
+    assert run_step_turn(s2, False) == []  # only prefill work and a decode turn: this rank idles one step
+
+
+def run_step_turn(s: Scheduler, turn: bool) -> list:
+    out = s.schedule(turn)
+    for sc in out:
+        done = sc.completes_prefill
+        sc.req.num_computed += sc.num_new
+        if done:
+            sc.req.output_ids.append(7)
+    return out

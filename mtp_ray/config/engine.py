@@ -60,6 +60,7 @@ class ParallelConfig:
     cpus_per_rank: float = 1.0  # logical CPUs a rank's bundle reserves (fractions fit a small laptop)
     check_collectives: bool = True  # compare per-rank collective counters at every DPMeta gather
     draft_gathers: bool = False  # also gather DPMeta before every draft forward (exact mode; default: one per step)
+    group_turns: bool = True  # split scheduling: every rank takes the turn the gathered table gives (False: alone)
     inject_ep_flip_rank: int = -1  # test hook: this rank deliberately takes the other EP mode
 
     def __post_init__(self) -> None:

@@ -37,6 +37,8 @@ class DPMeta:
     next_cmd: int = 0  # sequence number of this rank's oldest pending group command (0: none)
     graph_ok: int = 0  # this rank's batch is a uniform decode / verify batch (or a dummy): graph-capturable
     greedy_ok: int = 1  # every live request drafts greedily: the MTP draft loop may run as one graph
+    pending_prefill: int = 0  # prefill work (waiting or partly prefilled requests) left after this step's schedule
+    pending_decode: int = 0  # running decodes left to schedule after this step (split scheduling turns)
 
     def to_tensor(self) -> torch.Tensor:
         return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.long)
@@ -106,6 +108,16 @@ class Gathered:
     def graph_drafts(self) -> bool:
         """The greedy MTP draft loop runs as one graph (no per-draft gathers) on every rank."""
         return self.graph_size > 0 and all(m.greedy_ok for m in self.ranks)
+
+    def next_prefill_turn(self, last_was_prefill: bool) -> bool | None:
+        """Split scheduling in a group: whether the next step is a prefill turn on every rank, so that decode
+        steps are uniform group-wide (graph-eligible). Alternates while any rank has both kinds of work pending;
+        None (each rank decides alone) when the table shows no pending work (e.g. a wave start)."""
+        prefill = any(m.pending_prefill for m in self.ranks)
+        decode = any(m.pending_decode for m in self.ranks)
+        if not prefill and not decode:
+            return None
+        return prefill and not (decode and last_was_prefill)
 
     @property
     def max_num_tokens(self) -> int:

@@ -108,7 +108,7 @@ class EngineCore:
         return early + self._step()
 
     def _step(self) -> list[StepOutput]:
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self.sync.prefill_turn() if self.scheduler.split else None)
         q_len = 1 + self.k
         uniform = is_uniform(sched, q_len)
         local = self._local_meta(sched, uniform)
@@ -220,6 +220,15 @@ class EngineCore:
             if self.k:
                 self.proposer.propose_graph([], table)
 
+    def _pending(self, sched: list[Scheduled]) -> dict[str, int]:
+        """Work left for the next step (split scheduling turns): prefill pieces not finished by this step, and
+        decodes (running ones, and prefills this step completes)."""
+        done = {id(s.req) for s in sched if s.completes_prefill}
+        running = self.scheduler.running
+        prefill = bool(self.scheduler.waiting) or any(not r.is_decode and id(r) not in done for r in running)
+        decode = any(r.is_decode or id(r) in done for r in running)
+        return {"pending_prefill": int(prefill), "pending_decode": int(decode)}
+
     def _local_meta(self, sched: list[Scheduled], uniform: bool) -> DPMeta:
         n = sum(s.num_new for s in sched)
         return DPMeta(
@@ -228,6 +237,7 @@ class EngineCore:
             is_dummy=int(not sched), is_chunk=int(any(not s.completes_prefill for s in sched)),
             has_unfinished=int(self.scheduler.has_unfinished()), is_sleeping=int(self.runner.asleep),
             graph_ok=int(uniform or not sched), greedy_ok=int(all(s.req.params.greedy for s in sched)),
+            **self._pending(sched),
             **self.meta_extra,
         )
 

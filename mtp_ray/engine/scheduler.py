@@ -55,18 +55,28 @@ class Scheduler:
             return (1 + len(req.drafts), True) if req.drafts else (1, False)
         return min(remaining, self.cfg.prefill_chunk, budget), False
 
-    def schedule(self) -> list[Scheduled]:
+    def schedule(self, prefill_turn: bool | None = None) -> list[Scheduled]:
+        """prefill_turn (split mode): the turn a DP group agreed on (None: this scheduler alternates alone). In a
+        group decode turn a rank with only prefill work waits one step, so the group's decode step stays uniform;
+        in a prefill turn a rank with no prefill work decodes."""
         if not self.split:
             return self._schedule(decodes=True, prefills=True)
         has_decode = any(r.is_decode for r in self.running)
-        has_prefill = bool(self.waiting) or not all(r.is_decode for r in self.running)
-        prefill_turn = has_prefill and not (has_decode and self.last_was_prefill)
+        has_prefill = self.has_prefill_work()
+        group = prefill_turn is not None
+        if not group:
+            prefill_turn = has_prefill and not (has_decode and self.last_was_prefill)
+        elif prefill_turn and not has_prefill:
+            prefill_turn = False
         out = self._schedule(decodes=not prefill_turn, prefills=prefill_turn)
         if not out and has_decode and prefill_turn:  # nothing admissible (blocks): decode instead
             out = self._schedule(decodes=True, prefills=False)
             prefill_turn = False
-        self.last_was_prefill = prefill_turn and bool(out)
+        self.last_was_prefill = bool(prefill_turn) and bool(out)
         return out
+
+    def has_prefill_work(self) -> bool:
+        return bool(self.waiting) or not all(r.is_decode for r in self.running)
 
     def _schedule(self, decodes: bool, prefills: bool) -> list[Scheduled]:
         budget = self.cfg.max_num_batched_tokens

@@ -20,6 +20,9 @@ from mtp_ray.dist.dp_meta import DPMeta, Gathered, draft_tables
 class LocalSync:
     lockstep = False
 
+    def prefill_turn(self) -> bool | None:
+        return None  # one rank: the scheduler alternates on its own
+
     def __init__(self) -> None:
         self.wave = 0
         self.step = 0
@@ -45,10 +48,11 @@ class LocalSync:
 class DPSync:
     lockstep = True
 
-    def __init__(self, ctx: DistContext, draft_gathers: bool = False):
+    def __init__(self, ctx: DistContext, draft_gathers: bool = False, group_turns: bool = True):
         self.ctx = ctx
-        self.draft_gathers = draft_gathers
+        self.draft_gathers, self.group_turns = draft_gathers, group_turns
         self.draft_tables: tuple[Gathered, Gathered] | None = None  # derived from the target gather: step 1, 2..k
+        self.last_turn_prefill = False  # split scheduling: the group's previous turn
         self.wave = 0
         self.step = 0
         self.last: Gathered | None = None  # the last gathered table (fault reports)
@@ -57,10 +61,19 @@ class DPSync:
         # per-rank counters for operators and tests; mixed_steps: target steps where, across the group, one rank
         # held a non-last prefill chunk, another decoded and a third was idle
         self.counters = {"gathers": 0, "forwards": 0, "dummy_forwards": 0, "chunk_steps": 0, "decode_steps": 0,
-                         "mixed_steps": 0, "waves": 0, "graph_steps": 0, "graph_draft_loops": 0}
+                         "mixed_steps": 0, "waves": 0, "graph_steps": 0, "graph_draft_loops": 0,
+                         "uniform_group_steps": 0}
         self.timers = {"gather_s": 0.0, "forward_s": 0.0, "dummy_forward_s": 0.0}
         self._t0 = 0.0
         self._dummy = False
+
+    def prefill_turn(self) -> bool | None:
+        """The split-scheduling turn of the coming step, the same on every rank: from the last gathered table."""
+        if self.step_table is None or not self.group_turns:
+            return None
+        turn = self.step_table.next_prefill_turn(self.last_turn_prefill)
+        self.last_turn_prefill = bool(turn)
+        return turn
 
     def _gather(self, local: DPMeta, forward_idx: int) -> Gathered:
         local.wave, local.step, local.forward_idx = self.wave, self.step, forward_idx
@@ -87,6 +100,8 @@ class DPSync:
         c["chunk_steps"] += local.is_chunk
         c["decode_steps"] += local.is_decoding
         c["graph_steps"] += int(g.graph_size > 0)
+        # every rank a uniform decode batch or idle: the steps a CUDA graph can take (counted on CPU too)
+        c["uniform_group_steps"] += int(g.global_decode and all(m.graph_ok for m in g.ranks))
         c["mixed_steps"] += int(any(m.is_chunk for m in g.ranks) and any(m.is_decoding for m in g.ranks)
                                 and any(m.is_dummy for m in g.ranks))
         return g

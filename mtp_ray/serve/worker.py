@@ -67,7 +67,7 @@ class RankWorker:
                                check_collectives=c.parallel.check_collectives)
         self.ctx.init(addr, port)
         self.peers = [p for i, p in enumerate(peers) if i != self.rank]
-        sync = DPSync(self.ctx, draft_gathers=c.parallel.draft_gathers)
+        sync = DPSync(self.ctx, draft_gathers=c.parallel.draft_gathers, group_turns=c.parallel.group_turns)
         expert_range = expert_ranges(self.ctx.num_experts, self.world)[self.rank]
         dispatch = make_dispatcher(c.parallel.ep_backend, self.ctx, mc.hidden_size, mc.num_experts_per_tok)
         self.core = EngineCore(c, expert_range, dispatch, sync)
