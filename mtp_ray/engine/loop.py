@@ -261,9 +261,10 @@ class EngineCore:
             a = len(emitted) - 1
             self._commit_spec(req, a, k)
             req.num_computed = start + a + 1
-            hidden = hidden[: a + 1]
+            committed = a + 1  # the draft loop's step 1 may still run over all k + 1 rows (uniform batch)
         elif s.completes_prefill:
             assert logits is not None
+            committed = s.num_new
             if fast:
                 emitted = [g_ids[-1]]
             else:
@@ -282,7 +283,7 @@ class EngineCore:
             info = [logprob_info(logprobs[i], t, req.params.logprobs) for i, t in enumerate(emitted)]
         n = self._append(req, emitted, info)
         out = self._output(req, emitted[:n], n)
-        item = DraftItem(req, start, hidden, True, index) if self.k and not req.finished else None
+        item = DraftItem(req, start, hidden, True, index, committed) if self.k and not req.finished else None
         return out, item
 
     def _commit_spec(self, req: Request, accepted: int, k: int) -> None:

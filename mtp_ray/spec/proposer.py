@@ -14,7 +14,7 @@ import torch
 
 from mtp_ray.dist.dp_meta import DPMeta, Gathered
 from mtp_ray.engine.block_manager import BlockManager
-from mtp_ray.engine.inputs import Piece, build, dummy_inputs
+from mtp_ray.engine.inputs import Piece, StepInputs, build, build_uniform, dummy_inputs
 from mtp_ray.engine.request import Request
 from mtp_ray.engine.runner import ModelRunner
 from mtp_ray.engine.sampler import draw
@@ -25,9 +25,14 @@ from mtp_ray.engine.sync import DPSync, LocalSync
 class DraftItem:
     req: Request
     start: int  # first position the target committed this step
-    hidden: torch.Tensor  # [L, H] target hidden at positions start .. start + L - 1
+    hidden: torch.Tensor  # [L, H] target hidden at positions start .. start + L - 1 (a verify: all k + 1 rows)
     wants_drafts: bool  # False for a non-last prefill chunk: only its MTP KV is filled
     index: int = 0  # the sequence's row in the step's batch (graph drafts read its rows of the static buffers)
+    committed: int | None = None  # rows the target committed (accepted drafts + 1); None: all L
+
+    @property
+    def n(self) -> int:
+        return self.hidden.shape[0] if self.committed is None else self.committed
 
 
 class MTPProposer:
@@ -43,20 +48,14 @@ class MTPProposer:
         if table is not None and table.graph_drafts:
             self.propose_graph(items, table)
             return
-        pieces = []
-        for it in items:
-            n = it.hidden.shape[0]
-            toks = it.req.tokens(it.start + 1, it.start + 1 + n)
-            assert len(toks) == n, "MTP step 1 needs the token after every committed position"
-            pieces.append(Piece(it.req, it.start, toks, "last" if it.wants_drafts else "none"))
-        hidden = torch.cat([it.hidden for it in items]) if items else self._dummy_hidden()
+        inp, hidden = self._first_inputs(items)
         live = [it for it in items if it.wants_drafts]
         drafts: list[list[int]] = [[] for _ in live]
         probs: list[list[torch.Tensor]] = [[] for _ in live]
-        inp = build(pieces, self.blocks) if pieces else dummy_inputs()
-        last_pos = [it.start + it.hidden.shape[0] - 1 for it in live]
+        last_pos = [it.start + it.n - 1 for it in live]
+        nseq = len(items)  # sequences in this draft forward
         for step in range(self.k):
-            self.sync.draft(DPMeta(num_tokens=inp.num_tokens, batch_size=len(pieces), is_dummy=int(not pieces),
+            self.sync.draft(DPMeta(num_tokens=inp.num_tokens, batch_size=nseq, is_dummy=int(not nseq),
                                    forward_idx=step + 1, has_unfinished=1))
             try:
                 h = self.runner.mtp_forward(inp, hidden, step)  # [T, H]
@@ -78,18 +77,42 @@ class MTPProposer:
             # next step: one token per live sequence, at the position after its last one
             last_pos = [p + 1 for p in last_pos]
             pieces = [Piece(it.req, last_pos[b], [drafts[b][-1]], "last") for b, it in enumerate(live)]
-            inp = build(pieces, self.blocks) if pieces else dummy_inputs()
+            # one token per sequence on a cached prefix: the batched decode form (no per-sequence attention loop)
+            inp = build_uniform(pieces, self.blocks, 1) if pieces else dummy_inputs()
+            nseq = len(pieces)
             hidden = h_last
         for b, it in enumerate(live):
             it.req.drafts = drafts[b]
             it.req.draft_probs = torch.stack(probs[b]) if probs[b] else None
+
+    def _first_inputs(self, items: list[DraftItem]) -> tuple[StepInputs, torch.Tensor]:
+        """Draft step 1: (token[p + 1], h[p]) for every committed position p. After a uniform verify step every
+        sequence feeds all its k + 1 rows (a uniform batch: batched attention); rows past the accepted ones feed
+        token 0 and write MTP KV that the draft steps and the next step overwrite before anything reads it, as
+        in the graph draft loop. Otherwise (prefill pieces, mixed steps) exactly the committed rows."""
+        if not items:
+            return dummy_inputs(), self._dummy_hidden()
+        q = self.k + 1
+        if all(it.wants_drafts and it.hidden.shape[0] == q and it.committed is not None and it.start > 0
+               for it in items):
+            pieces = [Piece(it.req, it.start, it.req.tokens(it.start + 1, it.start + 1 + it.n) + [0] * (q - it.n),
+                            "all") for it in items]
+            inp = build_uniform(pieces, self.blocks, q)
+            inp.logit_rows = [[b * q + it.n - 1] for b, it in enumerate(items)]  # the last committed row
+            return inp, torch.cat([it.hidden for it in items])
+        pieces = []
+        for it in items:
+            toks = it.req.tokens(it.start + 1, it.start + 1 + it.n)
+            assert len(toks) == it.n, "MTP step 1 needs the token after every committed position"
+            pieces.append(Piece(it.req, it.start, toks, "last" if it.wants_drafts else "none"))
+        return build(pieces, self.blocks), torch.cat([it.hidden[: it.n] for it in items])
 
     def propose_graph(self, items: list[DraftItem], table: Gathered) -> None:
         size, q = table.graph_size, self.k + 1
         next_ids = torch.zeros(size * q, dtype=torch.long)
         last = torch.zeros(size, dtype=torch.long)
         for it in items:
-            n = it.hidden.shape[0]  # committed rows: accepted drafts + 1
+            n = it.n  # committed rows: accepted drafts + 1
             next_ids[it.index * q : it.index * q + n] = torch.tensor(it.req.tokens(it.start + 1, it.start + 1 + n))
             last[it.index] = n - 1
         drafts = self.replay_graph(table, next_ids, last).cpu()  # [size, k]
