@@ -25,14 +25,17 @@ class Detokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def _commit(self, tail: str) -> None:
+    def _commit(self, tail: str) -> str:
         """Move the boundary forward to KEEP tokens before the end, only where decoding the two sides apart
-        gives exactly the text of decoding them together (so text always equals a full decode)."""
+        gives exactly the text of decoding them together (so text always equals a full decode). Returns the
+        text of the tokens after the boundary."""
         split = len(self.token_ids) - KEEP
         head = self._decode(self.token_ids[self.committed : split])
         rest = self._decode(self.token_ids[split:])
-        if head + rest == tail and not head.endswith("\ufffd"):
-            self.committed, self.committed_text = split, self.committed_text + head
+        if head + rest != tail or head.endswith("\ufffd"):
+            return tail
+        self.committed, self.committed_text = split, self.committed_text + head
+        return rest
 
     def add(self, new_ids: list[int]) -> None:
         """Append tokens; on a stop string set stopped_by and cut the text there."""
@@ -43,8 +46,7 @@ class Detokenizer:
             return
         tail = self._decode(self.token_ids[self.committed :])
         if len(self.token_ids) - self.committed > WINDOW:
-            self._commit(tail)
-            tail = self._decode(self.token_ids[self.committed :])
+            tail = self._commit(tail)
         full = self.committed_text + tail
         if self.stop:
             start = max(0, len(self.text) - max(len(s) for s in self.stop))

@@ -188,11 +188,7 @@ class EngineCore:
             if self.k:
                 self._commit_spec(req, a, self.k)
             req.num_computed += a + 1
-            req.drafts, req.draft_probs = [], None
-            if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
-            n = self._append(req, emitted, info)
-            outputs.append(self._output(req, emitted[:n], n))
+            outputs.append(self._emit(req, emitted, info))
             if self.k and not req.finished:
                 req.drafts = [int(t) for t in row[2 * q + 1 :]]
         return outputs
@@ -274,17 +270,21 @@ class EngineCore:
         else:
             req.num_computed = start + s.num_new
             return None, DraftItem(req, start, hidden, False, index) if self.k else None
-        req.drafts, req.draft_probs = [], None
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
         if fast:
             info = [(g_lp[i], {}) for i in range(len(emitted))]
         else:
             info = [logprob_info(logprobs[i], t, req.params.logprobs) for i, t in enumerate(emitted)]
-        n = self._append(req, emitted, info)
-        out = self._output(req, emitted[:n], n)
+        out = self._emit(req, emitted, info)
         item = DraftItem(req, start, hidden, True, index, committed) if self.k and not req.finished else None
         return out, item
+
+    def _emit(self, req: Request, emitted: list[int], info: list[tuple[float, dict[int, float]]]) -> StepOutput:
+        """The tokens a step produced for one request (drafts used up): appended until a stop, as one output."""
+        req.drafts, req.draft_probs = [], None
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        n = self._append(req, emitted, info)
+        return self._output(req, emitted[:n], n)
 
     def _commit_spec(self, req: Request, accepted: int, k: int) -> None:
         """GDN rollback: the state after token `accepted` of the verify becomes the sequence's state."""

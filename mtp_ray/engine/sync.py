@@ -20,12 +20,12 @@ from mtp_ray.dist.dp_meta import DPMeta, Gathered, draft_tables
 class LocalSync:
     lockstep = False
 
-    def prefill_turn(self) -> bool | None:
-        return None  # one rank: the scheduler alternates on its own
-
     def __init__(self) -> None:
         self.wave = 0
         self.step = 0
+
+    def prefill_turn(self) -> bool | None:
+        return None  # one rank: the scheduler alternates on its own
 
     def target(self, local: DPMeta, graph_sizes: tuple[int, ...] = ()) -> Gathered | None:
         if local.is_dummy:
@@ -109,18 +109,15 @@ class DPSync:
     def draft(self, local: DPMeta) -> Gathered:
         # rule 4: a draft forward keeps the target step's global decode state (and so its EP mode)
         local.is_decoding = int(self.target_decode)
-        if not self.draft_gathers:
+        if self.draft_gathers:
+            g = self._gather(local, local.forward_idx)
+            if g.global_decode != self.target_decode and not g.all_dummy:
+                # cannot differ when every rank follows the rule; checked so a broken rank cannot flip modes
+                raise RuntimeError(f"draft forward changed the global decode state\n{g.describe()}")
+        else:
             assert self.draft_tables is not None, "a draft forward before any target forward"
             g = self.draft_tables[0 if local.forward_idx <= 1 else 1]
             self._t0, self._dummy = time.perf_counter(), bool(local.is_dummy)
-            self.ctx.forward = g
-            self.counters["forwards"] += 1
-            self.counters["dummy_forwards"] += local.is_dummy
-            return g
-        g = self._gather(local, local.forward_idx)
-        if g.global_decode != self.target_decode and not g.all_dummy:
-            # cannot differ when every rank follows the rule; checked so a broken rank cannot flip modes mid-loop
-            raise RuntimeError(f"draft forward changed the global decode state\n{g.describe()}")
         self.ctx.forward = g
         self.counters["forwards"] += 1
         self.counters["dummy_forwards"] += local.is_dummy

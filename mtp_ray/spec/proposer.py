@@ -34,6 +34,12 @@ class DraftItem:
     def n(self) -> int:
         return self.hidden.shape[0] if self.committed is None else self.committed
 
+    def next_tokens(self) -> list[int]:
+        """The token after every committed position (MTP step 1's inputs)."""
+        toks = self.req.tokens(self.start + 1, self.start + 1 + self.n)
+        assert len(toks) == self.n, "MTP step 1 needs the token after every committed position"
+        return toks
+
 
 class MTPProposer:
     def __init__(self, runner: ModelRunner, blocks: BlockManager, k: int, sync: LocalSync | DPSync):
@@ -95,16 +101,11 @@ class MTPProposer:
         q = self.k + 1
         if all(it.wants_drafts and it.hidden.shape[0] == q and it.committed is not None and it.start > 0
                for it in items):
-            pieces = [Piece(it.req, it.start, it.req.tokens(it.start + 1, it.start + 1 + it.n) + [0] * (q - it.n),
-                            "all") for it in items]
+            pieces = [Piece(it.req, it.start, it.next_tokens() + [0] * (q - it.n), "all") for it in items]
             inp = build_uniform(pieces, self.blocks, q)
             inp.logit_rows = [[b * q + it.n - 1] for b, it in enumerate(items)]  # the last committed row
             return inp, torch.cat([it.hidden for it in items])
-        pieces = []
-        for it in items:
-            toks = it.req.tokens(it.start + 1, it.start + 1 + it.n)
-            assert len(toks) == it.n, "MTP step 1 needs the token after every committed position"
-            pieces.append(Piece(it.req, it.start, toks, "last" if it.wants_drafts else "none"))
+        pieces = [Piece(it.req, it.start, it.next_tokens(), "last" if it.wants_drafts else "none") for it in items]
         return build(pieces, self.blocks), torch.cat([it.hidden[: it.n] for it in items])
 
     def propose_graph(self, items: list[DraftItem], table: Gathered) -> None:
@@ -112,9 +113,8 @@ class MTPProposer:
         next_ids = torch.zeros(size * q, dtype=torch.long)
         last = torch.zeros(size, dtype=torch.long)
         for it in items:
-            n = it.n  # committed rows: accepted drafts + 1
-            next_ids[it.index * q : it.index * q + n] = torch.tensor(it.req.tokens(it.start + 1, it.start + 1 + n))
-            last[it.index] = n - 1
+            next_ids[it.index * q : it.index * q + it.n] = torch.tensor(it.next_tokens())
+            last[it.index] = it.n - 1  # the last committed row
         drafts = self.replay_graph(table, next_ids, last).cpu()  # [size, k]
         for it in items:
             it.req.drafts = drafts[it.index].tolist()
