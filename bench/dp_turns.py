@@ -17,16 +17,17 @@ import ray
 
 from mtp_ray.rl.engine import launch_engine
 
-MODES = {"mixed": {"split_prefill": False}, "split_rank_turns": {"split_prefill": True},
-         "split_group_turns": {"split_prefill": True}}
+# mode -> (scheduler, parallel) overrides; per-rank turns: the group's turn is withheld, each rank alternates alone
+MODES = {"mixed": ({"split_prefill": False}, {}),
+         "split_rank_turns": ({"split_prefill": True}, {"group_turns": False}),
+         "split_group_turns": ({"split_prefill": True}, {"group_turns": True})}
 
 
 def run(mode: str, dp: int, k: int, requests: int) -> dict:
-    sched = {"prefill_chunk": 16, "max_num_batched_tokens": 64, "max_num_seqs": 16, **MODES[mode]}
-    cfg = {"spec": {"num_speculative_tokens": k}, "parallel": {"dp": dp}, "scheduler": sched,
+    sched, par = MODES[mode]
+    cfg = {"spec": {"num_speculative_tokens": k}, "parallel": {"dp": dp, **par},
+           "scheduler": {"prefill_chunk": 16, "max_num_batched_tokens": 64, "max_num_seqs": 16, **sched},
            "cache": {"block_size": 8}, "timeouts": {"collective_s": 30, "progress_s": 60}}
-    if mode == "split_rank_turns":  # each rank alternates on its own (the group's turn is withheld)
-        cfg["parallel"]["group_turns"] = False
     h = launch_engine(cfg)
     rng = random.Random(1)
     refs = []
