@@ -111,6 +111,9 @@ def test_device_greedy_equals_host_path():
         fast = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
         before = llm.engine.stats["device_greedy_steps"]
         assert before > 0
+        model = llm.engine.runner.model
+        assert all(m.in_proj.fused for m in model.gdn_layers()) and all(a.qkv_proj.fused
+                                                                        for a in model.attention_layers())
         slow = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2))
         assert llm.engine.stats["device_greedy_steps"] == before
         for f, s in zip(fast, slow, strict=True):

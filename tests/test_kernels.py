@@ -102,6 +102,14 @@ def test_rms_norms(dtype, tol, rows, d):
         assert _rel(out.cpu(), ref) < tol
         assert _rel(rms_norm(dev(x), dev(norm.weight), norm.eps)[0].cpu(), norm(x)) < tol
         assert _rel(gated_rms_norm(dev(x), dev(z), dev(gated.weight), gated.eps).cpu(), ref_gated) < tol
+        if d % 32 == 0:  # the gate as a strided [T, heads, 32] column slice of a wider buffer (fused projections)
+            wide = torch.randn(rows, d + 40, generator=g).to(dtype)
+            zs = wide[:, 8 : 8 + d].view(rows, d // 32, 32)
+            g32 = GatedRMSNorm(32).to(dtype)
+            want = g32(x.view(rows, d // 32, 32), zs)
+            got = gated_rms_norm(dev(x).view(rows, d // 32, 32), dev(wide)[:, 8 : 8 + d].view(rows, d // 32, 32),
+                                 dev(g32.weight), g32.eps)
+            assert _rel(got.cpu(), want) < tol
 
 
 @needs_device

@@ -172,3 +172,27 @@ def test_unused_checkpoint_tensor_is_an_error(ckpt, tmp_path):
     save_file(sd, bad / "model.safetensors")
     with pytest.raises(ValueError, match="weight_scale_inv"):
         load_model(bad)
+
+
+def test_fused_projections_share_the_parameters():
+    """Projections of one input fused into one weight buffer: same outputs, parameters stay addressable (a weight
+    update through the parameter reaches the fused GEMM), and a broken view falls back to separate GEMMs."""
+    from torch import nn
+
+    from mtp_ray.layers.linear import FusedProjections
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, n, bias=False) for n in (24, 8, 3)]
+    x = torch.randn(5, 16)
+    want = [lin(x) for lin in layers]
+    f = FusedProjections(*layers)
+    f.fuse()
+    assert f.fused and all(w.untyped_storage().data_ptr() == f.buffer.untyped_storage().data_ptr()
+                           for w in (lin.weight for lin in layers))
+    with torch.no_grad():
+        for got, ref in zip(f(x), want, strict=True):
+            assert torch.allclose(got, ref, atol=1e-6)
+        layers[1].weight.copy_(torch.ones(8, 16))  # an update by name lands in the fused buffer
+        assert torch.allclose(f(x)[1], x.sum(-1, keepdim=True).expand(5, 8), atol=1e-5)
+        layers[2].weight.data = layers[2].weight.data.clone()  # e.g. sleep moved it: views broken
+        assert not f.fused and torch.allclose(f(x)[2], want[2], atol=1e-6)

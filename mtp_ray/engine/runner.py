@@ -12,6 +12,7 @@ from mtp_ray.config.model import ModelConfig
 from mtp_ray.engine.cache import CacheShape, bind_caches, free_caches
 from mtp_ray.engine.graphs import CudaGraphs
 from mtp_ray.engine.inputs import StepInputs
+from mtp_ray.layers.linear import FusedProjections
 from mtp_ray.layers.moe import ExpertDispatcher, local_dispatch
 from mtp_ray.model.loader import WeightLoader, load_model
 
@@ -43,6 +44,7 @@ class ModelRunner:
         self.model = load_model(cfg.model, self.dtype, self.device, expert_range, with_mtp=self.k > 0,
                                 dispatch=dispatch)
         self.model_config: ModelConfig = self.model.config
+        self.fuse_projections()
         self.slots_per_seq = 1 + (self.k + 1 if self.k else 0)
         # blocks one sequence of max_model_len needs, with the MTP draft loop's lookahead and a spare
         self.blocks_per_seq = (max_model_len + 2 * self.k + cfg.cache.block_size) // cfg.cache.block_size + 1
@@ -78,6 +80,16 @@ class ModelRunner:
                 budget = CPU_CACHE_BYTES
             num_blocks = max(2, min(budget // max(per_block, 1), s.max_num_seqs * per_seq + 1))
         return CacheShape(num_blocks, c.block_size, 1 + s.max_num_seqs * self.slots_per_seq)
+
+    def fuse_projections(self) -> None:
+        """GPU: the projections of one input (GDN in_proj_*, attention q/k/v) read one weight buffer, one GEMM.
+        After loading and after wake_up (sleep moves or re-allocates the parameters, breaking the views)."""
+        if self.device.type != "cuda":
+            return
+        for m in self.model.modules():
+            for f in (getattr(m, "in_proj", None), getattr(m, "qkv_proj", None)):
+                if isinstance(f, FusedProjections):
+                    f.fuse()
 
     def allocate(self) -> None:
         self.cache_bytes = bind_caches(self.model, self.cache_shape, self.dtype, self.device)
@@ -140,6 +152,7 @@ class ModelRunner:
         if self.asleep == 1 and self.device.type != "cpu":
             for p in self.model.parameters():
                 p.data = p.data.to(self.device)
+        self.fuse_projections()
         self.allocate()
         self.asleep = 0
 

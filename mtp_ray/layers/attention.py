@@ -8,7 +8,7 @@ from torch import nn
 
 from mtp_ray.config.model import ModelConfig
 from mtp_ray.layers.context import ForwardBatch, UniformDecode
-from mtp_ray.layers.linear import Linear
+from mtp_ray.layers.linear import FusedProjections, Linear
 from mtp_ray.layers.norm import RMSNorm
 from mtp_ray.layers.rope import RotaryEmbedding
 
@@ -84,6 +84,7 @@ class GatedAttention(nn.Module):
         self.k_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.qkv_proj = None if bias else FusedProjections(self.q_proj, self.k_proj, self.v_proj)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
@@ -93,13 +94,13 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # x: [T, H]
         t = x.shape[0]
-        qg = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim)
+        qg, k, v = self.qkv_proj(x) if self.qkv_proj is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        qg = qg.view(t, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]  # [T, Hq, D] each
         key = (self.rope.rotary_dim, self.rope.theta, x.dtype, positions.data_ptr())
         if key not in batch.rope_cache:  # once per forward, shared by every attention layer
             batch.rope_cache[key] = self.rope.cos_sin(positions, x.dtype)
         cos, sin = batch.rope_cache[key]  # [T, rotary_dim] each
-        k, v = self.k_proj(x), self.v_proj(x)  # [T, Hkv * D]
         assert self.kv_cache is not None, "KV cache not bound: allocate caches before the first forward"
         if x.is_cuda:  # q/k norms, RoPE and the KV write in one kernel
             from mtp_ray.layers.attention_triton import qk_norm_rope_store

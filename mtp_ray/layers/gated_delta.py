@@ -9,7 +9,7 @@ from torch import nn
 from mtp_ray.config.model import ModelConfig
 from mtp_ray.layers.context import ForwardBatch
 from mtp_ray.layers.gated_delta_ops import causal_conv1d, chunk_gated_delta, l2norm, recurrent_gated_delta
-from mtp_ray.layers.linear import Linear
+from mtp_ray.layers.linear import FusedProjections, Linear
 from mtp_ray.layers.norm import GatedRMSNorm
 
 
@@ -33,6 +33,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, h, bias=False)
+        self.in_proj = FusedProjections(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
         # bound by the engine: conv_state [slots, conv_dim, K-1] (model dtype), ssm_state [slots, Hv, dk, dv] fp32
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
@@ -41,9 +42,8 @@ class GatedDeltaNet(nn.Module):
         # x: [T, H]
         assert self.conv_state is not None and self.ssm_state is not None, "GDN state not bound"
         t = x.shape[0]
-        mixed = self.in_proj_qkv(x)  # [T, conv_dim]
-        z = self.in_proj_z(x).view(t, self.hv, self.dv)
-        b_raw, a_raw = self.in_proj_b(x), self.in_proj_a(x)  # [T, Hv] each
+        mixed, z, b_raw, a_raw = self.in_proj(x)  # [T, conv_dim], [T, value_dim], [T, Hv], [T, Hv]
+        z = z.view(t, self.hv, self.dv)
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
         u = batch.uniform
         if u is not None and x.is_cuda:  # two fused kernels (conv, recurrence), no per-token launches

@@ -1,8 +1,9 @@
-"""Linear layer: nn.Linear (same parameter names) with a bandwidth-bound Triton GEMV for a few rows on the GPU.
+"""Linear layers: nn.Linear (same parameter names) with a bandwidth-bound Triton GEMV for a few rows on the GPU,
+and FusedProjections, one weight buffer behind several projections of the same input.
 
 At decode batch sizes a projection multiplies a handful of rows by a large weight: the step is bound by reading
-the weight once. cuBLAS picks tile shapes for large M; the GEMV below reads the weight with many programs and
-deep pipelining instead. Rows <= GEMV_ROWS, no bias, same dtype: the Triton path; anything else: F.linear.
+the weight once. cuBLAS picks tile shapes for large M; the GEMV reads the weight with many programs and deep
+pipelining instead. Rows <= GEMV_ROWS, no bias, same dtype: the Triton path; anything else: F.linear.
 """
 
 from __future__ import annotations
@@ -14,11 +15,49 @@ from torch import nn
 GEMV_ROWS = 16
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_ROWS and bias is None and x.dtype == weight.dtype:
+        from mtp_ray.layers.linear_triton import gemv
+
+        return gemv(x, weight)
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        small = x.dim() == 2 and x.shape[0] <= GEMV_ROWS
-        if x.is_cuda and small and self.bias is None and x.dtype == self.weight.dtype:
-            from mtp_ray.layers.linear_triton import gemv
+        return linear(x, self.weight, self.bias)
 
-            return gemv(x, self.weight)
-        return F.linear(x, self.weight, self.bias)
+
+class FusedProjections:
+    """Several bias-free projections of one input as one GEMM: their weights become row ranges of one buffer
+    (the parameters stay, as views, so checkpoints and weight updates still address them by name).
+
+    `fuse()` runs after loading and after every wake_up (sleep moves or re-allocates the parameters, which
+    breaks the views); `__call__` falls back to one GEMM per projection whenever the views are broken."""
+
+    def __init__(self, *layers: nn.Linear):
+        assert all(lin.bias is None for lin in layers)
+        self.layers = layers
+        self.buffer: torch.Tensor | None = None
+        self.ptrs: tuple[int, ...] = ()
+
+    def fuse(self) -> None:
+        ws = [lin.weight for lin in self.layers]
+        if any(w.numel() == 0 for w in ws) or len({(w.device, w.dtype) for w in ws}) != 1:
+            return  # dropped (sleep level 2) or mixed: stay unfused
+        self.buffer = torch.cat([w.detach() for w in ws])  # [sum N, K]
+        at = 0
+        for w in ws:
+            w.data = self.buffer[at : at + w.shape[0]]
+            at += w.shape[0]
+        self.ptrs = tuple(w.data_ptr() for w in ws)
+
+    @property
+    def fused(self) -> bool:
+        return self.buffer is not None and tuple(lin.weight.data_ptr() for lin in self.layers) == self.ptrs
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x: [T, K] -> one [T, N_i] output per projection (column slices of one GEMM output when fused)."""
+        if not self.fused:
+            return [lin(x) for lin in self.layers]
+        return list(linear(x, self.buffer).split([lin.weight.shape[0] for lin in self.layers], dim=-1))

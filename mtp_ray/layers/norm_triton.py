@@ -53,9 +53,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_g, stride_o, eps,
-                           BLOCK: tl.constexpr):
+def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_gt, stride_gh, heads, stride_o,
+                           eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    g_row = (row // heads) * stride_gt + (row % heads) * stride_gh  # the gate may be a strided [T, heads, D] view
     c = tl.arange(0, BLOCK)
     m = c < n_cols
     xf = tl.load(x_ptr + row * stride_x + c, mask=m, other=0.0).to(tl.float32)
@@ -64,17 +65,21 @@ def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, n_cols, stride_x, strid
     w = tl.load(w_ptr + c, mask=m, other=0.0)
     # as GatedRMSNorm: the weight multiplies in the input dtype, the gate in fp32
     y = (w.to(tl.float32) * (xf * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    g = tl.load(g_ptr + row * stride_g + c, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + g_row + c, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + c, (y * g * tl.sigmoid(g)).to(dt), mask=m)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """w * rmsnorm(x) * silu(gate) over the last dim; x, gate: [..., D] (same shape) -> x.dtype."""
     shape, d = x.shape, x.shape[-1]
-    x2, g2 = x.reshape(-1, d), gate.reshape(-1, d)
+    x2 = x.reshape(-1, d)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    g2 = g2 if g2.stride(-1) == 1 else g2.contiguous()
+    g3 = gate.reshape(-1, 1, d) if gate.dim() != 3 else gate  # [T, heads, D], possibly a strided view
+    if g3.stride(-1) != 1:
+        g3 = g3.contiguous()
+    assert g3.shape[0] * g3.shape[1] == x2.shape[0]
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    _gated_rms_norm_kernel[(x2.shape[0],)](x2, g2, weight, out, d, x2.stride(0), g2.stride(0), out.stride(0), eps,
-                                           BLOCK=triton.next_power_of_2(d), num_warps=1)
+    _gated_rms_norm_kernel[(x2.shape[0],)](x2, g3, weight, out, d, x2.stride(0), g3.stride(0), g3.stride(1),
+                                           g3.shape[1], out.stride(0), eps, BLOCK=triton.next_power_of_2(d),
+                                           num_warps=1)
     return out.view(shape)
