@@ -1,0 +1,150 @@
+"""Tile sweep for the bandwidth-bound decode kernels at Qwen3.5-35B-A3B shapes (GPU), next to cuBLAS.
+
+    python bench/kernels.py [--out bench/results/kernels.json] [--rows 1 4]
+
+For each shape and tile config: the time of one launch inside a CUDA graph of 20 launches (the launch gap
+included, as in a decode step), and the bandwidth that implies. Also the time of an empty kernel in a graph (the
+per-launch floor). The JSON lists every config and the best per shape, to set the heuristics in
+layers/linear_triton.py and layers/moe_small_triton.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from mtp_ray.layers.linear_triton import _gemv_kernel
+from mtp_ray.layers.moe_small_triton import _down_kernel, _gate_up_kernel
+
+H, INTER, EXPERTS, TOPK = 2048, 512, 256, 8
+# (name, N, K): the dense projections of one layer (fused GDN input, fused attention q/k/v, outputs, router)
+DENSE = [("gdn_in_fused", 12352, 2048), ("gdn_qkv", 8192, 2048), ("gdn_z", 4096, 2048),
+         ("attn_qkv_fused", 9216, 2048), ("out_proj", 2048, 4096), ("o_proj", 2048, 4096), ("router", 256, 2048),
+         ("gdn_a", 32, 2048)]
+
+
+@triton.jit
+def _empty_kernel(x_ptr):
+    tl.store(x_ptr + tl.program_id(0), 1.0)
+
+
+def graph_time(fn, launches: int = 20, reps: int = 10) -> float:
+    """Seconds per launch of fn() replayed inside a CUDA graph of `launches` launches (median of reps)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(launches):
+            fn()
+    times = []
+    for _ in range(reps + 2):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3 / launches)
+    t = sorted(times[2:])
+    return t[len(t) // 2]
+
+
+def _gemv(x, w, y, bn, bk, warps, stages) -> None:
+    m, k = x.shape
+    n = w.shape[0]
+    _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), BM=16, BN=bn, BK=bk,
+                                        IEEE=False, num_warps=warps, num_stages=stages)
+
+
+def _up(x, ids, gv, uv, act, bn, bk, warps) -> None:
+    _gate_up_kernel[(ids.numel(), triton.cdiv(INTER, bn))](
+        x, ids, gv, uv, act, 0, EXPERTS, H, INTER, x.stride(0), gv.stride(0), gv.stride(1), act.stride(0),
+        TOPK=TOPK, BN=bn, BK=bk, SINGLE=False, num_warps=warps)
+
+
+def _down(act, ids, tw, down, y, bn, bk, warps) -> None:
+    _down_kernel[(y.shape[0], triton.cdiv(H, bn))](
+        act, ids, tw, down, y, 0, EXPERTS, H, INTER, act.stride(0), down.stride(0), down.stride(1), y.stride(0),
+        TOPK=TOPK, BN=bn, BK=bk, num_warps=warps)
+
+
+def sweep_gemv(rows: int, dev: torch.device) -> list[dict]:
+    out = []
+    for name, n, k in DENSE:
+        x = torch.randn(rows, k, dtype=torch.bfloat16, device=dev)
+        w = torch.randn(n, k, dtype=torch.bfloat16, device=dev) * k**-0.5
+        y = torch.empty(rows, n, dtype=torch.bfloat16, device=dev)
+        nbytes = n * k * 2
+        res = {"shape": name, "rows": rows, "N": n, "K": k,
+               "cublas_us": round(graph_time(functools.partial(F.linear, x, w)) * 1e6, 2)}
+        cfgs = []
+        for bn, bk, warps, stages in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 6)):
+            cfg = {"BN": bn, "BK": bk, "warps": warps, "stages": stages}
+            try:
+                t = graph_time(functools.partial(_gemv, x, w, y, bn, bk, warps, stages))
+            except Exception as e:  # a config the compiler rejects (shared memory): recorded, skipped
+                cfgs.append({**cfg, "error": str(e)[:80]})
+                continue
+            cfgs.append({**cfg, "us": round(t * 1e6, 2), "GBps": round(nbytes / t / 1e9, 1)})
+        ok = [c for c in cfgs if "us" in c]
+        res["best"] = min(ok, key=lambda c: c["us"]) if ok else None
+        res["configs"] = cfgs
+        out.append(res)
+        print(f"gemv {name} rows={rows}: cuBLAS {res['cublas_us']} us, best {res['best']}")
+    return out
+
+
+def sweep_experts(rows: int, dev: torch.device) -> list[dict]:
+    """The routed experts of `rows` tokens (top 8 of 256): gate_up (+ SwiGLU) and down (+ weighted sum)."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    gate_up = torch.randn(EXPERTS, 2 * INTER, H, dtype=torch.bfloat16, device=dev, generator=g) * H**-0.5
+    down = torch.randn(EXPERTS, H, INTER, dtype=torch.bfloat16, device=dev, generator=g) * INTER**-0.5
+    x = torch.randn(rows, H, dtype=torch.bfloat16, device=dev)
+    if rows * TOPK <= EXPERTS:  # distinct experts, as a decode step mostly sees
+        ids = torch.randperm(EXPERTS, device=dev)[: rows * TOPK].view(rows, TOPK).contiguous()
+    else:
+        ids = torch.randint(0, EXPERTS, (rows, TOPK), device=dev)
+    tw = torch.rand(rows, TOPK, dtype=torch.bfloat16, device=dev)
+    act = torch.empty(rows * TOPK, INTER, dtype=torch.bfloat16, device=dev)
+    y = torch.empty(rows, H, dtype=torch.bfloat16, device=dev)
+    gv, uv = gate_up[:, :INTER], gate_up[:, INTER:]
+    up_bytes, down_bytes = rows * TOPK * 2 * INTER * H * 2, rows * TOPK * H * INTER * 2
+    res: dict = {"rows": rows, "gate_up": [], "down": []}
+    for bn, bk, warps in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8)):
+        cfg = {"BN": bn, "BK": bk, "warps": warps}
+        t = graph_time(functools.partial(_up, x, ids, gv, uv, act, bn, bk, warps))
+        res["gate_up"].append({**cfg, "us": round(t * 1e6, 2), "GBps": round(up_bytes / t / 1e9, 1)})
+        if bk <= INTER:
+            t = graph_time(functools.partial(_down, act, ids, tw, down, y, bn, bk, warps))
+            res["down"].append({**cfg, "us": round(t * 1e6, 2), "GBps": round(down_bytes / t / 1e9, 1)})
+    for part in ("gate_up", "down"):
+        res[f"best_{part}"] = min(res[part], key=lambda c: c["us"])
+        print(f"experts rows={rows} {part}: best {res[f'best_{part}']}")
+    return [res]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/kernels.json")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4])
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    flag = torch.zeros(1024, device=dev)
+    floor = graph_time(lambda: _empty_kernel[(1,)](flag), launches=100)
+    print(f"empty kernel in a graph: {floor * 1e6:.2f} us per launch")
+    result = {"device": torch.cuda.get_device_name(), "empty_kernel_us": round(floor * 1e6, 2),
+              "gemv": [r for rows in args.rows for r in sweep_gemv(rows, dev)],
+              "experts": [r for rows in args.rows for r in sweep_experts(rows, dev)]}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
