@@ -29,7 +29,9 @@ from mtp_ray.engine.cache import CacheShape, bind_caches
 from mtp_ray.engine.graphs import CudaGraphs
 from mtp_ray.engine.inputs import StepInputs
 from mtp_ray.layers.context import ForwardBatch, UniformDecode
+from mtp_ray.layers.linear import fuse_projections
 from mtp_ray.layers.moe import SparseMoE
+from mtp_ray.layers.rope import bind_rope_tables
 from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
 
 BLOCK = 16
@@ -186,6 +188,8 @@ def main() -> None:
     max_b = max(args.batches + args.mtp_batches)
     slots = 1 + max(args.batches) + max(args.mtp_batches) * (k + 1)  # main slots + MTP verify snapshots
     bind_caches(model, CacheShape(1 + max_b * width, BLOCK, slots), torch.bfloat16, dev)
+    bind_rope_tables(model, width * BLOCK, torch.bfloat16, dev)  # as the engine does
+    fuse_projections(model)
     for gdn in model.gdn_layers():
         gdn.ssm_state.normal_(0, 0.1)
     for attn in model.attention_layers():

@@ -211,6 +211,13 @@ def test_qk_norm_rope_store(dtype, tol, t, hq, hkv, d, rd):
                                dev(slots), cache_d)
         got = cache_d.cpu().view(2, -1, hkv, d)
     assert _rel(q.cpu(), ref_q) < tol
+    # the per-position table path (the engine's): rows read by position, the same values
+    ct, st = RotaryEmbedding(rd, 10000.0).cos_sin(torch.arange(4096), dtype)
+    cache_t = dev(cache)
+    with torch.no_grad():
+        q_t = qk_norm_rope_store(dev(qg), dev(k), dev(v), dev(qn.weight), dev(kn.weight), qn.eps, dev(ct), dev(st),
+                                 dev(slots), cache_t, dev(pos))
+    assert torch.equal(q_t.cpu(), q.cpu()) and torch.equal(cache_t.cpu(), cache_d.cpu())
     for i, s in enumerate(slots.tolist()):
         if s >= 0:
             assert _rel(got[0, s], ref_k[i]) < tol and torch.equal(got[1, s], v[i].view(hkv, d))

@@ -196,3 +196,17 @@ def test_fused_projections_share_the_parameters():
         assert torch.allclose(f(x)[1], x.sum(-1, keepdim=True).expand(5, 8), atol=1e-5)
         layers[2].weight.data = layers[2].weight.data.clone()  # e.g. sleep moved it: views broken
         assert not f.fused and torch.allclose(f(x)[2], want[2], atol=1e-6)
+
+
+def test_rope_tables_equal_per_forward_cos_sin():
+    from torch import nn
+
+    from mtp_ray.layers.rope import RotaryEmbedding, bind_rope_tables
+
+    m = nn.ModuleList([RotaryEmbedding(8, 10000.0), RotaryEmbedding(8, 10000.0), RotaryEmbedding(16, 1e6)])
+    bind_rope_tables(m, 300, torch.bfloat16, torch.device("cpu"))
+    assert m[0].table is m[1].table and m[2].table is not m[0].table  # shared per (rotary_dim, theta)
+    pos = torch.tensor([0, 7, 299, 150])
+    for r in m:
+        cos, sin = r.cos_sin(pos, torch.bfloat16)
+        assert torch.equal(r.table[0][pos], cos) and torch.equal(r.table[1][pos], sin)

@@ -12,8 +12,9 @@ from mtp_ray.config.model import ModelConfig
 from mtp_ray.engine.cache import CacheShape, bind_caches, free_caches
 from mtp_ray.engine.graphs import CudaGraphs
 from mtp_ray.engine.inputs import StepInputs
-from mtp_ray.layers.linear import FusedProjections
+from mtp_ray.layers.linear import fuse_projections
 from mtp_ray.layers.moe import ExpertDispatcher, local_dispatch
+from mtp_ray.layers.rope import bind_rope_tables
 from mtp_ray.model.loader import WeightLoader, load_model
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ class ModelRunner:
         self.slots_per_seq = 1 + (self.k + 1 if self.k else 0)
         # blocks one sequence of max_model_len needs, with the MTP draft loop's lookahead and a spare
         self.blocks_per_seq = (max_model_len + 2 * self.k + cfg.cache.block_size) // cfg.cache.block_size + 1
+        if self.device.type == "cuda":  # every position a sequence's block table spans
+            bind_rope_tables(self.model, self.blocks_per_seq * cfg.cache.block_size, self.dtype, self.device)
         self.cache_shape = self._cache_shape()
         self.cache_bytes = 0
         self.asleep = 0  # 0: awake; else the sleep level
@@ -82,14 +85,9 @@ class ModelRunner:
         return CacheShape(num_blocks, c.block_size, 1 + s.max_num_seqs * self.slots_per_seq)
 
     def fuse_projections(self) -> None:
-        """GPU: the projections of one input (GDN in_proj_*, attention q/k/v) read one weight buffer, one GEMM.
-        After loading and after wake_up (sleep moves or re-allocates the parameters, breaking the views)."""
-        if self.device.type != "cuda":
-            return
-        for m in self.model.modules():
-            for f in (getattr(m, "in_proj", None), getattr(m, "qkv_proj", None)):
-                if isinstance(f, FusedProjections):
-                    f.fuse()
+        """GPU: the projections of one input read one weight buffer, one GEMM (sleep breaks the views)."""
+        if self.device.type == "cuda":
+            fuse_projections(self.model)
 
     def allocate(self) -> None:
         self.cache_bytes = bind_caches(self.model, self.cache_shape, self.dtype, self.device)

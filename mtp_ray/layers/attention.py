@@ -97,16 +97,20 @@ class GatedAttention(nn.Module):
         qg, k, v = self.qkv_proj(x) if self.qkv_proj is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         qg = qg.view(t, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]  # [T, Hq, D] each
-        key = (self.rope.rotary_dim, self.rope.theta, x.dtype, positions.data_ptr())
-        if key not in batch.rope_cache:  # once per forward, shared by every attention layer
-            batch.rope_cache[key] = self.rope.cos_sin(positions, x.dtype)
-        cos, sin = batch.rope_cache[key]  # [T, rotary_dim] each
+        table = self.rope.table if self.rope.table is not None and x.is_cuda else None
+        if table is None:
+            key = (self.rope.rotary_dim, self.rope.theta, x.dtype, positions.data_ptr())
+            if key not in batch.rope_cache:  # once per forward, shared by every attention layer
+                batch.rope_cache[key] = self.rope.cos_sin(positions, x.dtype)
+            cos, sin = batch.rope_cache[key]  # [T, rotary_dim] each
+        else:
+            cos, sin = table  # [P, rotary_dim] each, rows read by position inside the kernel
         assert self.kv_cache is not None, "KV cache not bound: allocate caches before the first forward"
         if x.is_cuda:  # q/k norms, RoPE and the KV write in one kernel
             from mtp_ray.layers.attention_triton import qk_norm_rope_store
 
             q = qk_norm_rope_store(qg, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin,
-                                   batch.slot_mapping, self.kv_cache)
+                                   batch.slot_mapping, self.kv_cache, positions if table is not None else None)
         else:
             q = RotaryEmbedding.apply(self.q_norm(q), cos, sin)
             k = RotaryEmbedding.apply(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), cos, sin)

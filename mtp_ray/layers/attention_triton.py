@@ -164,10 +164,14 @@ def paged_decode_attention(
 
 
 @triton.jit
-def _qk_norm_rope_kernel(qg_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slot_ptr, qo_ptr, kc_ptr, vc_ptr,
-                         stride_qt, stride_qh, stride_kt, stride_cs, stride_ot, stride_oh, stride_cache, eps,
-                         HQ: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BD: tl.constexpr):
+def _qk_norm_rope_kernel(qg_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, qo_ptr, kc_ptr,
+                         vc_ptr, stride_qt, stride_qh, stride_kt, stride_cs, stride_ot, stride_oh, stride_cache, eps,
+                         HQ: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BD: tl.constexpr, TABLE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
+    if TABLE:  # cos / sin rows of a per-position table
+        cs_row = tl.load(pos_ptr + t).to(tl.int64)
+    else:  # cos / sin rows per token
+        cs_row = t
     hh = tl.program_id(1)
     d = tl.arange(0, BD)
     dm = d < D
@@ -186,8 +190,8 @@ def _qk_norm_rope_kernel(qg_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
     xn = (x * rstd * (1.0 + tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32))).to(dt).to(tl.float32)
     xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
     xpn = (xp * rstd * (1.0 + tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32))).to(dt).to(tl.float32)
-    c = tl.load(cos_ptr + t * stride_cs + d, mask=rot, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + t * stride_cs + d, mask=rot, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + cs_row * stride_cs + d, mask=rot, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + cs_row * stride_cs + d, mask=rot, other=0.0).to(tl.float32)
     sign = tl.where(d < half, -1.0, 1.0)
     # as RotaryEmbedding.apply: x * cos + rotate_half(x) * sin, every product and the sum rounded
     y = ((xn * c).to(dt).to(tl.float32) + (sign * xpn * s).to(dt).to(tl.float32)).to(dt)
@@ -205,18 +209,21 @@ def _qk_norm_rope_kernel(qg_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
 
 def qk_norm_rope_store(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
                        k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                       slot_mapping: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+                       slot_mapping: torch.Tensor, kv_cache: torch.Tensor, positions: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     """One launch for the attention prologue. qg: [T, Hq, 2D] (q | gate per head); k, v: [T, Hkv * D];
-    cos, sin: [T, rotary_dim] in the model dtype. Returns q [T, Hq, D] zero-centred RMS-normed and rotated; k
-    (normed, rotated) and v go into kv_cache [2, blocks, block_size, Hkv, D] at slot_mapping (-1: not written)."""
+    cos, sin: [T, rotary_dim] in the model dtype, or with `positions` [T] a per-position table [P, rotary_dim].
+    Returns q [T, Hq, D] zero-centred RMS-normed and rotated; k (normed, rotated) and v go into
+    kv_cache [2, blocks, block_size, Hkv, D] at slot_mapping (-1: not written)."""
     t, hq, d = qg.shape[0], qg.shape[1], qg.shape[2] // 2
     hkv = kv_cache.shape[3]
     assert qg.stride(2) == 1 and k.stride(1) == 1 and v.stride(0) == k.stride(0) and cos.stride(0) == sin.stride(0)
     flat = kv_cache.view(2, -1, hkv, d)
     q = torch.empty(t, hq, d, dtype=qg.dtype, device=qg.device)
     _qk_norm_rope_kernel[(t, hq + hkv)](
-        qg, k, v, q_weight, k_weight, cos, sin, slot_mapping, q, flat[0], flat[1],
-        qg.stride(0), qg.stride(1), k.stride(0), cos.stride(0), q.stride(0), q.stride(1), flat.stride(1), eps,
-        HQ=hq, D=d, RD=cos.shape[1], BD=triton.next_power_of_2(d), num_warps=1,
+        qg, k, v, q_weight, k_weight, cos, sin, positions if positions is not None else slot_mapping, slot_mapping,
+        q, flat[0], flat[1], qg.stride(0), qg.stride(1), k.stride(0), cos.stride(0), q.stride(0), q.stride(1),
+        flat.stride(1), eps, HQ=hq, D=d, RD=cos.shape[1], BD=triton.next_power_of_2(d), TABLE=positions is not None,
+        num_warps=1,
     )
     return q

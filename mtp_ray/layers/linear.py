@@ -61,3 +61,11 @@ class FusedProjections:
         if not self.fused:
             return [lin(x) for lin in self.layers]
         return list(linear(x, self.buffer).split([lin.weight.shape[0] for lin in self.layers], dim=-1))
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """Fuse every FusedProjections of the model (GDN in_proj_*, attention q/k/v): after loading, after wake_up."""
+    for m in model.modules():
+        for f in vars(m).values():
+            if isinstance(f, FusedProjections):
+                f.fuse()
