@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from mtp_ray.layers.linear_triton import _gemv_kernel
+from mtp_ray.layers.linear_triton import _gemv_kernel, _gemv_row_kernel, tiles
 from mtp_ray.layers.moe_small_triton import _down_kernel, _gate_up_kernel
 
 H, INTER, EXPERTS, TOPK = 2048, 512, 256, 8
@@ -63,16 +63,24 @@ def _gemv(x, w, y, bn, bk, warps, stages) -> None:
                                         IEEE=False, num_warps=warps, num_stages=stages)
 
 
-def _up(x, ids, gv, uv, act, bn, bk, warps) -> None:
-    _gate_up_kernel[(ids.numel(), triton.cdiv(INTER, bn))](
-        x, ids, gv, uv, act, 0, EXPERTS, H, INTER, x.stride(0), gv.stride(0), gv.stride(1), act.stride(0),
-        TOPK=TOPK, BN=bn, BK=bk, SINGLE=False, num_warps=warps)
+def _row(x, w, y, bn, bk, warps, stages) -> None:
+    n, k = w.shape
+    _gemv_row_kernel[(triton.cdiv(n, bn),)](x, w, y, n, k, w.stride(0), BN=bn, BK=bk, num_warps=warps,
+                                            num_stages=stages)
 
 
-def _down(act, ids, tw, down, y, bn, bk, warps) -> None:
+def _up(x, ids, gv, uv, sg, act, bn, bk, warps) -> None:
+    # routed pairs + one shared-expert pair per token (SH = 1), as a decode step without EP runs them
+    _gate_up_kernel[(act.shape[0], triton.cdiv(INTER, bn))](
+        x, ids, gv, uv, sg[:INTER], sg[INTER:], act, 0, EXPERTS, H, INTER, INTER, x.stride(0), gv.stride(0),
+        gv.stride(1), sg.stride(0), act.stride(0), TOPK=TOPK, SH=1, BN=bn, BK=bk, num_warps=warps)
+
+
+def _down(act, ids, tw, down, x, sd, gw, y, bn, bk, warps) -> None:
     _down_kernel[(y.shape[0], triton.cdiv(H, bn))](
-        act, ids, tw, down, y, 0, EXPERTS, H, INTER, act.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        TOPK=TOPK, BN=bn, BK=bk, num_warps=warps)
+        act, ids, tw, down, x, sd, gw, y, 0, EXPERTS, H, INTER, INTER, act.stride(0), down.stride(0),
+        down.stride(1), x.stride(0), sd.stride(0), y.stride(0), TOPK=TOPK, SH=1, BN=bn, BK=bk, BH=2048,
+        num_warps=warps)
 
 
 def sweep_gemv(rows: int, dev: torch.device) -> list[dict]:
@@ -84,25 +92,34 @@ def sweep_gemv(rows: int, dev: torch.device) -> list[dict]:
         nbytes = n * k * 2
         res = {"shape": name, "rows": rows, "N": n, "K": k,
                "cublas_us": round(graph_time(functools.partial(F.linear, x, w)) * 1e6, 2)}
+        kind, *cur = tiles(rows, n, k, fp32=False)
+        res["current"] = {"kernel": kind, "BN": cur[0], "BK": cur[1], "warps": cur[2], "stages": cur[3]}
         cfgs = []
-        for bn, bk, warps, stages in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 6)):
-            cfg = {"BN": bn, "BK": bk, "warps": warps, "stages": stages}
+        space = [("dot", *c) for c in itertools.product((16, 32, 64), (128, 512), (4,), (3, 4))]
+        if rows == 1:  # the one-row kernel: small BN, no tensor cores
+            space += [("row", *c) for c in itertools.product((2, 4, 8, 16), (256, 512, 1024), (4, 8), (1, 3))]
+        for kind, bn, bk, warps, stages in space:
+            cfg = {"kernel": kind, "BN": bn, "BK": bk, "warps": warps, "stages": stages}
+            fn = _gemv if kind == "dot" else _row
             try:
-                t = graph_time(functools.partial(_gemv, x, w, y, bn, bk, warps, stages))
+                t = graph_time(functools.partial(fn, x, w, y, bn, bk, warps, stages))
             except Exception as e:  # a config the compiler rejects (shared memory): recorded, skipped
                 cfgs.append({**cfg, "error": str(e)[:80]})
                 continue
             cfgs.append({**cfg, "us": round(t * 1e6, 2), "GBps": round(nbytes / t / 1e9, 1)})
         ok = [c for c in cfgs if "us" in c]
         res["best"] = min(ok, key=lambda c: c["us"]) if ok else None
+        now = [c["us"] for c in ok if {key: c[key] for key in res["current"]} == res["current"]]
+        res["current"]["us"] = now[0] if now else None  # None: the current tile is outside the swept space
         res["configs"] = cfgs
         out.append(res)
-        print(f"gemv {name} rows={rows}: cuBLAS {res['cublas_us']} us, best {res['best']}")
+        print(f"gemv {name} rows={rows}: cuBLAS {res['cublas_us']} us, current {res['current']}, best {res['best']}")
     return out
 
 
 def sweep_experts(rows: int, dev: torch.device) -> list[dict]:
-    """The routed experts of `rows` tokens (top 8 of 256): gate_up (+ SwiGLU) and down (+ weighted sum)."""
+    """The routed experts of `rows` tokens (top 8 of 256) + the shared expert: gate_up (+ SwiGLU) and down
+    (+ weighted sum, shared gate)."""
     g = torch.Generator(device=dev).manual_seed(0)
     gate_up = torch.randn(EXPERTS, 2 * INTER, H, dtype=torch.bfloat16, device=dev, generator=g) * H**-0.5
     down = torch.randn(EXPERTS, H, INTER, dtype=torch.bfloat16, device=dev, generator=g) * INTER**-0.5
@@ -112,17 +129,20 @@ def sweep_experts(rows: int, dev: torch.device) -> list[dict]:
     else:
         ids = torch.randint(0, EXPERTS, (rows, TOPK), device=dev)
     tw = torch.rand(rows, TOPK, dtype=torch.bfloat16, device=dev)
-    act = torch.empty(rows * TOPK, INTER, dtype=torch.bfloat16, device=dev)
+    sg = torch.randn(2 * INTER, H, dtype=torch.bfloat16, device=dev) * H**-0.5  # shared gate | up
+    sd = torch.randn(H, INTER, dtype=torch.bfloat16, device=dev) * INTER**-0.5
+    gw = torch.randn(1, H, dtype=torch.bfloat16, device=dev) * H**-0.5
+    act = torch.empty(rows * (TOPK + 1), INTER, dtype=torch.bfloat16, device=dev)
     y = torch.empty(rows, H, dtype=torch.bfloat16, device=dev)
     gv, uv = gate_up[:, :INTER], gate_up[:, INTER:]
-    up_bytes, down_bytes = rows * TOPK * 2 * INTER * H * 2, rows * TOPK * H * INTER * 2
+    up_bytes, down_bytes = rows * (TOPK + 1) * 2 * INTER * H * 2, rows * (TOPK + 1) * H * INTER * 2
     res: dict = {"rows": rows, "gate_up": [], "down": []}
-    for bn, bk, warps in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8)):
+    for bn, bk, warps in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4,)):
         cfg = {"BN": bn, "BK": bk, "warps": warps}
-        t = graph_time(functools.partial(_up, x, ids, gv, uv, act, bn, bk, warps))
+        t = graph_time(functools.partial(_up, x, ids, gv, uv, sg, act, bn, bk, warps))
         res["gate_up"].append({**cfg, "us": round(t * 1e6, 2), "GBps": round(up_bytes / t / 1e9, 1)})
         if bk <= INTER:
-            t = graph_time(functools.partial(_down, act, ids, tw, down, y, bn, bk, warps))
+            t = graph_time(functools.partial(_down, act, ids, tw, down, x, sd, gw, y, bn, bk, warps))
             res["down"].append({**cfg, "us": round(t * 1e6, 2), "GBps": round(down_bytes / t / 1e9, 1)})
     for part in ("gate_up", "down"):
         res[f"best_{part}"] = min(res[part], key=lambda c: c["us"])

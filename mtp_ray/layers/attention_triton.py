@@ -94,18 +94,20 @@ def _paged_decode_kernel(
 @triton.jit
 def _combine_kernel(part_ptr, ml_ptr, o_ptr, g_ptr, stride_ot, stride_oh, stride_gt, stride_gh,
                     Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_D: tl.constexpr, GATE: tl.constexpr, SPLITS: tl.constexpr):
+                    BLOCK_D: tl.constexpr, GATE: tl.constexpr, SPLITS: tl.constexpr, CHUNK_D: tl.constexpr):
+    """One program per (sequence, KV head, CHUNK_D columns of the head dim): the splits' partial outputs merged
+    with their (max, sum) statistics, all loads independent (no serial dependency across programs)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     j = rows // GROUP
     head = kvh * GROUP + rows % GROUP
     row_ok = rows < Q_LEN * GROUP
-    d = tl.arange(0, BLOCK_D)
+    d = tl.program_id(2) * CHUNK_D + tl.arange(0, CHUNK_D)
     d_ok = d < HEAD_DIM
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, CHUNK_D], tl.float32)
     for s in tl.static_range(SPLITS):
         base = (b * tl.num_programs(1) + kvh) * SPLITS + s
         m_s = tl.load(ml_ptr + (2 * base) * BLOCK_M + rows)
@@ -155,10 +157,11 @@ def paged_decode_attention(
         BLOCK_D=block_d, IEEE=q.dtype == torch.float32, GATE=gate is not None, SPLITS=splits, num_warps=4,
     )
     if splits > 1:
-        _combine_kernel[(bsz, hkv)](
+        chunk_d = min(block_d, 32)  # more programs: the merge is latency-bound at small batch
+        _combine_kernel[(bsz, hkv, block_d // chunk_d)](
             part, ml, out, g, out.stride(0), out.stride(1), *gs,
             Q_LEN=q_len, GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d, GATE=gate is not None,
-            SPLITS=splits, num_warps=4,
+            SPLITS=splits, CHUNK_D=chunk_d, num_warps=2,
         )
     return out
 

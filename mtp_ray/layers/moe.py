@@ -44,15 +44,18 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.zeros(end - start, 2 * inter, hidden))  # [E_local, 2I, H]
         self.down_proj = nn.Parameter(torch.zeros(end - start, hidden, inter))  # [E_local, H, I]
 
+    def pairs(self, topk_ids: torch.Tensor) -> bool:
+        """GPU: few (token, slot) pairs run as GEMVs per pair, which beat sorting them into tiles (a static
+        function of the shape: graph-safe)."""
+        return topk_ids.numel() <= max(self.end - self.start, 16)
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """Sum of the local experts' weighted outputs. x: [N, H]; topk_ids / topk_w: [N, k] (global ids)."""
         if x.is_cuda:
             from mtp_ray.layers.moe_small_triton import pair_experts
             from mtp_ray.layers.moe_triton import fused_experts
 
-            # few (token, slot) pairs: GEMVs per pair beat sorting them into tiles (static choice: graph-safe)
-            small = topk_ids.numel() <= max(self.end - self.start, 16)
-            fn = pair_experts if small else fused_experts
+            fn = pair_experts if self.pairs(topk_ids) else fused_experts
             return fn(x, topk_ids, topk_w, self.gate_up_proj, self.down_proj, self.start)
         # CPU: one GEMM pair per expert that received tokens
         out = torch.zeros_like(x)
@@ -104,15 +107,27 @@ class SparseMoE(nn.Module):
             w = w / w.sum(-1, keepdim=True)
         return ids, w.to(x.dtype)
 
+    def _shared_weights(self):  # -> moe_small_triton.SharedWeights
+        from mtp_ray.layers.moe_small_triton import SharedWeights
+
+        se = self.shared_expert
+        return SharedWeights(se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
+                             self.shared_expert_gate.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, w = self.route(x)
-        out = self.dispatch(x, ids, w, self.experts)
-        if self.has_shared:
-            if x.is_cuda and x.shape[0] <= SHARED_GEMV_TOKENS:
-                from mtp_ray.layers.moe_small_triton import shared_expert_add
+        small_shared = self.has_shared and x.is_cuda and x.shape[0] <= SHARED_GEMV_TOKENS
+        if small_shared and self.dispatch is local_dispatch and self.experts.pairs(ids):
+            from mtp_ray.layers.moe_small_triton import pair_experts
 
-                se = self.shared_expert
-                return shared_expert_add(x, out, se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
-                                         self.shared_expert_gate.weight)
+            # no EP exchange in between: routed and shared experts in the same two launches
+            ex = self.experts
+            return pair_experts(x, ids, w, ex.gate_up_proj, ex.down_proj, ex.start, self._shared_weights())
+        out = self.dispatch(x, ids, w, self.experts)
+        if small_shared:
+            from mtp_ray.layers.moe_small_triton import shared_expert_add
+
+            return shared_expert_add(x, out, self._shared_weights())
+        if self.has_shared:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
