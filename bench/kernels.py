@@ -3,9 +3,11 @@
     python bench/kernels.py [--out bench/results/kernels.json] [--rows 1 4]
 
 For each shape and tile config: the time of one launch inside a CUDA graph of 20 launches (the launch gap
-included, as in a decode step), and the bandwidth that implies. Also the time of an empty kernel in a graph (the
-per-launch floor). The JSON lists every config and the best per shape, to set the heuristics in
-layers/linear_triton.py and layers/moe_small_triton.py.
+included, as in a decode step), and the bandwidth that implies. The launches cycle through enough weight copies
+(dense) or expert choices (MoE) to read > 2x the L2 cache per cycle, so a small weight is timed from memory, as in
+a decode step, not from L2 (sweeps before 2026-11-30 lacked this and flattered shapes under ~50 MB). Also the
+time of an empty kernel in a graph (the per-launch floor). The JSON lists every config and the best per shape,
+to set the heuristics in layers/linear_triton.py and layers/moe_small_triton.py.
 """
 
 from __future__ import annotations
@@ -36,14 +38,18 @@ def _empty_kernel(x_ptr):
     tl.store(x_ptr + tl.program_id(0), 1.0)
 
 
-def graph_time(fn, launches: int = 20, reps: int = 10) -> float:
-    """Seconds per launch of fn() replayed inside a CUDA graph of `launches` launches (median of reps)."""
-    fn()
+L2_BYTES = 50 * 2**20  # H200
+
+
+def graph_time(fn, launches: int = 20, reps: int = 10, variants: int = 1) -> float:
+    """Seconds per launch of fn(i) replayed inside a CUDA graph of `launches` launches, i cycling through
+    `variants` input sets (median of reps)."""
+    fn(0)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(launches):
-            fn()
+        for i in range(launches):
+            fn(i % variants)
     times = []
     for _ in range(reps + 2):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -56,27 +62,36 @@ def graph_time(fn, launches: int = 20, reps: int = 10) -> float:
     return t[len(t) // 2]
 
 
-def _gemv(x, w, y, bn, bk, warps, stages) -> None:
+def _copies(nbytes: int, launches: int = 20) -> int:
+    """Weight copies to cycle through so one cycle reads more than twice the L2 cache."""
+    return max(1, min(launches, -(-2 * L2_BYTES // nbytes) + 1))
+
+
+def _gemv(x, ws, y, bn, bk, warps, stages, i) -> None:
+    w = ws[i]
     m, k = x.shape
     n = w.shape[0]
     _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), BM=16, BN=bn, BK=bk,
                                         IEEE=False, num_warps=warps, num_stages=stages)
 
 
-def _row(x, w, y, bn, bk, warps, stages) -> None:
+def _row(x, ws, y, bn, bk, warps, stages, i) -> None:
+    w = ws[i]
     n, k = w.shape
     _gemv_row_kernel[(triton.cdiv(n, bn),)](x, w, y, n, k, w.stride(0), BN=bn, BK=bk, num_warps=warps,
                                             num_stages=stages)
 
 
-def _up(x, ids, gv, uv, sg, act, bn, bk, warps) -> None:
+def _up(x, idss, gv, uv, sg, act, bn, bk, warps, i) -> None:
     # routed pairs + one shared-expert pair per token (SH = 1), as a decode step without EP runs them
+    ids = idss[i]
     _gate_up_kernel[(act.shape[0], triton.cdiv(INTER, bn))](
         x, ids, gv, uv, sg[:INTER], sg[INTER:], act, 0, EXPERTS, H, INTER, INTER, x.stride(0), gv.stride(0),
         gv.stride(1), sg.stride(0), act.stride(0), TOPK=TOPK, SH=1, BN=bn, BK=bk, num_warps=warps)
 
 
-def _down(act, ids, tw, down, x, sd, gw, y, bn, bk, warps) -> None:
+def _down(act, idss, tw, down, x, sd, gw, y, bn, bk, warps, i) -> None:
+    ids = idss[i]
     _down_kernel[(y.shape[0], triton.cdiv(H, bn))](
         act, ids, tw, down, x, sd, gw, y, 0, EXPERTS, H, INTER, INTER, act.stride(0), down.stride(0),
         down.stride(1), x.stride(0), sd.stride(0), y.stride(0), TOPK=TOPK, SH=1, BN=bn, BK=bk, BH=2048,
@@ -87,11 +102,12 @@ def sweep_gemv(rows: int, dev: torch.device) -> list[dict]:
     out = []
     for name, n, k in DENSE:
         x = torch.randn(rows, k, dtype=torch.bfloat16, device=dev)
-        w = torch.randn(n, k, dtype=torch.bfloat16, device=dev) * k**-0.5
-        y = torch.empty(rows, n, dtype=torch.bfloat16, device=dev)
         nbytes = n * k * 2
-        res = {"shape": name, "rows": rows, "N": n, "K": k,
-               "cublas_us": round(graph_time(functools.partial(F.linear, x, w)) * 1e6, 2)}
+        ws = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) * k**-0.5 for _ in range(_copies(nbytes))]
+        y = torch.empty(rows, n, dtype=torch.bfloat16, device=dev)
+        timed = functools.partial(graph_time, variants=len(ws))
+        res = {"shape": name, "rows": rows, "N": n, "K": k, "weight_copies": len(ws),
+               "cublas_us": round(timed(lambda i, x=x, ws=ws: F.linear(x, ws[i])) * 1e6, 2)}
         kind, *cur = tiles(rows, n, k, fp32=False)
         res["current"] = {"kernel": kind, "BN": cur[0], "BK": cur[1], "warps": cur[2], "stages": cur[3]}
         cfgs = []
@@ -102,7 +118,7 @@ def sweep_gemv(rows: int, dev: torch.device) -> list[dict]:
             cfg = {"kernel": kind, "BN": bn, "BK": bk, "warps": warps, "stages": stages}
             fn = _gemv if kind == "dot" else _row
             try:
-                t = graph_time(functools.partial(fn, x, w, y, bn, bk, warps, stages))
+                t = timed(functools.partial(fn, x, ws, y, bn, bk, warps, stages))
             except Exception as e:  # a config the compiler rejects (shared memory): recorded, skipped
                 cfgs.append({**cfg, "error": str(e)[:80]})
                 continue
@@ -124,10 +140,13 @@ def sweep_experts(rows: int, dev: torch.device) -> list[dict]:
     gate_up = torch.randn(EXPERTS, 2 * INTER, H, dtype=torch.bfloat16, device=dev, generator=g) * H**-0.5
     down = torch.randn(EXPERTS, H, INTER, dtype=torch.bfloat16, device=dev, generator=g) * INTER**-0.5
     x = torch.randn(rows, H, dtype=torch.bfloat16, device=dev)
-    if rows * TOPK <= EXPERTS:  # distinct experts, as a decode step mostly sees
-        ids = torch.randperm(EXPERTS, device=dev)[: rows * TOPK].view(rows, TOPK).contiguous()
-    else:
-        ids = torch.randint(0, EXPERTS, (rows, TOPK), device=dev)
+    idss = []  # one expert choice per launch of the graph: a cycle reads far more than the L2 cache holds
+    for _ in range(20):
+        if rows * TOPK <= EXPERTS:  # distinct experts, as a decode step mostly sees
+            idss.append(torch.randperm(EXPERTS, device=dev)[: rows * TOPK].view(rows, TOPK).contiguous())
+        else:
+            idss.append(torch.randint(0, EXPERTS, (rows, TOPK), device=dev))
+    timed = functools.partial(graph_time, variants=len(idss))
     tw = torch.rand(rows, TOPK, dtype=torch.bfloat16, device=dev)
     sg = torch.randn(2 * INTER, H, dtype=torch.bfloat16, device=dev) * H**-0.5  # shared gate | up
     sd = torch.randn(H, INTER, dtype=torch.bfloat16, device=dev) * INTER**-0.5
@@ -139,10 +158,10 @@ def sweep_experts(rows: int, dev: torch.device) -> list[dict]:
     res: dict = {"rows": rows, "gate_up": [], "down": []}
     for bn, bk, warps in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4,)):
         cfg = {"BN": bn, "BK": bk, "warps": warps}
-        t = graph_time(functools.partial(_up, x, ids, gv, uv, sg, act, bn, bk, warps))
+        t = timed(functools.partial(_up, x, idss, gv, uv, sg, act, bn, bk, warps))
         res["gate_up"].append({**cfg, "us": round(t * 1e6, 2), "GBps": round(up_bytes / t / 1e9, 1)})
         if bk <= INTER:
-            t = graph_time(functools.partial(_down, act, ids, tw, down, x, sd, gw, y, bn, bk, warps))
+            t = timed(functools.partial(_down, act, idss, tw, down, x, sd, gw, y, bn, bk, warps))
             res["down"].append({**cfg, "us": round(t * 1e6, 2), "GBps": round(down_bytes / t / 1e9, 1)})
     for part in ("gate_up", "down"):
         res[f"best_{part}"] = min(res[part], key=lambda c: c["us"])
@@ -157,7 +176,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     flag = torch.zeros(1024, device=dev)
-    floor = graph_time(lambda: _empty_kernel[(1,)](flag), launches=100)
+    floor = graph_time(lambda i: _empty_kernel[(1,)](flag), launches=100)
     print(f"empty kernel in a graph: {floor * 1e6:.2f} us per launch")
     result = {"device": torch.cuda.get_device_name(), "empty_kernel_us": round(floor * 1e6, 2),
               "gemv": [r for rows in args.rows for r in sweep_gemv(rows, dev)],

@@ -164,12 +164,6 @@ class SharedWeights(NamedTuple):
     scale: torch.Tensor
 
 
-def _tiles(rows: int) -> tuple[int, int]:
-    """(gate_up BN, down BN) for `rows` (token, slot) pairs: GEMV tiles of a few weight rows over the whole input
-    dim, many programs (bandwidth-bound). From bench/kernels.py on an H200."""
-    return (8, 4) if rows <= 16 else (4, 4)
-
-
 def _experts(x: torch.Tensor, ids: torch.Tensor | None, tw: torch.Tensor | None, gate_up: torch.Tensor | None,
              down: torch.Tensor | None, start: int, shared: SharedWeights | None, out: torch.Tensor) -> torch.Tensor:
     """Both launches. x: [T, H]; ids, tw: [T, k] or None (shared expert alone, added to `out`'s routed input);
@@ -189,7 +183,7 @@ def _experts(x: torch.Tensor, ids: torch.Tensor | None, tw: torch.Tensor | None,
     width = max(inter if topk else 0, inter_sh)
     pairs = t * (topk + sh)
     act = torch.empty(pairs, width, dtype=x.dtype, device=x.device)
-    bn_up, bn_down = _tiles(pairs)
+    bn_up = bn_down = 4  # GEMV tiles: 4 weight rows over the whole input dim a program (bench/kernels.py, H200)
     _gate_up_kernel[(pairs, triton.cdiv(width, bn_up))](
         x, ids, gate_up[:, :inter], gate_up[:, inter:], sg, su, act, start, e, h, inter, inter_sh,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), sg.stride(0), act.stride(0),
