@@ -2,9 +2,10 @@
 handle), plus the per-step cost of the DPMeta gather and of a dummy forward measured inside the ranks.
 
     python bench/dp.py [--out bench/results/dp.json] [--requests 64] [--k 0] [--device cpu|cuda]
-                       [--max-num-seqs 64]
+                       [--max-num-seqs 64] [--repeats 1]
 
-On GPUs each rank gets its own GPU (STRICT_PACK), bf16, CUDA graphs on.
+On GPUs each rank gets its own GPU (STRICT_PACK), bf16, CUDA graphs on. --repeats N times the workload N times on
+the same group (after one warm-up) and reports every run and the median: one run of a few seconds is noisy.
 
 Note: on a 2-core machine dp = 2 puts one rank on each core; the driver and Ray share them.
 """
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -23,7 +25,8 @@ import ray
 from mtp_ray.rl.engine import launch_engine
 
 
-def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int, device: str, max_num_seqs: int) -> dict:
+def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int, device: str, max_num_seqs: int,
+        repeats: int) -> dict:
     cfg = {"spec": {"num_speculative_tokens": k}, "parallel": {"dp": dp}, "device": device,
            "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 4096}}
     if device == "cuda":
@@ -34,9 +37,11 @@ def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int, device: str,
         # warm-up at the measured batch shape (on GPUs this captures the CUDA graphs the run replays)
         ray.get([h.generate.remote(p, {**params, "max_tokens": 4}) for p in prompts])
         before = ray.get(h.get_stats.remote())["ranks"]
-        t0 = time.perf_counter()
-        outs = ray.get([h.generate.remote(p, params) for p in prompts])
-        dt = time.perf_counter() - t0
+        seconds = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            outs = ray.get([h.generate.remote(p, params) for p in prompts])
+            seconds.append(time.perf_counter() - t0)
         after = ray.get(h.get_stats.remote())["ranks"]
         # one lone request: every other rank runs dummy forwards alongside it
         ray.get(h.generate.remote(prompts[1], params))
@@ -51,10 +56,11 @@ def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int, device: str,
     gathers, forwards = delta("gathers"), delta("forwards") - delta("dummy_forwards")
     dummies = sum(a["dummy_forwards"] - b["dummy_forwards"] for a, b in zip(lone, after))
     dummy_s = sum(a["dummy_forward_s"] - b["dummy_forward_s"] for a, b in zip(lone, after))
+    per_run = [round(toks / t, 1) for t in seconds]
     return {
-        "dp": dp, "k": k, "requests": len(prompts), "generated_tokens": toks, "seconds": round(dt, 3),
-        "tokens_per_s": round(toks / dt, 1),
-        "gathers_per_rank": gathers / dp,
+        "dp": dp, "k": k, "requests": len(prompts), "generated_tokens": toks, "seconds": [round(t, 3) for t in seconds],
+        "tokens_per_s": statistics.median(per_run), "tokens_per_s_runs": per_run,
+        "gathers_per_rank": gathers / dp / repeats,
         # wall time inside DPMeta.gather, including waiting for the slowest rank to arrive
         "gather_us": round(1e6 * delta("gather_s") / gathers, 1) if gathers else None,
         "real_forward_ms": round(1e3 * delta("forward_s") / forwards, 3) if forwards else None,
@@ -71,6 +77,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if args.device == "cuda":
@@ -80,11 +87,14 @@ def main() -> None:
     else:
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     prompts = [[(7 * i + j) % 2000 + 3 for j in range(32)] for i in range(args.requests)]
-    rows = [run(dp, args.k, prompts, args.max_tokens, args.device, args.max_num_seqs) for dp in (1, 2)]
+    rows = [run(dp, args.k, prompts, args.max_tokens, args.device, args.max_num_seqs, args.repeats) for dp in (1, 2)]
     result = {"machine": f"{platform.machine()} {os.cpu_count()} cores, device {args.device}", "workload": {
         "requests": args.requests, "prompt_tokens": 32, "max_tokens": args.max_tokens, "k": args.k,
-        "max_num_seqs_per_rank": args.max_num_seqs},
-        "runs": rows, "dp2_over_dp1_throughput": round(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"], 3)}
+        "max_num_seqs_per_rank": args.max_num_seqs, "repeats": args.repeats},
+        # medians of the repeats; and the ratio of each repeat pair, to show the spread
+        "runs": rows, "dp2_over_dp1_throughput": round(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"], 3),
+        "dp2_over_dp1_runs": [round(b / a, 3) for a, b in zip(rows[0]["tokens_per_s_runs"],
+                                                                rows[1]["tokens_per_s_runs"])]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
