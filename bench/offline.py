@@ -26,7 +26,8 @@ HELDOUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "heldout.p
 
 def prompts(tok, n: int, length: int = 48) -> list[list[int]]:
     ids = tok.encode(HELDOUT.read_text(), add_special_tokens=False)
-    return [ids[i * 200 : i * 200 + length] for i in range(n)]
+    starts = [(i * 200) % (len(ids) - length) for i in range(n)]  # wraps past ~75 prompts
+    return [ids[s : s + length] for s in starts]
 
 
 def run_hf(ps: list[list[int]], max_tokens: int, device: str, dtype: torch.dtype, batch: bool) -> dict:

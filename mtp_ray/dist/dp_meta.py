@@ -156,7 +156,12 @@ def _odd_ranks(vals: list[int]) -> list[int]:
 
 
 def gather(local: DPMeta, group, world: int, rank: int, check_collectives: bool = True) -> Gathered:
-    """One all-gather of a small int tensor on the CPU (gloo) group."""
+    """One all-gather of a small int tensor on the CPU (gloo) group; a group of one keeps its own row (no
+    collective: ~0.1-0.6 ms a step saved, the same checks)."""
+    if world == 1:
+        g = Gathered((replace(local),))
+        g.check(rank, check_collectives)
+        return g
     import torch.distributed as dist
 
     t = local.to_tensor()
