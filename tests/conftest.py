@@ -11,6 +11,20 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60 turns token auth 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
+COMPILE_CHECK = os.environ.get("KERNEL_COMPILE_CHECK") if os.environ.get("TRITON_INTERPRET") == "1" else None
+if COMPILE_CHECK:  # interpreter launches are recorded and compiled for that GPU target at the end (kernel_check.py)
+    from tests import kernel_check
+
+    kernel_check.install()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if COMPILE_CHECK:
+        lines = kernel_check.compile_all(COMPILE_CHECK)
+        print("\nkernel compile check:", *lines, sep="\n  ")
+        if any(not line.startswith("compiled") for line in lines):
+            session.exitstatus = 1
+
 
 @pytest.fixture(scope="session")
 def ray_cluster():
