@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -14,6 +13,7 @@ from mtp_ray.config.model import ModelConfig
 from mtp_ray.dist.dp_meta import DPMeta, Gathered
 from mtp_ray.engine.block_manager import BlockManager
 from mtp_ray.engine.inputs import build, build_uniform, dummy_inputs, is_uniform, target_pieces
+from mtp_ray.engine.outputs import OutputProcessor, StepOutput
 from mtp_ray.engine.request import Request, check_prompt
 from mtp_ray.engine.runner import ModelRunner
 from mtp_ray.engine.sampler import Row, logprob_info, sample_row
@@ -25,21 +25,6 @@ from mtp_ray.spec.proposer import DraftItem, MTPProposer
 from mtp_ray.spec.rejection import verify
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepOutput:
-    """What one step produced for one request (the unit streamed to clients)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[float]
-    new_top_logprobs: list[dict[int, float]]
-    finished: bool
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-    spec: dict = field(default_factory=dict)
 
 
 class EngineCore:
@@ -65,6 +50,7 @@ class EngineCore:
         self.stats = {"steps": 0, "drafted": 0, "accepted": 0, "verify_steps": 0, "aborted": 0,
                       "device_greedy_steps": 0, "uniform_steps": 0,
                       "mixed_batch_steps": 0}
+        self.out = OutputProcessor(self.scheduler, self.requests, self.eos_ids, self.max_model_len, self.stats)
         if cfg.scheduler.max_num_batched_tokens < 1 + self.k:
             raise ValueError(f"scheduler.max_num_batched_tokens={cfg.scheduler.max_num_batched_tokens} cannot hold "
                              f"one verify step of 1 + k = {1 + self.k} tokens")
@@ -91,7 +77,7 @@ class EngineCore:
             return None
         self.scheduler.finish(req, "abort")
         self.stats["aborted"] += 1
-        return self._output(req, [], 0)
+        return self.out.output(req, [], 0)
 
     def abort_all(self) -> int:
         """Abort every request (sleep, pause); their aborted outputs go out with the next step's messages."""
@@ -186,9 +172,9 @@ class EngineCore:
             emitted = [int(t) for t in row[: a + 1]]
             info = [(lp, {}) for lp in row[q : q + a + 1]]
             if self.k:
-                self._commit_spec(req, a, self.k)
+                self.out.commit_spec(req, a, self.k)
             req.num_computed += a + 1
-            outputs.append(self._emit(req, emitted, info))
+            outputs.append(self.out.emit(req, emitted, info))
             if self.k and not req.finished:
                 req.drafts = [int(t) for t in row[2 * q + 1 :]]
         return outputs
@@ -255,7 +241,7 @@ class EngineCore:
                 rows = [self._row(req, req.drafts[:i], out_before + i) for i in range(k + 1)]
                 emitted = verify(logits, req.drafts, req.draft_probs, rows, req.generator)
             a = len(emitted) - 1
-            self._commit_spec(req, a, k)
+            self.out.commit_spec(req, a, k)
             req.num_computed = start + a + 1
             committed = a + 1  # the draft loop's step 1 may still run over all k + 1 rows (uniform batch)
         elif s.completes_prefill:
@@ -274,66 +260,12 @@ class EngineCore:
             info = [(g_lp[i], {}) for i in range(len(emitted))]
         else:
             info = [logprob_info(logprobs[i], t, req.params.logprobs) for i, t in enumerate(emitted)]
-        out = self._emit(req, emitted, info)
+        out = self.out.emit(req, emitted, info)
         item = DraftItem(req, start, hidden, True, index, committed) if self.k and not req.finished else None
         return out, item
-
-    def _emit(self, req: Request, emitted: list[int], info: list[tuple[float, dict[int, float]]]) -> StepOutput:
-        """The tokens a step produced for one request (drafts used up): appended until a stop, as one output."""
-        req.drafts, req.draft_probs = [], None
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        n = self._append(req, emitted, info)
-        return self._output(req, emitted[:n], n)
-
-    def _commit_spec(self, req: Request, accepted: int, k: int) -> None:
-        """GDN rollback: the state after token `accepted` of the verify becomes the sequence's state."""
-        self.stats["verify_steps"] += 1
-        self.stats["drafted"] += k
-        self.stats["accepted"] += accepted
-        req.num_verify_steps += 1
-        req.num_drafted += k
-        req.num_accepted += accepted
-        if len(req.accepted_per_pos) < k:
-            req.accepted_per_pos += [0] * (k - len(req.accepted_per_pos))
-        for i in range(accepted):
-            req.accepted_per_pos[i] += 1
-        slots = req.state_slots
-        slots[0], slots[1 + accepted] = slots[1 + accepted], slots[0]
 
     def _row(self, req: Request, extra: list[int], num_output: int) -> Row:
         p = req.params
         stop = (() if p.ignore_eos else self.eos_ids) + tuple(p.stop_token_ids)
         history = req.all_ids + extra if p.repetition_penalty != 1.0 else []
         return Row(p, history, num_output, stop)
-
-    def _append(self, req: Request, tokens: list[int], info: list[tuple[float, dict[int, float]]]) -> int:
-        """Append emitted tokens (with their (logprob, top logprobs)) until a stop condition; returns how many
-        were kept."""
-        p = req.params
-        for i, t in enumerate(tokens):
-            req.output_ids.append(t)
-            lp, top = info[i]
-            req.output_logprobs.append(lp)
-            req.top_logprobs.append(top)
-            reason = None
-            if (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
-                reason, req.stop_reason = "stop", t
-            elif p.max_tokens is not None and len(req.output_ids) >= p.max_tokens:
-                reason = "length"
-            elif req.num_tokens >= self.max_model_len:
-                reason = "length"
-            if reason:
-                self.scheduler.finish(req, reason)
-                self.requests.pop(req.request_id, None)
-                return i + 1
-        return len(tokens)
-
-    def _output(self, req: Request, new: list[int], n: int) -> StepOutput:
-        return StepOutput(
-            request_id=req.request_id, new_token_ids=list(new),
-            new_logprobs=req.output_logprobs[len(req.output_logprobs) - n:] if n else [],
-            new_top_logprobs=req.top_logprobs[len(req.top_logprobs) - n:] if n else [],
-            finished=req.finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-            num_prompt_tokens=len(req.prompt_ids), spec=req.spec_stats() if req.finished else {},
-        )

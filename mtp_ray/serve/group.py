@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mtp_ray.config.engine import EngineConfig
 from mtp_ray.config.model import ModelConfig
-from mtp_ray.engine.loop import StepOutput
+from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.request import check_prompt
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.serve.group_commands import GroupCommands

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgpack
 
-from mtp_ray.engine.loop import StepOutput
+from mtp_ray.engine.outputs import StepOutput
 
 VERSION = 1
 

@@ -23,7 +23,8 @@ from mtp_ray.config.engine import EngineConfig
 from mtp_ray.config.model import ModelConfig
 from mtp_ray.dist.context import DistContext, expert_ranges, free_port
 from mtp_ray.dist.ep import make_dispatcher
-from mtp_ray.engine.loop import EngineCore, StepOutput
+from mtp_ray.engine.loop import EngineCore
+from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.runner import resolve_device
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.engine.sync import DPSync

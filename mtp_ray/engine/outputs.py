@@ -1,0 +1,90 @@
+"""Committing a step's tokens to a request: stop conditions, acceptance statistics, the streamed StepOutput.
+
+Shared by the host path (sampling / verification on the host) and the device greedy path (acceptance on the
+device): both end in `OutputProcessor.emit` and, for a verify step, `commit_spec`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from mtp_ray.engine.request import Request
+from mtp_ray.engine.scheduler import Scheduler
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request (the unit streamed to clients)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    new_top_logprobs: list[dict[int, float]]
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    spec: dict = field(default_factory=dict)
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, requests: dict[str, Request], eos_ids: tuple[int, ...],
+                 max_model_len: int, stats: dict[str, int]):
+        self.scheduler, self.requests = scheduler, requests  # finished requests leave both
+        self.eos_ids, self.max_model_len = eos_ids, max_model_len
+        self.stats = stats  # the engine's counters (verify_steps, drafted, accepted)
+
+    def emit(self, req: Request, emitted: list[int], info: list[tuple[float, dict[int, float]]]) -> StepOutput:
+        """The tokens a step produced for one request (drafts used up): appended until a stop, as one output."""
+        req.drafts, req.draft_probs = [], None
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        n = self._append(req, emitted, info)
+        return self.output(req, emitted[:n], n)
+
+    def commit_spec(self, req: Request, accepted: int, k: int) -> None:
+        """GDN rollback: the state after token `accepted` of the verify becomes the sequence's state."""
+        self.stats["verify_steps"] += 1
+        self.stats["drafted"] += k
+        self.stats["accepted"] += accepted
+        req.num_verify_steps += 1
+        req.num_drafted += k
+        req.num_accepted += accepted
+        if len(req.accepted_per_pos) < k:
+            req.accepted_per_pos += [0] * (k - len(req.accepted_per_pos))
+        for i in range(accepted):
+            req.accepted_per_pos[i] += 1
+        slots = req.state_slots
+        slots[0], slots[1 + accepted] = slots[1 + accepted], slots[0]
+
+    def _append(self, req: Request, tokens: list[int], info: list[tuple[float, dict[int, float]]]) -> int:
+        """Append emitted tokens (with their (logprob, top logprobs)) until a stop condition; returns how many
+        were kept."""
+        p = req.params
+        for i, t in enumerate(tokens):
+            req.output_ids.append(t)
+            lp, top = info[i]
+            req.output_logprobs.append(lp)
+            req.top_logprobs.append(top)
+            reason = None
+            if (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
+                reason, req.stop_reason = "stop", t
+            elif p.max_tokens is not None and len(req.output_ids) >= p.max_tokens:
+                reason = "length"
+            elif req.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason:
+                self.scheduler.finish(req, reason)
+                self.requests.pop(req.request_id, None)
+                return i + 1
+        return len(tokens)
+
+    def output(self, req: Request, new: list[int], n: int) -> StepOutput:
+        return StepOutput(
+            request_id=req.request_id, new_token_ids=list(new),
+            new_logprobs=req.output_logprobs[len(req.output_logprobs) - n:] if n else [],
+            new_top_logprobs=req.top_logprobs[len(req.top_logprobs) - n:] if n else [],
+            finished=req.finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            num_prompt_tokens=len(req.prompt_ids), spec=req.spec_stats() if req.finished else {},
+        )
