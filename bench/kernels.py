@@ -78,8 +78,8 @@ def _gemv(x, ws, y, bn, bk, warps, stages, i) -> None:
 def _row(x, ws, y, bn, bk, warps, stages, i) -> None:
     w = ws[i]
     n, k = w.shape
-    _gemv_row_kernel[(triton.cdiv(n, bn),)](x, w, y, n, k, w.stride(0), BN=bn, BK=bk, num_warps=warps,
-                                            num_stages=stages)
+    _gemv_row_kernel[(triton.cdiv(n, bn),)](x, w, y, n, k, w.stride(0), BN=bn, BK=bk, K_TILES=triton.cdiv(k, bk),
+                                            num_warps=warps, num_stages=stages)
 
 
 def _up(x, idss, gv, uv, sg, act, bn, bk, warps, i) -> None:
@@ -87,7 +87,8 @@ def _up(x, idss, gv, uv, sg, act, bn, bk, warps, i) -> None:
     ids = idss[i]
     _gate_up_kernel[(act.shape[0], triton.cdiv(INTER, bn))](
         x, ids, gv, uv, sg[:INTER], sg[INTER:], act, 0, EXPERTS, H, INTER, INTER, x.stride(0), gv.stride(0),
-        gv.stride(1), sg.stride(0), act.stride(0), TOPK=TOPK, SH=1, BN=bn, BK=bk, num_warps=warps)
+        gv.stride(1), sg.stride(0), act.stride(0), TOPK=TOPK, SH=1, BN=bn, BK=bk, H_TILES=triton.cdiv(H, bk),
+        num_warps=warps)
 
 
 def _down(act, idss, tw, down, x, sd, gw, y, bn, bk, warps, i) -> None:
@@ -95,7 +96,7 @@ def _down(act, idss, tw, down, x, sd, gw, y, bn, bk, warps, i) -> None:
     _down_kernel[(y.shape[0], triton.cdiv(H, bn))](
         act, ids, tw, down, x, sd, gw, y, 0, EXPERTS, H, INTER, INTER, act.stride(0), down.stride(0),
         down.stride(1), x.stride(0), sd.stride(0), y.stride(0), TOPK=TOPK, SH=1, BN=bn, BK=bk, BH=2048,
-        num_warps=warps)
+        I_TILES=triton.cdiv(INTER, bk), H_TILES=triton.cdiv(H, 2048), num_warps=warps)
 
 
 def sweep_gemv(rows: int, dev: torch.device) -> list[dict]:

@@ -36,12 +36,13 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
 
 
 @triton.jit
-def _gemv_row_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BN: tl.constexpr, BK: tl.constexpr):
+def _gemv_row_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BN: tl.constexpr, BK: tl.constexpr,
+                     K_TILES: tl.constexpr):
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nm = n < N
     acc = tl.zeros([BN, BK], tl.float32)  # lane-wise partial sums, reduced once at the end
-    for k0 in range(0, K, BK):
-        kk = k0 + tl.arange(0, BK)
+    for i in tl.static_range(K_TILES):  # unrolled: every tile's weight load in flight at once (no pipeliner here)
+        kk = i * BK + tl.arange(0, BK)
         km = kk < K
         x = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=nm[:, None] & km[None, :],
@@ -73,8 +74,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[str, int, int, int, 
     kind, bn, bk, warps, stages = tile or tiles(m, n, k, ieee)
     if kind == "row":
         assert m == 1 and not ieee
-        _gemv_row_kernel[(triton.cdiv(n, bn),)](x, w, y, n, k, w.stride(0), BN=bn, BK=bk, num_warps=warps,
-                                                num_stages=stages)
+        _gemv_row_kernel[(triton.cdiv(n, bn),)](x, w, y, n, k, w.stride(0), BN=bn, BK=bk, K_TILES=triton.cdiv(k, bk),
+                                                num_warps=warps, num_stages=stages)
     else:
         _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
                                             BM=16, BN=bn, BK=bk, IEEE=ieee, num_warps=warps, num_stages=stages)

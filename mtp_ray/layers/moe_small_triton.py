@@ -60,7 +60,8 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch
 @triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, g_ptr, u_ptr, sg_ptr, su_ptr, act_ptr, start, E_LOCAL, H, INTER, INTER_SH,
                     stride_x, stride_we, stride_wn, stride_swn, stride_a,
-                    TOPK: tl.constexpr, SH: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    TOPK: tl.constexpr, SH: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    H_TILES: tl.constexpr):
     """act[p] = silu(x[t] @ G.T) * (x[t] @ U.T) for pair p = t * (TOPK + SH) + j: slot j < TOPK is the token's
     local routed expert ids[t, j] (G, U: [E, I, H] views; a foreign expert's row is skipped), slot TOPK (SH = 1)
     the shared expert (SG, SU: [I_sh, H]). TOPK = 0, SH = 1: the shared expert alone."""
@@ -87,8 +88,8 @@ def _gate_up_kernel(x_ptr, ids_ptr, g_ptr, u_ptr, sg_ptr, su_ptr, act_ptr, start
         acc_g = tl.zeros([BN], tl.float32)
         acc_u = tl.zeros([BN], tl.float32)
         off = n[:, None].to(tl.int64) * stride_n
-        for k0 in range(0, H, BK):
-            kk = k0 + tl.arange(0, BK)
+        for i in tl.static_range(H_TILES):  # unrolled (a static tile count): every tile's loads in flight at once
+            kk = i * BK + tl.arange(0, BK)
             km = kk < H
             x = tl.load(x_ptr + t * stride_x + kk, mask=km, other=0.0).to(tl.float32)
             m2 = nm[:, None] & km[None, :]
@@ -103,7 +104,8 @@ def _gate_up_kernel(x_ptr, ids_ptr, g_ptr, u_ptr, sg_ptr, su_ptr, act_ptr, start
 @triton.jit
 def _down_kernel(act_ptr, ids_ptr, tw_ptr, w_ptr, x_ptr, sw_ptr, gw_ptr, out_ptr, start, E_LOCAL, H, INTER, INTER_SH,
                  stride_a, stride_we, stride_wn, stride_x, stride_swn, stride_o,
-                 TOPK: tl.constexpr, SH: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr):
+                 TOPK: tl.constexpr, SH: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
+                 I_TILES: tl.constexpr, H_TILES: tl.constexpr):
     """out[t] = sum_j w[t, j] * (act[t, j] @ D[e].T) over the local routed slots (fp32 sum in slot order, one
     rounding); SH = 1 adds sigmoid(x[t] @ gw) * (act[t, TOPK] @ SD.T), each step rounded as SparseMoE.forward
     rounds it."""
@@ -112,7 +114,8 @@ def _down_kernel(act_ptr, ids_ptr, tw_ptr, w_ptr, x_ptr, sw_ptr, gw_ptr, out_ptr
     nm = n < H
     dt = out_ptr.dtype.element_ty
     total = tl.zeros([BN], tl.float32)
-    # straight-line over the slots (foreign experts masked, not branched): all TOPK tiles can be in flight
+    # straight-line over the slots and tiles (static counts; foreign experts masked, not branched): every weight
+    # tile's load can be in flight at once, instead of one round trip to memory per slot
     for j in tl.static_range(TOPK):
         p = t * (TOPK + SH) + j
         e = tl.load(ids_ptr + t * TOPK + j) - start
@@ -120,8 +123,8 @@ def _down_kernel(act_ptr, ids_ptr, tw_ptr, w_ptr, x_ptr, sw_ptr, gw_ptr, out_ptr
         e = tl.where(valid, e, 0)
         lim = tl.where(valid, INTER, 0)  # a foreign expert's loads are all masked off
         acc = tl.zeros([BN], tl.float32)
-        for k0 in range(0, INTER, BK):
-            kk = k0 + tl.arange(0, BK)
+        for i in tl.static_range(I_TILES):
+            kk = i * BK + tl.arange(0, BK)
             km = kk < lim
             a = tl.load(act_ptr + p * stride_a + kk, mask=km, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + e * stride_we + n[:, None].to(tl.int64) * stride_wn + kk[None, :],
@@ -132,16 +135,16 @@ def _down_kernel(act_ptr, ids_ptr, tw_ptr, w_ptr, x_ptr, sw_ptr, gw_ptr, out_ptr
     if SH:
         p = t * (TOPK + SH) + TOPK
         acc = tl.zeros([BN], tl.float32)
-        for k0 in range(0, INTER_SH, BK):
-            kk = k0 + tl.arange(0, BK)
+        for i in tl.static_range(I_TILES):
+            kk = i * BK + tl.arange(0, BK)
             km = kk < INTER_SH
             a = tl.load(act_ptr + p * stride_a + kk, mask=km, other=0.0).to(tl.float32)
             w = tl.load(sw_ptr + n[:, None].to(tl.int64) * stride_swn + kk[None, :], mask=nm[:, None] & km[None, :],
                         other=0.0)
             acc += tl.sum(w.to(tl.float32) * a[None, :], 1)
         gacc = tl.zeros([BH], tl.float32)
-        for h0 in range(0, H, BH):  # the shared-expert gate: one dot product per token
-            hh = h0 + tl.arange(0, BH)
+        for i in tl.static_range(H_TILES):  # the shared-expert gate: one dot product per token
+            hh = i * BH + tl.arange(0, BH)
             hm = hh < H
             gacc += tl.load(x_ptr + t * stride_x + hh, mask=hm, other=0.0).to(tl.float32) * \
                 tl.load(gw_ptr + hh, mask=hm, other=0.0).to(tl.float32)
@@ -184,16 +187,18 @@ def _experts(x: torch.Tensor, ids: torch.Tensor | None, tw: torch.Tensor | None,
     pairs = t * (topk + sh)
     act = torch.empty(pairs, width, dtype=x.dtype, device=x.device)
     bn_up = bn_down = 4  # GEMV tiles: 4 weight rows over the whole input dim a program (bench/kernels.py, H200)
+    bk_up = min(triton.next_power_of_2(h), 2048)
     _gate_up_kernel[(pairs, triton.cdiv(width, bn_up))](
         x, ids, gate_up[:, :inter], gate_up[:, inter:], sg, su, act, start, e, h, inter, inter_sh,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), sg.stride(0), act.stride(0),
-        TOPK=topk, SH=sh, BN=bn_up, BK=min(triton.next_power_of_2(h), 2048), num_warps=4,
+        TOPK=topk, SH=sh, BN=bn_up, BK=bk_up, H_TILES=triton.cdiv(h, bk_up), num_warps=4,
     )
+    bk_down, bh = min(triton.next_power_of_2(max(width, 16)), 512), min(triton.next_power_of_2(h), 2048)
     _down_kernel[(t, triton.cdiv(h, bn_down))](
         act, ids, tw, down, x, sd, gw, out, start, e, h, inter, inter_sh,
         act.stride(0), down.stride(0), down.stride(1), x.stride(0), sd.stride(0), out.stride(0),
-        TOPK=topk, SH=sh, BN=bn_down, BK=min(triton.next_power_of_2(max(width, 16)), 512),
-        BH=min(triton.next_power_of_2(h), 2048), num_warps=4,
+        TOPK=topk, SH=sh, BN=bn_down, BK=bk_down, BH=bh, I_TILES=triton.cdiv(width, bk_down),
+        H_TILES=triton.cdiv(h, bh), num_warps=4,
     )
     return out
 
