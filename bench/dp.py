@@ -54,6 +54,7 @@ def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int, device: str,
         return sum(a.get(key, 0) - b.get(key, 0) for a, b in zip(after, before))
 
     gathers, forwards = delta("gathers"), delta("forwards") - delta("dummy_forwards")
+    steps = delta("steps")  # per rank, steps that ran a forward (real or dummy), summed over ranks
     dummies = sum(a["dummy_forwards"] - b["dummy_forwards"] for a, b in zip(lone, after))
     dummy_s = sum(a["dummy_forward_s"] - b["dummy_forward_s"] for a, b in zip(lone, after))
     per_run = [round(toks / t, 1) for t in seconds]
@@ -64,6 +65,13 @@ def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int, device: str,
         # wall time inside DPMeta.gather, including waiting for the slowest rank to arrive
         "gather_us": round(1e6 * delta("gather_s") / gathers, 1) if gathers else None,
         "real_forward_ms": round(1e3 * delta("forward_s") / forwards, 3) if forwards else None,
+        # one step on one rank, split: wall = host work + DPMeta gathers (waits included) + forwards (launch, or
+        # the whole forward where the host waits for the device)
+        "step_ms": round(1e3 * delta("step_s") / steps, 3) if steps else None,
+        "step_gather_ms": round(1e3 * delta("gather_s") / steps, 3) if steps else None,
+        "step_forward_ms": round(1e3 * (delta("forward_s") + delta("dummy_forward_s")) / steps, 3) if steps else None,
+        "step_host_ms": round(1e3 * (delta("step_s") - delta("gather_s") - delta("forward_s")
+                                     - delta("dummy_forward_s")) / steps, 3) if steps else None,
         "lone_request_dummy_forwards": dummies,
         "dummy_forward_ms": round(1e3 * dummy_s / dummies, 3) if dummies else None,
     }

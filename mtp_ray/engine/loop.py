@@ -49,7 +49,8 @@ class EngineCore:
         self._seeds = itertools.count(cfg.seed * 1_000_003 + 1)
         self.stats = {"steps": 0, "drafted": 0, "accepted": 0, "verify_steps": 0, "aborted": 0,
                       "device_greedy_steps": 0, "uniform_steps": 0,
-                      "mixed_batch_steps": 0}
+                      "mixed_batch_steps": 0,
+                      "step_s": 0.0}  # wall time of the steps that ran a forward, host work included
         self.out = OutputProcessor(self.scheduler, self.requests, self.eos_ids, self.max_model_len, self.stats)
         if cfg.scheduler.max_num_batched_tokens < 1 + self.k:
             raise ValueError(f"scheduler.max_num_batched_tokens={cfg.scheduler.max_num_batched_tokens} cannot hold "
@@ -91,7 +92,11 @@ class EngineCore:
     # ---- one step ----
     def step(self) -> list[StepOutput]:
         early, self.pending_outputs = self.pending_outputs, []
-        return early + self._step()
+        steps, t0 = self.stats["steps"], time.perf_counter()
+        out = self._step()
+        if self.stats["steps"] > steps:
+            self.stats["step_s"] += time.perf_counter() - t0
+        return early + out
 
     def _step(self) -> list[StepOutput]:
         sched = self.scheduler.schedule(self.sync.prefill_turn() if self.scheduler.split else None)
