@@ -3,9 +3,10 @@ transformers `generate` (batch 1 and all prompts in one batch) vs mtp-ray, and m
 (acceptance length, speed ratio), with CUDA graphs on and off on a GPU.
 
     python bench/offline.py [--out bench/results/offline.json] [--max-tokens 64] [--prompts 8] [--threads 2]
-                            [--device cpu|cuda] [--dtype float32|bfloat16]
+                            [--device cpu|cuda] [--dtype float32|bfloat16] [--repeats 1]
 
-Greedy decoding, fp32 on the CPU by default. Tokens/s counts generated tokens over wall time (prefill included).
+Greedy decoding, fp32 on the CPU by default. Tokens/s counts generated tokens over wall time (prefill included);
+with --repeats N every timed row runs N times and reports the median (and every run's figure).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -30,25 +32,29 @@ def prompts(tok, n: int, length: int = 48) -> list[list[int]]:
     return [ids[s : s + length] for s in starts]
 
 
-def run_hf(ps: list[list[int]], max_tokens: int, device: str, dtype: torch.dtype, batch: bool) -> dict:
+def run_hf(ps: list[list[int]], max_tokens: int, device: str, dtype: torch.dtype, batch: bool, repeats: int = 1
+           ) -> dict:
     from transformers import Qwen3_5MoeForCausalLM
 
     model = Qwen3_5MoeForCausalLM.from_pretrained(BUNDLED_MODEL, dtype=dtype).eval().to(device)
     kw = {"max_new_tokens": max_tokens, "min_new_tokens": max_tokens, "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
         model.generate(torch.tensor([ps[0]], device=device), **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
-        _sync(device)
-        t0 = time.perf_counter()
-        if batch:  # equal-length prompts: one batch, no padding
-            o = model.generate(torch.tensor(ps, device=device), **kw)
-            outs = [r[len(ps[0]):].tolist() for r in o]
-        else:  # batch 1, as a user of generate() would for unequal prompts
-            outs = [model.generate(torch.tensor([p], device=device), **kw)[0, len(p):].tolist() for p in ps]
-        _sync(device)
-    dt = time.perf_counter() - t0
+        times = []
+        for _ in range(repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            if batch:  # equal-length prompts: one batch, no padding
+                o = model.generate(torch.tensor(ps, device=device), **kw)
+                outs = [r[len(ps[0]):].tolist() for r in o]
+            else:  # batch 1, as a user of generate() would for unequal prompts
+                outs = [model.generate(torch.tensor([p], device=device), **kw)[0, len(p):].tolist() for p in ps]
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+    dt = statistics.median(times)
     n = sum(len(o) for o in outs)
     return {"batch": len(ps) if batch else 1, "tokens": n, "seconds": round(dt, 3), "tokens_per_s": round(n / dt, 1),
-            "outputs": outs}
+            "tokens_per_s_runs": [round(n / t, 1) for t in times], "outputs": outs}
 
 
 def _sync(device: str) -> None:
@@ -57,22 +63,26 @@ def _sync(device: str) -> None:
 
 
 def run_ours(ps: list[list[int]], max_tokens: int, k: int, batch: bool, device: str, dtype: str,
-             graphs: bool = True) -> dict:
+             graphs: bool = True, repeats: int = 1) -> dict:
     llm = LLM(num_speculative_tokens=k, max_num_seqs=len(ps), device=device, dtype=dtype, cuda_graphs=graphs)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(ps[:1], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     if batch:
         llm.generate(ps, SamplingParams(temperature=0, max_tokens=4))  # warm-up (graph capture of this size)
     st0 = dict(llm.engine.stats)
-    t0 = time.perf_counter()
-    outs = llm.generate(ps, sp) if batch else [llm.generate([p], sp)[0] for p in ps]
-    dt = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = llm.generate(ps, sp) if batch else [llm.generate([p], sp)[0] for p in ps]
+        times.append(time.perf_counter() - t0)
+    dt = statistics.median(times)
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     st = {key: llm.engine.stats[key] - st0[key] for key in ("accepted", "verify_steps")}
     on_gpu = device.startswith("cuda")
-    decode = None if batch else decode_rate(llm, ps, sp)
+    decode = None if batch else statistics.median(decode_rate(llm, ps, sp) for _ in range(repeats))
     return {"k": k, "batch": len(ps) if batch else 1, "cuda_graphs": graphs and on_gpu, "tokens": n,
-            "seconds": round(dt, 3), "tokens_per_s": round(n / dt, 1), "decode_tokens_per_s": decode,
+            "seconds": round(dt, 3), "tokens_per_s": round(n / dt, 1),
+            "tokens_per_s_runs": [round(n / t, 1) for t in times], "decode_tokens_per_s": decode,
             "mean_acceptance_length": round(1 + st["accepted"] / st["verify_steps"], 3) if st["verify_steps"] else 1.0,
             "outputs": [o.outputs[0].token_ids for o in outs]}
 
@@ -102,15 +112,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per row; the median is reported")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tok = LLM(max_num_seqs=1, device="cpu").tokenizer
     ps = prompts(tok, args.prompts)
     tdtype = getattr(torch, args.dtype)
-    hf1 = run_hf(ps, args.max_tokens, args.device, tdtype, batch=False)
-    hfb = run_hf(ps, args.max_tokens, args.device, tdtype, batch=True)
-    rows = [run_ours(ps, args.max_tokens, k, False, args.device, args.dtype) for k in range(4)]
-    rows += [run_ours(ps, args.max_tokens, k, True, args.device, args.dtype) for k in (0, 3)]
+    rp = args.repeats
+    hf1 = run_hf(ps, args.max_tokens, args.device, tdtype, batch=False, repeats=rp)
+    hfb = run_hf(ps, args.max_tokens, args.device, tdtype, batch=True, repeats=rp)
+    rows = [run_ours(ps, args.max_tokens, k, False, args.device, args.dtype, repeats=rp) for k in range(4)]
+    rows += [run_ours(ps, args.max_tokens, k, True, args.device, args.dtype, repeats=rp) for k in (0, 3)]
     if args.device.startswith("cuda"):
         rows += [run_ours(ps, args.max_tokens, k, b, args.device, args.dtype, graphs=False)
                  for k in (0, 3) for b in (False, True)]
@@ -133,7 +145,8 @@ def main() -> None:
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}"
                    + (f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""),
         "model": f"bundled tiny-qwen35-mtp ({args.dtype}, {args.device})", "prompts": args.prompts,
-        "prompt_tokens": 48, "max_tokens": args.max_tokens, "transformers_generate": [hf1, hfb], "mtp_ray": rows,
+        "prompt_tokens": 48, "max_tokens": args.max_tokens, "repeats": rp,
+        "transformers_generate": [hf1, hfb], "mtp_ray": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -13,7 +13,7 @@ for stage in "$@"; do
     kernels) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -25 ;;
     tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py tests/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     decode) python3 bench/decode.py --out "$OUT/decode_h200.json" 2>&1 | tail -12 ;;
-    offline) python3 bench/offline.py --device cuda --dtype bfloat16 --prompts 32 --out "$OUT/offline_h200_bf16.json" 2>&1 | tail -16 ;;
+    offline) python3 bench/offline.py --device cuda --dtype bfloat16 --prompts 32 --repeats 3 --out "$OUT/offline_h200_bf16.json" 2>&1 | tail -16 ;;
     kernsweep) timeout 200 python3 bench/kernels.py --rows 1 --out "$OUT/kernels_h200.json" 2>&1 | tail -30 ;;
     profile) python3 bench/profile_step.py --device cuda --out "$OUT/profile_step_h200.json" 2>&1 | grep -v USDT | tail -50 ;;
     offline32) python3 bench/offline.py --device cuda --dtype float32 --prompts 8 --out "$OUT/offline_h200_fp32.json" 2>&1 | tail -16 ;;
