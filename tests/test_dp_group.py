@@ -200,3 +200,40 @@ def test_injected_local_ep_decision_is_named_not_hung(ray_cluster):
     with pytest.raises(Exception, match="rank 1 used"):
         launch_engine(cfg(3, 1, parallel={"inject_ep_flip_rank": 1}, timeouts={"collective_s": 10}))
     assert time.monotonic() - t0 < 60
+
+
+def test_command_queued_during_a_waves_last_step_still_runs():
+    """A group command that arrives after the wave's last DPMeta was gathered (so the table shows no command and
+    the wave ends) starts the next wave; it used to wait forever (seen as a rare hang of sleep / wake_up)."""
+    import threading
+
+    from mtp_ray.config.engine import EngineConfig
+    from mtp_ray.dist.context import free_port
+    from mtp_ray.serve.worker import RankWorker
+
+    w = RankWorker(EngineConfig.from_dict(cfg(1, 0)), 0, 1)
+    w.init("127.0.0.1", free_port(), [None])
+    try:
+        step, result = w.core.step, {}
+
+        def racing_step():
+            outs = step()  # this step's DPMeta is gathered: any command queued now is not in its table
+            table = w.core.sync.step_table
+            if table is not None and table.all_dummy and not table.any_unfinished and "started" not in result:
+                result["started"] = True
+                t = threading.Thread(target=lambda: result.update(out=w.command(1, "update_weights", ({},))),
+                                     daemon=True)
+                t.start()
+                while not w.cmds:
+                    time.sleep(0.001)
+            return outs
+
+        w.core.step = racing_step
+        w.add("r0", [5, 6, 7], {"temperature": 0, "max_tokens": 2})
+        deadline = time.monotonic() + 30
+        while "out" not in result and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "out" in result, f"the command never ran (wave {w.wave}, start_wanted {w.start_wanted})"
+    finally:
+        w.shutdown()
+        w.ctx.shutdown()

@@ -106,6 +106,8 @@ class RankWorker:
         while not done.wait(1.0):
             if self.error:
                 raise RuntimeError(self.error)
+            if self.stopped:
+                raise RuntimeError(f"rank {self.rank} stopped before running command {name}")
         if "error" in box:
             raise box["error"]
         return box["result"]
@@ -168,7 +170,9 @@ class RankWorker:
                     self.running = False
                     self.wave += 1
                     sync.counters["waves"] += 1
-                    if not self.inbox.empty() or core.has_unfinished():
+                    # work that arrived during the wave's last step (after its DPMeta was gathered) starts the next
+                    # wave: requests in the inbox, and group commands (a command queued then would wait forever)
+                    if not self.inbox.empty() or core.has_unfinished() or self.cmds:
                         self.start_wanted = max(self.start_wanted, self.wave)
         except Exception as e:  # a collective failed or timed out, or a lock-step check fired
             last = sync.last.describe() if sync.last is not None else "  (none)"
