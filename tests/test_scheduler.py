@@ -190,3 +190,45 @@ def run_step_turn(s: Scheduler, turn: bool) -> list:
         if done:
             sc.req.output_ids.append(7)
     return out
+
+
+def test_uniform_inputs_are_views_of_one_packed_tensor():
+    """build_uniform packs a graph step's inputs in uniform_layout order (one host -> device transfer), padded
+    rows zero, snapshot slots present on graph steps."""
+    import dataclasses
+
+    import torch
+
+    from mtp_ray.engine.inputs import build_uniform, target_pieces, uniform_layout, unpack
+
+    s = make(k=2)
+    for i in range(3):
+        s.add(req(i, 5 + i))
+    while any(r.num_computed < len(r.prompt_ids) for r in s.running) or len(s.running) < 3:
+        run_step(s)
+    for r in s.running:
+        r.drafts = [11, 12]
+    sched = s.schedule()
+    assert sched and all(sc.verify for sc in sched)
+    pieces = target_pieces(sched)
+    inp = build_uniform(pieces, s.blocks, 3, size=4, width=6)
+    lay = uniform_layout(4, 3, 6, spec=True)
+    assert inp.packed is not None and inp.packed.numel() == lay["total"][0]
+    v = unpack(inp.packed, lay)
+    u = inp.batch.uniform
+    assert u is not None and u.spec_slots is not None
+    for name, t in [("ids", inp.input_ids), ("pos", inp.positions), ("slots", inp.batch.slot_mapping),
+                    ("tables", inp.batch.block_tables), ("ctx", u.context_lens), ("state", u.state_slots),
+                    ("spec", u.spec_slots)]:
+        assert t.data_ptr() == v[name].data_ptr() and torch.equal(t, v[name]), name
+    n = len(pieces)
+    assert inp.input_ids[: 3 * n].tolist() == [x for p in pieces for x in p.tokens]
+    assert inp.input_ids[3 * n :].eq(0).all() and u.context_lens[n:].eq(0).all() and u.spec_slots[n:].eq(0).all()
+    assert u.spec_slots[:n].tolist() == [p.spec_slots for p in pieces]
+    # an eager uniform batch (no size): no padding, tables as wide as the widest sequence
+    eager = build_uniform(pieces, s.blocks, 3)
+    width = max(len(p.req.block_ids) for p in pieces)
+    assert eager.packed is not None and eager.packed.numel() == uniform_layout(n, 3, width, spec=True)["total"][0]
+    # one-token decodes of a k = 0 engine carry no snapshot slots
+    plain = build_uniform([dataclasses.replace(p, tokens=p.tokens[:1], spec_slots=None) for p in pieces], s.blocks, 1)
+    assert plain.batch.uniform.spec_slots is None and plain.input_ids.tolist() == [p.tokens[0] for p in pieces]

@@ -18,6 +18,9 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     batch: ForwardBatch
     logit_rows: list[list[int]]  # per sequence: rows of the flat batch whose logits are needed
+    # uniform batches: every int field above as views of this one tensor, in `uniform_layout` order, so a graph
+    # replay copies a step's inputs to the device in one transfer
+    packed: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -63,11 +66,35 @@ def build(pieces: list[Piece], blocks: BlockManager) -> StepInputs:
     return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), batch, rows)
 
 
+UNIFORM_FIELDS = ("ids", "pos", "slots", "tables", "ctx", "state", "spec")
+
+
+def uniform_layout(b: int, q_len: int, width: int, spec: bool) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Field -> (offset, shape) of a uniform batch of b sequences packed into one int64 vector (the same layout
+    on the host and in a CUDA graph's static input buffer)."""
+    n = b * q_len
+    shapes = {"ids": (n,), "pos": (n,), "slots": (n,), "tables": (b, width), "ctx": (b,), "state": (b,),
+              "spec": (b, q_len) if spec else (0,)}
+    out, at = {}, 0
+    for name in UNIFORM_FIELDS:
+        out[name] = (at, shapes[name])
+        at += int(torch.Size(shapes[name]).numel())
+    out["total"] = (at, ())
+    return out
+
+
+def unpack(flat: torch.Tensor, layout: dict[str, tuple[int, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+    """The views of `flat` for each field of `layout`."""
+    return {name: flat[at : at + int(torch.Size(shape).numel())].view(shape)
+            for name, (at, shape) in layout.items() if name != "total"}
+
+
 def build_uniform(pieces: list[Piece], blocks: BlockManager, q_len: int, size: int | None = None,
                   width: int | None = None) -> StepInputs:
     """A uniform decode / verify batch (every piece has q_len tokens), padded to `size` sequences and block tables
     `width` wide. Padded rows feed token 0 at positions 0.. into reserved block 0 and state slot 0.
-    Built as Python lists and turned into tensors once per field: this runs every decode step."""
+    Built as one Python list and turned into one tensor (`StepInputs.packed`): this runs every decode step. With a
+    size (graph steps) and q_len > 1 the snapshot slots are always present (zeros on padded rows)."""
     size = len(pieces) if size is None else size
     assert len(pieces) <= size and all(len(p.tokens) == q_len and p.start > 0 for p in pieces)
     pad = size - len(pieces)
@@ -89,14 +116,19 @@ def build_uniform(pieces: list[Piece], blocks: BlockManager, q_len: int, size: i
     tables += [[0] * width] * pad
     ctx = [p.start for p in pieces] + [0] * pad
     state = [p.req.state_slots[0] for p in pieces] + [0] * pad
-    spec = None
-    if any(p.spec_slots for p in pieces):
-        spec = torch.tensor([p.spec_slots for p in pieces] + [[0] * q_len] * pad, dtype=torch.long)
+    has_spec = any(p.spec_slots for p in pieces) or (size is not None and q_len > 1)
+    spec: list[int] = []
+    if has_spec:
+        for p in pieces:
+            spec += p.spec_slots or [0] * q_len
+        spec += [0] * (pad * q_len)
     rows = [list(range(b * q_len, (b + 1) * q_len)) if p.logits == "all" else [b * q_len + q_len - 1]
             for b, p in enumerate(pieces)]
-    t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-    batch = ForwardBatch.decode(UniformDecode(q_len, t(ctx), t(state), spec), t(tables), t(slots))
-    return StepInputs(t(ids), t(pos), batch, rows)
+    flat = torch.tensor(ids + pos + slots + [x for row in tables for x in row] + ctx + state + spec, dtype=torch.long)
+    v = unpack(flat, uniform_layout(size, q_len, width, has_spec))
+    batch = ForwardBatch.decode(UniformDecode(q_len, v["ctx"], v["state"], v["spec"] if has_spec else None),
+                                v["tables"], v["slots"])
+    return StepInputs(v["ids"], v["pos"], batch, rows, flat)
 
 
 def is_uniform(sched: list[Scheduled], q_len: int) -> bool:

@@ -166,7 +166,6 @@ class EngineCore:
         after the target graph, one small device -> host copy (ids, log-probs, accepted count, next drafts)."""
         size = table.graph_size
         self.stats["device_greedy_steps"] += 1
-        self.runner.greedy_verify(size)
         if self.k:
             self.proposer.replay_graph(table)
         res = self.runner.greedy_results(size, with_drafts=self.k > 0)

@@ -185,14 +185,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def replay_drafts(self, next_ids: torch.Tensor | None, last: torch.Tensor | None, size: int) -> torch.Tensor:
-        """-> drafts [size, k] on the device; next_ids / last None: set on the device by greedy_verify."""
+        """-> drafts [size, k] on the device; next_ids / last None: set on the device by the target graph."""
         assert self.graphs is not None
         return self.graphs.run_drafts(next_ids, last, size)
-
-    @torch.inference_mode()
-    def greedy_verify(self, size: int) -> None:
-        assert self.graphs is not None
-        self.graphs.greedy_verify(size)
 
     @torch.inference_mode()
     def greedy_results(self, size: int, with_drafts: bool) -> list[list[float]]:

@@ -123,7 +123,7 @@ class MTPProposer:
     def replay_graph(self, table: Gathered, next_ids: torch.Tensor | None = None, last: torch.Tensor | None = None
                      ) -> torch.Tensor:
         """The draft-loop graph of the step's padded size, in lock-step with the group -> drafts [size, k] on the
-        device. next_ids / last None: greedy_verify already put them on the device."""
+        device. next_ids / last None: the target graph already put them on the device."""
         self.sync.graph_drafts(table)
         try:
             return self.runner.replay_drafts(next_ids, last, table.graph_size)
