@@ -199,7 +199,7 @@ def test_uniform_inputs_are_views_of_one_packed_tensor():
 
     import torch
 
-    from mtp_ray.engine.inputs import build_uniform, target_pieces, uniform_layout, unpack
+    from mtp_ray.engine.inputs import build_uniform, target_pieces, uniform_layout
 
     s = make(k=2)
     for i in range(3):
@@ -213,8 +213,8 @@ def test_uniform_inputs_are_views_of_one_packed_tensor():
     pieces = target_pieces(sched)
     inp = build_uniform(pieces, s.blocks, 3, size=4, width=6)
     lay = uniform_layout(4, 3, 6, spec=True)
-    assert inp.packed is not None and inp.packed.numel() == lay["total"][0]
-    v = unpack(inp.packed, lay)
+    assert inp.packed is not None and inp.packed.numel() == lay.total
+    v = lay.views(inp.packed)
     u = inp.batch.uniform
     assert u is not None and u.spec_slots is not None
     for name, t in [("ids", inp.input_ids), ("pos", inp.positions), ("slots", inp.batch.slot_mapping),
@@ -228,7 +228,7 @@ def test_uniform_inputs_are_views_of_one_packed_tensor():
     # an eager uniform batch (no size): no padding, tables as wide as the widest sequence
     eager = build_uniform(pieces, s.blocks, 3)
     width = max(len(p.req.block_ids) for p in pieces)
-    assert eager.packed is not None and eager.packed.numel() == uniform_layout(n, 3, width, spec=True)["total"][0]
+    assert eager.packed is not None and eager.packed.numel() == uniform_layout(n, 3, width, spec=True).total
     # one-token decodes of a k = 0 engine carry no snapshot slots
     plain = build_uniform([dataclasses.replace(p, tokens=p.tokens[:1], spec_slots=None) for p in pieces], s.blocks, 1)
     assert plain.batch.uniform.spec_slots is None and plain.input_ids.tolist() == [p.tokens[0] for p in pieces]

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from mtp_ray.engine.inputs import StepInputs, uniform_layout, unpack
+from mtp_ray.engine.inputs import StepInputs, UniformLayout, uniform_layout
 from mtp_ray.layers.context import ForwardBatch, UniformDecode
 from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
 
@@ -35,7 +35,7 @@ class CudaGraphs:
         max_b = max(sizes)
         z = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=device)  # noqa: E731
         # target step inputs, packed (the draft loop reads them too: same positions, slots, tables)
-        self.inputs = z(self.layout(max_b)["total"][0])
+        self.inputs = z(self.layout(max_b).total)
         # draft loop inputs: the token after each verify row, and the last committed row of each sequence
         self.next_ids, self.last = z(max_b * self.q), z(max_b)
         # size -> (graph, hidden [n, H], logits [n, V], greedy block [b, 2q (+ 1 accepted count when k)])
@@ -44,13 +44,13 @@ class CudaGraphs:
         self.draft: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pool = None
 
-    def layout(self, b: int) -> dict[str, tuple[int, tuple[int, ...]]]:
+    def layout(self, b: int) -> UniformLayout:
         return uniform_layout(b, self.q, self.width, spec=self.k > 0)
 
     def views(self, b: int) -> dict[str, torch.Tensor]:
         """The static input views the graphs of size b read (ids, pos, slots [b*q]; tables [b, W]; ctx, state
         [b]; spec [b, q] or empty)."""
-        return unpack(self.inputs, self.layout(b))
+        return self.layout(b).views(self.inputs)
 
     def reset(self) -> None:
         self.target.clear()
@@ -116,7 +116,7 @@ class CudaGraphs:
         """Replay the target graph of size b on inp (built with size b and this width) -> hidden, logits."""
         u = inp.batch.uniform
         assert u is not None and u.context_lens.shape[0] == b and inp.batch.block_tables.shape[1] == self.width
-        n, total = b * self.q, self.layout(b)["total"][0]
+        n, total = b * self.q, self.layout(b).total
         if b not in self.target:
             # capture on padded rows only (zeros: block 0, state slot 0): the eager run inside the capture must not
             # advance a real sequence's GDN state before the replay does

@@ -69,24 +69,30 @@ def build(pieces: list[Piece], blocks: BlockManager) -> StepInputs:
 UNIFORM_FIELDS = ("ids", "pos", "slots", "tables", "ctx", "state", "spec")
 
 
-def uniform_layout(b: int, q_len: int, width: int, spec: bool) -> dict[str, tuple[int, tuple[int, ...]]]:
-    """Field -> (offset, shape) of a uniform batch of b sequences packed into one int64 vector (the same layout
-    on the host and in a CUDA graph's static input buffer)."""
+@dataclass(frozen=True)
+class UniformLayout:
+    """A uniform batch packed into one int64 vector: the same layout on the host and in a CUDA graph's static
+    input buffer, so a step's inputs move in one copy."""
+
+    fields: dict[str, tuple[int, tuple[int, ...]]]  # name -> (offset, shape)
+    total: int  # elements
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: flat[at : at + int(torch.Size(shape).numel())].view(shape)
+                for name, (at, shape) in self.fields.items()}
+
+
+def uniform_layout(b: int, q_len: int, width: int, spec: bool) -> UniformLayout:
+    """b sequences of q_len tokens: ids, pos, slots [b * q_len]; tables [b, width]; ctx, state [b]; spec
+    [b, q_len] (snapshot slots of a verify batch) or empty."""
     n = b * q_len
     shapes = {"ids": (n,), "pos": (n,), "slots": (n,), "tables": (b, width), "ctx": (b,), "state": (b,),
               "spec": (b, q_len) if spec else (0,)}
-    out, at = {}, 0
+    fields, at = {}, 0
     for name in UNIFORM_FIELDS:
-        out[name] = (at, shapes[name])
+        fields[name] = (at, shapes[name])
         at += int(torch.Size(shapes[name]).numel())
-    out["total"] = (at, ())
-    return out
-
-
-def unpack(flat: torch.Tensor, layout: dict[str, tuple[int, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
-    """The views of `flat` for each field of `layout`."""
-    return {name: flat[at : at + int(torch.Size(shape).numel())].view(shape)
-            for name, (at, shape) in layout.items() if name != "total"}
+    return UniformLayout(fields, at)
 
 
 def build_uniform(pieces: list[Piece], blocks: BlockManager, q_len: int, size: int | None = None,
@@ -125,7 +131,7 @@ def build_uniform(pieces: list[Piece], blocks: BlockManager, q_len: int, size: i
     rows = [list(range(b * q_len, (b + 1) * q_len)) if p.logits == "all" else [b * q_len + q_len - 1]
             for b, p in enumerate(pieces)]
     flat = torch.tensor(ids + pos + slots + [x for row in tables for x in row] + ctx + state + spec, dtype=torch.long)
-    v = unpack(flat, uniform_layout(size, q_len, width, has_spec))
+    v = uniform_layout(size, q_len, width, has_spec).views(flat)
     batch = ForwardBatch.decode(UniformDecode(q_len, v["ctx"], v["state"], v["spec"] if has_spec else None),
                                 v["tables"], v["slots"])
     return StepInputs(v["ids"], v["pos"], batch, rows, flat)
