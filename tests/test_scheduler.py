@@ -21,9 +21,10 @@ def req(i: int, n: int) -> Request:
     return Request(str(i), list(range(1, n + 1)), SamplingParams())
 
 
-def run_step(s: Scheduler, emit: int = 1) -> list:
-    """Pretend the model ran: commit scheduled tokens; completed prefills / decodes emit one token."""
-    out = s.schedule()
+def run_step(s: Scheduler, turn: bool | None = None) -> list:
+    """Pretend the model ran: commit scheduled tokens; completed prefills / decodes emit one token. turn: the
+    split-scheduling turn a DP group agreed on (None: the scheduler alternates alone)."""
+    out = s.schedule(turn)
     for sc in out:
         if sc.verify:  # every draft rejected: the target's token is committed
             sc.req.num_computed += 1
@@ -171,25 +172,15 @@ def test_group_turn_overrides_the_local_alternation():
     run_step(s)  # prefill of request 0 (alone): it decodes from now on
     assert s.running[0].is_decode
     # a group prefill turn on a rank with no prefill work: it decodes (the group step is eager anyway)
-    assert [x.req.request_id for x in run_step_turn(s, True)] == ["0"]
+    assert [x.req.request_id for x in run_step(s, True)] == ["0"]
     s.add(req(1, 5))
     # a group decode turn: the new request waits, the decode runs (the group's decode step stays uniform)
-    assert [x.req.request_id for x in run_step_turn(s, False)] == ["0"]
-    assert [x.req.request_id for x in run_step_turn(s, True)] == ["1"]
+    assert [x.req.request_id for x in run_step(s, False)] == ["0"]
+    assert [x.req.request_id for x in run_step(s, True)] == ["1"]
     s2 = make(k=0)
     s2.split = True
     s2.add(req(2, 4))
-    assert run_step_turn(s2, False) == []  # only prefill work and a decode turn: this rank idles one step
-
-
-def run_step_turn(s: Scheduler, turn: bool) -> list:
-    out = s.schedule(turn)
-    for sc in out:
-        done = sc.completes_prefill
-        sc.req.num_computed += sc.num_new
-        if done:
-            sc.req.output_ids.append(7)
-    return out
+    assert run_step(s2, False) == []  # only prefill work and a decode turn: this rank idles one step
 
 
 def test_uniform_inputs_are_views_of_one_packed_tensor():
