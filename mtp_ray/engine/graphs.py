@@ -128,11 +128,13 @@ class CudaGraphs:
             self.inputs[:total].copy_(inp.packed, non_blocking=True)
         else:  # inputs built elsewhere (bench/decode.py): field by field
             v = self.views(b)
-            spec = u.spec_slots if u.spec_slots is not None else torch.zeros_like(v["spec"])
             for name, src in (("ids", inp.input_ids), ("pos", inp.positions), ("slots", inp.batch.slot_mapping),
-                              ("tables", inp.batch.block_tables), ("ctx", u.context_lens), ("state", u.state_slots),
-                              ("spec", spec if self.k else v["spec"])):
+                              ("tables", inp.batch.block_tables), ("ctx", u.context_lens), ("state", u.state_slots)):
                 v[name].copy_(src, non_blocking=True)
+            if u.spec_slots is not None:
+                v["spec"].copy_(u.spec_slots, non_blocking=True)
+            else:  # no snapshot slots (k = 0: an empty view; an all-padding batch: slot 0)
+                v["spec"].zero_()
         g, hidden, logits = self.target[b][:3]
         g.replay()
         return hidden, logits
