@@ -45,8 +45,8 @@ def engine_config(model: str = BUNDLED_MODEL, *, num_speculative_tokens: int = 0
         model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  split_prefill=split_prefill,
-                                  prefill_chunk=prefill_chunk, max_model_len=max_model_len),
+                                  prefill_chunk=prefill_chunk, max_model_len=max_model_len,
+                                  split_prefill=split_prefill),
         spec=SpecConfig(num_speculative_tokens=num_speculative_tokens),
         graphs=GraphConfig(enabled=cuda_graphs, sizes=graph_sizes),
     )
