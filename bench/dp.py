@@ -72,6 +72,12 @@ def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int, device: str,
         "step_forward_ms": round(1e3 * (delta("forward_s") + delta("dummy_forward_s")) / steps, 3) if steps else None,
         "step_host_ms": round(1e3 * (delta("step_s") - delta("gather_s") - delta("forward_s")
                                      - delta("dummy_forward_s")) / steps, 3) if steps else None,
+        # graph-replay steps (uniform decode / verify) vs eager steps (prefill pieces, mixed batches), per rank
+        "graph_steps_per_rank": round(delta("graph_steps") / dp / repeats, 1),
+        "graph_step_ms": round(1e3 * delta("graph_step_s") / delta("graph_steps"), 3) if delta("graph_steps") else None,
+        "eager_steps_per_rank": round((steps - delta("graph_steps")) / dp / repeats, 1),
+        "eager_step_ms": round(1e3 * (delta("step_s") - delta("graph_step_s")) / (steps - delta("graph_steps")), 3)
+        if steps > delta("graph_steps") else None,
         "lone_request_dummy_forwards": dummies,
         "dummy_forward_ms": round(1e3 * dummy_s / dummies, 3) if dummies else None,
     }

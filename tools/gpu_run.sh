@@ -16,10 +16,11 @@ for stage in "$@"; do
     offline) python3 bench/offline.py --device cuda --dtype bfloat16 --prompts 32 --repeats 3 --out "$OUT/offline_h200_bf16.json" 2>&1 | tail -16 ;;
     kernsweep) timeout 200 python3 bench/kernels.py --rows 1 --out "$OUT/kernels_h200.json" 2>&1 | tail -30 ;;
     profile) python3 bench/profile_step.py --device cuda --out "$OUT/profile_step_h200.json" 2>&1 | grep -v USDT | tail -50 ;;
+    profile128) python3 bench/profile_step.py --device cuda --batch 128 --steps 20 --out "$OUT/profile_step_h200_b128.json" 2>&1 | grep -v USDT | tail -50 ;;
     offline32) python3 bench/offline.py --device cuda --dtype float32 --prompts 8 --out "$OUT/offline_h200_fp32.json" 2>&1 | tail -16 ;;
-    dp) python3 bench/dp.py --device cuda --requests 256 --max-tokens 64 --max-num-seqs 128 --repeats 3 --out "$OUT/dp_h200x2.json" 2>&1 | grep -A3 '"dp2_over\|"tokens_per_s"' ;;
-    dpk) python3 bench/dp.py --device cuda --k 3 --requests 256 --max-tokens 64 --max-num-seqs 128 --repeats 3 --out "$OUT/dp_h200x2_k3.json" 2>&1 | grep -A3 '"dp2_over\|"tokens_per_s"' ;;
-    dpsat) python3 bench/dp.py --device cuda --requests 1024 --max-tokens 64 --max-num-seqs 512 --repeats 2 --out "$OUT/dp_h200x2_sat.json" 2>&1 | grep -A3 '"dp2_over\|"tokens_per_s"' ;;
+    dp) python3 bench/dp.py --device cuda --requests 256 --max-tokens 64 --max-num-seqs 128 --repeats 3 --out "$OUT/dp_h200x2.json" 2>&1 | grep -A3 '"dp2_over\|"tokens_per_s"\|_step_ms' ;;
+    dpk) python3 bench/dp.py --device cuda --k 3 --requests 256 --max-tokens 64 --max-num-seqs 128 --repeats 3 --out "$OUT/dp_h200x2_k3.json" 2>&1 | grep -A3 '"dp2_over\|"tokens_per_s"\|_step_ms' ;;
+    dpsat) python3 bench/dp.py --device cuda --requests 1024 --max-tokens 64 --max-num-seqs 512 --repeats 2 --out "$OUT/dp_h200x2_sat.json" 2>&1 | grep -A3 '"dp2_over\|"tokens_per_s"\|_step_ms' ;;
   esac
 done
 echo "=== end $(date +%T)"

@@ -49,8 +49,9 @@ class EngineCore:
         self._seeds = itertools.count(cfg.seed * 1_000_003 + 1)
         self.stats = {"steps": 0, "drafted": 0, "accepted": 0, "verify_steps": 0, "aborted": 0,
                       "device_greedy_steps": 0, "uniform_steps": 0,
-                      "mixed_batch_steps": 0,
-                      "step_s": 0.0}  # wall time of the steps that ran a forward, host work included
+                      "mixed_batch_steps": 0, "graph_steps": 0,
+                      "step_s": 0.0,  # wall time of the steps that ran a forward, host work included
+                      "graph_step_s": 0.0}  # the part of step_s spent in steps that replayed a CUDA graph
         self.out = OutputProcessor(self.scheduler, self.requests, self.eos_ids, self.max_model_len, self.stats)
         if cfg.scheduler.max_num_batched_tokens < 1 + self.k:
             raise ValueError(f"scheduler.max_num_batched_tokens={cfg.scheduler.max_num_batched_tokens} cannot hold "
@@ -92,10 +93,12 @@ class EngineCore:
     # ---- one step ----
     def step(self) -> list[StepOutput]:
         early, self.pending_outputs = self.pending_outputs, []
-        steps, t0 = self.stats["steps"], time.perf_counter()
+        steps, graphs, t0 = self.stats["steps"], self.stats["graph_steps"], time.perf_counter()
         out = self._step()
         if self.stats["steps"] > steps:
-            self.stats["step_s"] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.stats["step_s"] += dt
+            self.stats["graph_step_s"] += dt if self.stats["graph_steps"] > graphs else 0.0
         return early + out
 
     def _step(self) -> list[StepOutput]:
@@ -108,6 +111,7 @@ class EngineCore:
             return []  # no rank has work this step
         self.stats["steps"] += 1
         self.stats["uniform_steps"] += int(uniform)
+        self.stats["graph_steps"] += int(bool(table.graph_size))
         decodes = sum(s.req.is_decode for s in sched)
         self.stats["mixed_batch_steps"] += int(0 < decodes < len(sched))  # decodes + prefill pieces, one forward
         pieces = target_pieces(sched)
