@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mtp_ray.engine.block_manager import BlockManager
@@ -108,18 +109,19 @@ def build_uniform(pieces: list[Piece], blocks: BlockManager, q_len: int, size: i
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
-    tables: list[list[int]] = []
-    for p in pieces:
+    # the block tables dominate the packed size (size x width, width = blocks_per_seq on graph steps): a zeroed
+    # array with each live row written in place costs O(blocks in use), not O(size x width) Python ints
+    tables = np.zeros((size, width), dtype=np.int64)
+    for b, p in enumerate(pieces):
         bt = p.req.block_ids
         ids += p.tokens
         ps = range(p.start, p.start + q_len)
         pos += ps
         slots += [blocks.slot_of(p.req, x) for x in ps]
-        tables.append(bt + [0] * (width - len(bt)))
+        tables[b, : len(bt)] = bt
     ids += [0] * (pad * q_len)
     pos += list(range(q_len)) * pad
     slots += [0] * (pad * q_len)
-    tables += [[0] * width] * pad
     ctx = [p.start for p in pieces] + [0] * pad
     state = [p.req.state_slots[0] for p in pieces] + [0] * pad
     has_spec = any(p.spec_slots for p in pieces) or (size is not None and q_len > 1)
@@ -130,7 +132,8 @@ def build_uniform(pieces: list[Piece], blocks: BlockManager, q_len: int, size: i
         spec += [0] * (pad * q_len)
     rows = [list(range(b * q_len, (b + 1) * q_len)) if p.logits == "all" else [b * q_len + q_len - 1]
             for b, p in enumerate(pieces)]
-    flat = torch.tensor(ids + pos + slots + [x for row in tables for x in row] + ctx + state + spec, dtype=torch.long)
+    head, tail = np.array(ids + pos + slots, dtype=np.int64), np.array(ctx + state + spec, dtype=np.int64)
+    flat = torch.from_numpy(np.concatenate([head, tables.reshape(-1), tail]))
     v = uniform_layout(size, q_len, width, has_spec).views(flat)
     batch = ForwardBatch.decode(UniformDecode(q_len, v["ctx"], v["state"], v["spec"] if has_spec else None),
                                 v["tables"], v["slots"])
