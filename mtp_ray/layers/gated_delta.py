@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,6 +13,12 @@ from mtp_ray.layers.context import ForwardBatch
 from mtp_ray.layers.gated_delta_ops import causal_conv1d, chunk_gated_delta, l2norm, recurrent_gated_delta
 from mtp_ray.layers.linear import FusedProjections, Linear
 from mtp_ray.layers.norm import GatedRMSNorm
+
+
+def _fla() -> Callable | None:
+    from mtp_ray.layers.gated_delta_triton import fla_chunk
+
+    return fla_chunk()
 
 
 class GatedDeltaNet(nn.Module):
@@ -52,6 +60,10 @@ class GatedDeltaNet(nn.Module):
             conv = conv_decode(mixed, self.conv_state, weight, u.state_slots, u.spec_slots, u.q_len)
             core = recurrent_decode(conv, a_raw, b_raw, self.A_log, self.dt_bias, self.ssm_state, u.state_slots,
                                     u.spec_slots, u.q_len, self.hk, self.dk, x.dtype)
+        elif x.is_cuda and x.dtype != torch.float32 and batch.spec_state_slots is None and _fla() is not None:
+            from mtp_ray.layers.gated_delta_triton import chunk_varlen_fla
+
+            core = self._varlen(mixed, a_raw, b_raw, weight, batch, chunk_varlen_fla)
         else:
             beta = b_raw.float().sigmoid()  # [T, Hv]
             g = -self.A_log.float().exp() * F.softplus(a_raw.float() + self.dt_bias.float())  # [T, Hv]
@@ -98,6 +110,33 @@ class GatedDeltaNet(nn.Module):
         self.ssm_state.index_copy_(0, u.state_slots, ssm)
         self.conv_state.index_copy_(0, u.state_slots, full[:, :, -(kern - 1) :].to(cdt))
         return out.view(bsz * ql, self.hv, self.dv)
+
+    def _varlen(self, mixed: torch.Tensor, a_raw: torch.Tensor, b_raw: torch.Tensor, weight: torch.Tensor,
+                batch: ForwardBatch, chunk_fn: Callable) -> torch.Tensor:
+        """Prefill / mixed batch without verify rows: one conv launch over all sequences and one varlen chunked
+        delta rule (fla on the GPU; `chunk_fn` is injectable so the CPU can check this path with the reference).
+        fp32 models keep the per-sequence path: fla's chunk kernels use TF32 dots inside."""
+        from mtp_ray.layers.gated_delta_triton import conv_varlen
+
+        meta = batch.rope_cache.get("gdn_meta")
+        if meta is None:  # once per forward (one host -> device copy), shared by every GDN layer
+            n = batch.num_seqs
+            host = torch.tensor(batch.cu_seqlens + list(batch.state_slots) + [int(c > 0) for c in batch.context_lens],
+                                dtype=torch.long)
+            dev = host.to(mixed.device)
+            meta = batch.rope_cache["gdn_meta"] = (dev[: n + 1], dev[n + 1 : 2 * n + 1], dev[2 * n + 1 :])
+        cu, slots, has_state = meta  # [N + 1], [N], [N] (0: a fresh sequence starts from zero states)
+        t = mixed.shape[0]
+        conv = conv_varlen(mixed, self.conv_state, weight, cu, slots, has_state)  # [T, C], conv state updated
+        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        g = -self.A_log.float().exp() * F.softplus(a_raw.float() + self.dt_bias.float())  # [T, Hv] fp32
+        beta = b_raw.sigmoid()  # [T, Hv] in the model dtype, as fla's own GDN layer passes it
+        h0 = self.ssm_state.index_select(0, slots)  # [N, Hv, dk, dv] fp32
+        h0 = torch.where(has_state[:, None, None, None] > 0, h0, torch.zeros((), dtype=h0.dtype, device=h0.device))
+        core, final = chunk_fn(q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk), v.view(t, self.hv, self.dv),
+                               g, beta, self.dk**-0.5, h0, cu)
+        self.ssm_state.index_copy_(0, slots, final.to(self.ssm_state.dtype))
+        return core  # [T, Hv, dv]
 
     def _per_sequence(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor,
                       batch: ForwardBatch) -> torch.Tensor:

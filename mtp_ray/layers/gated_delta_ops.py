@@ -88,3 +88,27 @@ def causal_conv1d(
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_varlen(
+    q: torch.Tensor,  # [T, Hk, dk] raw (L2-normed and scaled here)
+    k: torch.Tensor,  # [T, Hk, dk] raw
+    v: torch.Tensor,  # [T, Hv, dv]
+    g: torch.Tensor,  # [T, Hv] log decay, fp32
+    beta: torch.Tensor,  # [T, Hv]
+    scale: float,
+    initial_state: torch.Tensor,  # [N, Hv, dk, dv] fp32
+    cu_seqlens: torch.Tensor,  # [N + 1]: sequence b owns rows cu[b] .. cu[b + 1]
+) -> tuple[torch.Tensor, torch.Tensor]:  # o: [T, Hv, dv] in v's dtype, final states [N, Hv, dk, dv] fp32
+    """Reference for the varlen (fla) contract: the sequences one by one through chunk_gated_delta."""
+    rep = v.shape[1] // q.shape[1]
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    final = torch.empty_like(initial_state, dtype=torch.float32)
+    cu = cu_seqlens.tolist()
+    for b in range(len(cu) - 1):
+        s, e = cu[b], cu[b + 1]
+        qb = l2norm(q[s:e].float()).repeat_interleave(rep, dim=1) * scale
+        kb = l2norm(k[s:e].float()).repeat_interleave(rep, dim=1)
+        out[s:e], final[b] = chunk_gated_delta(qb, kb, v[s:e].float(), g[s:e].float(), beta[s:e].float(),
+                                               initial_state[b].float())
+    return out.to(v.dtype), final

@@ -11,13 +11,23 @@ sequence, instead of ~20 + ~15 per token of PyTorch kernels.
 
 The math and its roundings follow GatedDeltaNet._uniform (conv accumulated in fp32, rounded to the model dtype,
 SiLU rounded again; the recurrence in fp32).
+
+Prefill / mixed batches (bf16 / fp16 models): `conv_varlen` (the conv over every sequence of a flat batch in
+one launch) and fla-core's chunked delta rule over cu_seqlens (`chunk_varlen_fla`), instead of a Python loop of
+~60 PyTorch kernels per sequence and layer.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
+
+log = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -139,3 +149,84 @@ def recurrent_decode(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a
         HAS_SPEC=spec_slots is not None, BK=bk, BV=bv, num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _conv_varlen_kernel(mixed_ptr, state_ptr, w_ptr, cu_ptr, slots_ptr, has_state_ptr, out_ptr, C,
+                        stride_m, stride_ss, stride_sc, stride_wc, stride_o,
+                        K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """One program per (sequence, channel tile), looping over the sequence's tokens BT at a time: it owns its
+    channels of that sequence's conv state, so reading the old state and writing the new one cannot race."""
+    b = tl.program_id(0)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cm = c < C
+    s0 = tl.load(cu_ptr + b).to(tl.int64)
+    n = tl.load(cu_ptr + b + 1).to(tl.int64) - s0
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    # a sequence with cached context continues its conv state (state columns -(K - 1) .. -1 readable); else zeros
+    p_min = -(K - 1) * (tl.load(has_state_ptr + b) != 0).to(tl.int64)
+    dt = out_ptr.dtype.element_ty
+    st = state_ptr + slot * stride_ss + c[None, :] * stride_sc  # [1, BC] column 0 of this sequence's state
+    for t0 in range(0, n, BT):
+        tt = t0 + tl.arange(0, BT)  # [BT] token positions in the sequence
+        acc = tl.zeros([BT, BC], tl.float32)
+        for i in tl.static_range(K):
+            p = tt - (K - 1) + i  # input position read by tap i; < 0: the conv state column K - 1 + p
+            x = tl.load(mixed_ptr + (s0 + p)[:, None] * stride_m + c[None, :],
+                        mask=((p >= 0) & (tt < n))[:, None] & cm[None, :], other=0.0).to(tl.float32)
+            old = tl.load(st + (K - 1 + p)[:, None], mask=((p < 0) & (p >= p_min) & (tt < n))[:, None] & cm[None, :],
+                          other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + c * stride_wc + i, mask=cm, other=0.0).to(tl.float32)
+            acc += (x + old) * w[None, :]
+        conv = acc.to(dt).to(tl.float32)
+        tl.store(out_ptr + (s0 + tt)[:, None] * stride_o + c[None, :], (conv * tl.sigmoid(conv)).to(dt),
+                 mask=(tt < n)[:, None] & cm[None, :])
+    tl.debug_barrier()  # every read of the old state above happens before the new state is written
+    # the new state: the last K - 1 inputs of [old state | tokens]; column j reads column n + j > j of the old
+    # state (short sequences) or token n + j - (K - 1), so no column is read after it was overwritten
+    for j in tl.static_range(K - 1):
+        f = n + j + tl.zeros([BC], tl.int64)  # [BC] index into [old state (K - 1) | tokens (n)]
+        x = tl.load(mixed_ptr + (s0 + f - (K - 1)) * stride_m + c, mask=(f >= K - 1) & cm, other=0.0)
+        old = tl.load(state_ptr + slot * stride_ss + c * stride_sc + tl.minimum(f, K - 2),
+                      mask=(f < K - 1) & (f - (K - 1) >= p_min) & cm, other=0.0)
+        tl.store(state_ptr + slot * stride_ss + c * stride_sc + j, tl.where(f >= K - 1, x, old.to(x.dtype))
+                 .to(state_ptr.dtype.element_ty), mask=cm)
+
+
+def conv_varlen(mixed: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
+                state_slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
+    """Prefill / mixed batch: mixed [T, C] (sequence b owns rows cu_seqlens[b] .. cu_seqlens[b + 1]);
+    conv_state [S, C, K - 1] read where has_state[b] (else zeros) and updated in place -> silu(conv) [T, C]."""
+    bsz, c = state_slots.shape[0], mixed.shape[1]
+    assert conv_state.stride(2) == 1 and weight.stride(1) == 1 and mixed.stride(1) == 1
+    out = torch.empty(mixed.shape, dtype=mixed.dtype, device=mixed.device)
+    bc = 64
+    _conv_varlen_kernel[(bsz, triton.cdiv(c, bc))](
+        mixed, conv_state, weight, cu_seqlens, state_slots, has_state, out, c,
+        mixed.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0), out.stride(0),
+        K=weight.shape[1], BT=32, BC=bc, num_warps=4,
+    )
+    return out
+
+
+@functools.cache
+def fla_chunk() -> Callable | None:
+    """fla-core's chunked gated delta rule (Triton, varlen), or None when fla is not installed (the per-sequence
+    PyTorch path then runs prefill; slow but exact)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as e:
+        log.warning("fla-core not importable (%s): GDN prefill falls back to the per-sequence PyTorch path", e)
+        return None
+    return chunk_gated_delta_rule
+
+
+def chunk_varlen_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     scale: float, initial_state: torch.Tensor, cu_seqlens: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as gated_delta_ops.chunk_gated_delta_varlen, on fla's kernels (q / k L2-norm inside)."""
+    fn = fla_chunk()
+    assert fn is not None
+    o, final = fn(q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=initial_state,
+                  output_final_state=True, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+    return o[0], final
