@@ -49,6 +49,98 @@ def test_paged_decode_attention(dtype, tol, hq, hkv, d, q_len):
     assert _rel(cpu, ref.cpu()) < tol
 
 
+def _prefill_case(g: torch.Generator, dtype, hkv: int, d: int, qlens: list[int], ctx: list[int], bs: int = 16):
+    """Random paged cache + shuffled, disjoint block tables (block 0 reserved) + the ForwardBatch that reads them."""
+    width = max((c + n + bs - 1) // bs for c, n in zip(ctx, qlens, strict=True))
+    nblocks = 1 + len(qlens) * width
+    kv = torch.randn(2, nblocks, bs, hkv, d, generator=g).to(dtype)
+    tables = (torch.randperm(nblocks - 1, generator=g) + 1).view(len(qlens), width)
+    slots = [int(tables[b, p // bs]) * bs + p % bs for b, (c, n) in enumerate(zip(ctx, qlens, strict=True))
+             for p in range(c, c + n)]
+    return kv, ForwardBatch(qlens, ctx, tables, torch.tensor(slots), [0] * len(qlens))
+
+
+@needs_device
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 32), (16, 2, 256), (8, 8, 64), (4, 2, 80)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_paged_prefill_attention(dtype, tol, hq, hkv, d, gated):
+    from mtp_ray.layers.attention import attn_meta
+    from mtp_ray.layers.attention_prefill_triton import paged_prefill_attention
+
+    g = torch.Generator().manual_seed(hq * 1000 + d + gated)
+    qlens, ctx = [1, 5, 17, 64, 130, 2], [95, 0, 40, 3, 95, 0]
+    kv, batch = _prefill_case(g, dtype, hkv, d, qlens, ctx)
+    q = torch.randn(sum(qlens), hq, 2 * d, generator=g).to(dtype)  # q | gate per head, as the layer's qg
+    q, gate = q[..., :d], q[..., d:]
+    ref = paged_attention(q.float(), kv.float(), batch, d**-0.5)
+    if gated:
+        ref = (ref.to(dtype) * torch.sigmoid(gate)).float()
+    dev = lambda x: x.to(DEVICE)  # noqa: E731
+    cu, ctx_t, tables = attn_meta(batch, torch.device(DEVICE))
+    assert attn_meta(batch, torch.device(DEVICE))[0].data_ptr() == cu.data_ptr()  # one copy per forward
+    assert cu.tolist() == batch.cu_seqlens and ctx_t.tolist() == ctx and tables.device == cu.device
+    out = paged_prefill_attention(dev(q), dev(kv), tables, cu, ctx_t, d**-0.5, dev(gate) if gated else None)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert _rel(out.cpu(), ref) < tol
+    # int64 metadata, a one-sequence batch
+    kv1, b1 = _prefill_case(g, dtype, hkv, d, [33], [21])
+    q1 = torch.randn(33, hq, d, generator=g).to(dtype)
+    out1 = paged_prefill_attention(dev(q1), dev(kv1), dev(b1.block_tables), dev(torch.tensor([0, 33])),
+                                   dev(torch.tensor([21])), d**-0.5)
+    assert _rel(out1.cpu(), paged_attention(q1.float(), kv1.float(), b1, d**-0.5)) < tol
+
+
+@needs_device
+@pytest.mark.parametrize("n", [1, 40])
+def test_paged_prefill_attention_dummy(n):
+    """A dummy forward (engine.inputs.dummy_inputs): one table entry, block 0, any number of tokens."""
+    from mtp_ray.engine.inputs import dummy_inputs
+    from mtp_ray.layers.attention import attn_meta
+    from mtp_ray.layers.attention_prefill_triton import paged_prefill_attention
+
+    batch = dummy_inputs(n).batch
+    kv = torch.randn(2, 3, 16, 2, 32).to(DEVICE)
+    q = torch.randn(n, 4, 32).to(DEVICE)
+    cu, ctx, tables = attn_meta(batch, torch.device(DEVICE))
+    out = paged_prefill_attention(q, kv, tables, cu, ctx, 32**-0.5, q)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+@needs_device
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_gated_attention_mixed_batch(dtype, tol, monkeypatch):
+    """GatedAttention on a non-uniform batch (prefill chunks + decode rows): the device path (Triton prologue and
+    prefill kernel) equals the fp32 CPU path."""
+    from mtp_ray.config.engine import BUNDLED_MODEL
+    from mtp_ray.config.model import ModelConfig
+    from mtp_ray.layers.attention import GatedAttention
+
+    g = torch.Generator().manual_seed(5)
+    cfg = ModelConfig.from_pretrained(BUNDLED_MODEL)
+    layer = GatedAttention(cfg)
+    with torch.no_grad():
+        for prm in layer.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g) * (prm.shape[-1] ** -0.5 if prm.dim() > 1 else 0.1))
+    qlens, ctx = [1, 7, 70, 1, 19], [30, 0, 12, 64, 5]
+    kv, batch = _prefill_case(g, torch.float32, cfg.num_key_value_heads, cfg.head_dim, qlens, ctx)
+    x = torch.randn(sum(qlens), cfg.hidden_size, generator=g)
+    pos = torch.tensor([p for c, n in zip(ctx, qlens, strict=True) for p in range(c, c + n)])
+    with torch.no_grad():
+        layer.kv_cache = kv.clone()
+        ref = layer(x, pos, batch)
+        layer = layer.to(DEVICE, dtype)
+        layer.kv_cache = kv.to(DEVICE, dtype)
+        batch.rope_cache.clear()
+        batch.block_tables, batch.slot_mapping = batch.block_tables.to(DEVICE), batch.slot_mapping.to(DEVICE)
+        if DEVICE == "cpu":  # interpreter run: take the layer's CUDA branch (its Triton kernels) on CPU tensors
+            monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        out = layer(x.to(DEVICE, dtype), pos.to(DEVICE), batch)
+    monkeypatch.undo()
+    assert "attn_meta" in batch.rope_cache  # the Triton branch ran
+    assert out.dtype == dtype and _rel(out.cpu(), ref) < tol
+
+
 @needs_device
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("t,e,topk,h,inter,start", [(1, 8, 2, 128, 128, 0), (7, 16, 4, 64, 96, 0),

@@ -42,6 +42,18 @@ def paged_attention(
     return out
 
 
+def attn_meta(batch: ForwardBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The general batch's cu_seqlens [B + 1], context_lens [B] (int32) and block_tables on `device`: the lists
+    go over in one copy per forward, cached on the batch and shared by every attention layer."""
+    meta = batch.rope_cache.get("attn_meta")
+    if meta is None or meta.device != device:
+        meta = torch.tensor(batch.cu_seqlens + batch.context_lens, dtype=torch.int32).to(device)
+        batch.rope_cache["attn_meta"] = meta
+    b = batch.num_seqs
+    tables = batch.block_tables  # the runner moves it to the device; a CPU table (direct model calls) is copied
+    return meta[: b + 1], meta[b + 1 :], tables if tables.device == device else tables.to(device)
+
+
 def decode_attention(
     q: torch.Tensor,  # [B * q_len, Hq, D]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
@@ -121,6 +133,11 @@ class GatedAttention(nn.Module):
             flat[1, batch.slot_mapping[write]] = v[write].to(flat.dtype)
         if batch.uniform is not None:  # batched kernels only (no host sync): CUDA graphs capture this
             o = decode_attention(q, self.kv_cache, batch.block_tables, batch.uniform, self.scale, gate)
+        elif x.is_cuda:  # one Triton launch for every sequence, the output gate fused
+            from mtp_ray.layers.attention_prefill_triton import paged_prefill_attention
+
+            cu, ctx, tables = attn_meta(batch, q.device)
+            o = paged_prefill_attention(q, self.kv_cache, tables, cu, ctx, self.scale, gate)  # [T, Hq, D]
         else:
             o = paged_attention(q, self.kv_cache, batch, self.scale) * torch.sigmoid(gate)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, -1))
