@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU device machine (offline): install the carried wheelhouse, then run the named stages.
 #   bash tools/gpu_run.sh tests decode offline dp      (results and logs go to $OUT, default ./gpu_out)
+# `tests` = `kernels` + `e2e` (~8 min with fla's first-call autotuning): one device call may run 10 min at most, so
+# run `kernels` and `e2e` in separate calls when other stages follow.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -10,8 +12,9 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    kernels) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -25 ;;
-    tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py tests/test_gdn_prefill.py tests/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
+    kernels) python3 -m pytest -q -p no:cacheprovider --durations=8 -m gpu tests/test_kernels.py tests/test_gdn_prefill.py 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
+    e2e) python3 -m pytest -q -p no:cacheprovider --durations=8 -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;
+    tests) python3 -m pytest -q -p no:cacheprovider --durations=12 -m gpu tests/test_kernels.py tests/test_gdn_prefill.py tests/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     decode) python3 bench/decode.py --out "$OUT/decode_h200.json" 2>&1 | tail -12 ;;
     offline) python3 bench/offline.py --device cuda --dtype bfloat16 --prompts 32 --repeats 3 --out "$OUT/offline_h200_bf16.json" 2>&1 | tail -16 ;;
     kernsweep) timeout 200 python3 bench/kernels.py --rows 1 --out "$OUT/kernels_h200.json" 2>&1 | tail -30 ;;
