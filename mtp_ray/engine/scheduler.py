@@ -13,7 +13,7 @@ Blocks are reserved for `lookahead` positions past the step so the MTP draft loo
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mtp_ray.config.engine import SchedulerConfig
 from mtp_ray.engine.block_manager import BlockManager
@@ -25,11 +25,12 @@ class Scheduled:
     req: Request
     num_new: int  # target tokens this step (prefill piece, 1, or 1 + k for verify)
     verify: bool  # decode with drafts
+    # after this step every token is computed: the last row's logits sample a new token. Fixed when scheduled
+    # (read several times per sequence per step, always before the step moves num_computed)
+    completes_prefill: bool = field(init=False)
 
-    @property
-    def completes_prefill(self) -> bool:
-        """After this step every token is computed: the last row's logits sample a new token."""
-        return self.req.num_computed + self.num_new >= self.req.num_tokens
+    def __post_init__(self) -> None:
+        self.completes_prefill = self.req.num_computed + self.num_new >= self.req.num_tokens
 
 
 class Scheduler:
