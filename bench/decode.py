@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -32,14 +31,17 @@ from mtp_ray.layers.context import ForwardBatch, UniformDecode
 from mtp_ray.layers.linear import fuse_projections
 from mtp_ray.layers.moe import SparseMoE
 from mtp_ray.layers.rope import bind_rope_tables
+from mtp_ray.model.loader import init_dummy_weights
 from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
 
 BLOCK = 16
 
 
-def config(layers: int, mtp: bool = False) -> ModelConfig:
+def hf_config(layers: int, mtp: bool = False) -> dict:
+    """The Qwen3.5-35B-A3B text config (HF config.json form), cut to `layers` layers (3 GDN : 1 attention)."""
     types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
-    return ModelConfig.from_hf_dict({
+    return {
+        "architectures": ["Qwen3_5MoeForCausalLM"],
         "model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": layers,
         "layer_types": [types[i % 4] for i in range(layers)], "num_attention_heads": 16, "num_key_value_heads": 2,
         "head_dim": 256, "partial_rotary_factor": 0.25,
@@ -49,22 +51,18 @@ def config(layers: int, mtp: bool = False) -> ModelConfig:
         "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "vocab_size": 248320,
         "max_position_embeddings": 262144, "mtp_num_hidden_layers": int(mtp), "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "eos_token_id": 0,
-    })
+    }
+
+
+def config(layers: int, mtp: bool = False) -> ModelConfig:
+    return ModelConfig.from_hf_dict(hf_config(layers, mtp))
 
 
 def random_model(cfg: ModelConfig, device: torch.device) -> Qwen3_5MoeForCausalLM:
     with torch.device("meta"):
         model = Qwen3_5MoeForCausalLM(cfg, with_mtp=cfg.mtp_num_hidden_layers > 0)
     model = model.to(torch.bfloat16).to_empty(device=device).eval()  # bf16 on meta first: no fp32 copy on the GPU
-    g = torch.Generator(device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.uniform_(0, math.log(16), generator=g)
-            elif name.endswith("dt_bias") or "norm" in name:
-                p.uniform_(0, 0.1, generator=g)
-            else:
-                p.normal_(0, 0.02, generator=g)
+    init_dummy_weights(model, seed=0)
     return model
 
 

@@ -2,7 +2,10 @@
 handle), plus the per-step cost of the DPMeta gather and of a dummy forward measured inside the ranks.
 
     python bench/dp.py [--out bench/results/dp.json] [--requests 64] [--k 0] [--device cpu|cuda]
-                       [--max-num-seqs 64] [--repeats 1]
+                       [--max-num-seqs 64] [--repeats 1] [--model bundled|35b] [--layers 8]
+
+--model 35b: random weights (load_format dummy) at the Qwen3.5-35B-A3B shapes cut to --layers layers, so the
+steps are device-bound as on a real model (the bundled tiny model's steps are host-bound).
 
 On GPUs each rank gets its own GPU (STRICT_PACK), bf16, CUDA graphs on. --repeats N times the workload N times on
 the same group (after one warm-up) and reports every run and the median: one run of a few seconds is noisy.
@@ -16,7 +19,10 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,11 +30,16 @@ import ray
 
 from mtp_ray.rl.engine import launch_engine
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import hf_config  # noqa: E402
+
 
 def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int, device: str, max_num_seqs: int,
-        repeats: int) -> dict:
+        repeats: int, model: dict) -> dict:
     cfg = {"spec": {"num_speculative_tokens": k}, "parallel": {"dp": dp}, "device": device,
-           "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 4096}}
+           "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 4096}, **model}
+    if "load_format" in model:  # real shapes: a short context keeps the graph block tables small
+        cfg["scheduler"]["max_model_len"] = 512
     if device == "cuda":
         cfg["parallel"]["placement_strategy"] = "STRICT_PACK"
     h = launch_engine(cfg)
@@ -92,6 +103,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--model", choices=["bundled", "35b"], default="bundled")
+    ap.add_argument("--layers", type=int, default=8, help="--model 35b: layers kept of the 40")
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if args.device == "cuda":
@@ -101,8 +114,20 @@ def main() -> None:
     else:
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     prompts = [[(7 * i + j) % 2000 + 3 for j in range(32)] for i in range(args.requests)]
-    rows = [run(dp, args.k, prompts, args.max_tokens, args.device, args.max_num_seqs, args.repeats) for dp in (1, 2)]
-    result = {"machine": f"{platform.machine()} {os.cpu_count()} cores, device {args.device}", "workload": {
+    model, name = {}, "bundled tiny-qwen35-mtp"
+    if args.model == "35b":  # random weights at the Qwen3.5-35B-A3B shapes, cut to --layers (config.json only)
+        tmp = Path(tempfile.mkdtemp(prefix="dp35b-"))
+        (tmp / "config.json").write_text(json.dumps(hf_config(args.layers, mtp=args.k > 0)))
+        model = {"model": str(tmp), "load_format": "dummy"}
+        name = f"random Qwen3.5-35B-A3B shapes, {args.layers} layers"
+    try:
+        rows = [run(dp, args.k, prompts, args.max_tokens, args.device, args.max_num_seqs, args.repeats, model)
+                for dp in (1, 2)]
+    finally:
+        if "model" in model:
+            shutil.rmtree(model["model"], ignore_errors=True)
+    result = {"machine": f"{platform.machine()} {os.cpu_count()} cores, device {args.device}", "model": name,
+              "workload": {
         "requests": args.requests, "prompt_tokens": 32, "max_tokens": args.max_tokens, "k": args.k,
         "max_num_seqs_per_rank": args.max_num_seqs, "repeats": args.repeats},
         # medians of the repeats; and the ratio of each repeat pair, to show the spread

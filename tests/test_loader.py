@@ -210,3 +210,34 @@ def test_rope_tables_equal_per_forward_cos_sin():
     for r in m:
         cos, sin = r.cos_sin(pos, torch.bfloat16)
         assert torch.equal(r.table[0][pos], cos) and torch.equal(r.table[1][pos], sin)
+
+
+def test_dummy_load_format_needs_only_config_json(tmp_path):
+    """load_format=dummy (vLLM's name): random weights from config.json alone, through the public LLM API; the same
+    seed gives the same weights (and tokens), MTP included; a bad value is a ValueError naming the field."""
+    from mtp_ray import LLM, SamplingParams
+    from mtp_ray.config.engine import BUNDLED_MODEL, EngineConfig
+
+    shutil.copy(f"{BUNDLED_MODEL}/config.json", tmp_path / "config.json")  # no weights, no tokenizer
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 17, 200, 31], [9] * 7]
+
+    def tokens(**kw):
+        llm = LLM(str(tmp_path), load_format="dummy", num_speculative_tokens=2, **kw)
+        assert llm.tokenizer is None  # token ids in, token ids out
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, sp)], llm
+
+    a, llm = tokens(seed=3)
+    assert all(len(t) == 6 for t in a)
+    b, _ = tokens(seed=3)
+    assert a == b
+    params = dict(llm.engine.runner.model.named_parameters())
+    assert all(torch.isfinite(p).all() for p in params.values())
+    w = next(p for n, p in params.items() if "experts" in n).detach()
+    assert 0.01 < float(w.float().std()) < 0.03  # N(0, 0.02), not zeros or garbage
+    _, other = tokens(seed=4)
+    assert not torch.equal(next(other.engine.runner.model.parameters()), next(llm.engine.runner.model.parameters()))
+    with pytest.raises(ValueError, match="load_format"):
+        EngineConfig.from_dict({"load_format": "safetensor"})
+    with pytest.raises(FileNotFoundError):  # the default format still wants the weights
+        LLM(str(tmp_path))

@@ -110,6 +110,9 @@ class TimeoutConfig:
 class EngineConfig:
     model: str = BUNDLED_MODEL
     tokenizer: str | None = None  # default: the model directory
+    # auto: the checkpoint's safetensors; dummy (vLLM's name): random weights from config.json alone, for
+    # benchmarks at real shapes and RL rollouts that receive their weights through update_weights
+    load_format: str = "auto"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     device: str = "auto"
     seed: int = 0
@@ -123,6 +126,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                "must be auto|float32|bfloat16|float16")
+        _check(self.load_format in ("auto", "dummy"), "load_format", "must be auto|dummy")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> EngineConfig:

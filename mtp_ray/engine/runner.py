@@ -43,7 +43,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg, self.device)
         self.k = cfg.spec.k
         self.model = load_model(cfg.model, self.dtype, self.device, expert_range, with_mtp=self.k > 0,
-                                dispatch=dispatch)
+                                dispatch=dispatch, dummy_seed=cfg.seed if cfg.load_format == "dummy" else None)
         self.model_config: ModelConfig = self.model.config
         self.fuse_projections()
         self.slots_per_seq = 1 + (self.k + 1 if self.k else 0)

@@ -9,7 +9,9 @@ error that names it.
 
 from __future__ import annotations
 
+import math
 import re
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -187,13 +189,18 @@ def load_model(
     expert_range: tuple[int, int] | None = None,
     with_mtp: bool = True,
     dispatch: ExpertDispatcher = local_dispatch,
+    dummy_seed: int | None = None,
 ) -> Qwen3_5MoeForCausalLM:
+    """dummy_seed: random weights (init_dummy_weights) instead of the checkpoint; only config.json is read."""
     cfg = ModelConfig.from_pretrained(path)
     with torch.device("meta"):
         model = Qwen3_5MoeForCausalLM(cfg, expert_range, with_mtp, dispatch)
     model = model.to(dtype).to_empty(device=device)  # cast on meta: never a full-precision copy on the device
     if cfg.tie_word_embeddings:  # to_empty unties; tie again before filling
         model.lm_head.weight = model.model.embed_tokens.weight
+    if dummy_seed is not None:
+        init_dummy_weights(model, dummy_seed)
+        return model.eval()
     if with_mtp and cfg.mtp_num_hidden_layers > 0:
         names = {n for p in Path(path).glob("*.safetensors") for n in safe_open(str(p), "pt").keys()}
         if not any(canonical_name(n).startswith("mtp.") for n in names):
@@ -206,3 +213,18 @@ def load_model(
         more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
         raise ValueError(f"checkpoint {path} is missing tensor(s): {', '.join(missing[:10])}{more}")
     return model.eval()
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Random weights in place, on the parameters' device: N(0, 0.02) matrices, small positive norm weights and
+    dt biases, GDN decays A_log in [0, log 16]. Each parameter's generator is seeded from its name, so the ranks of
+    a DP group draw the same dense weights (each its own expert shard)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            g = torch.Generator(p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            if name.endswith("A_log"):
+                p.uniform_(0, math.log(16), generator=g)
+            elif name.endswith("dt_bias") or "norm" in name:
+                p.uniform_(0, 0.1, generator=g)
+            else:
+                p.normal_(0, 0.02, generator=g)
