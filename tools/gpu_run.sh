@@ -20,6 +20,7 @@ for stage in "$@"; do
     kernsweep) timeout 200 python3 bench/kernels.py --rows 1 --out "$OUT/kernels_h200.json" 2>&1 | tail -30 ;;
     profile) python3 bench/profile_step.py --device cuda --out "$OUT/profile_step_h200.json" 2>&1 | grep -v USDT | tail -50 ;;
     profile128) python3 bench/profile_step.py --device cuda --batch 128 --steps 20 --out "$OUT/profile_step_h200_b128.json" 2>&1 | grep -v USDT | tail -50 ;;
+    prefill) python3 bench/prefill.py --layers 4 --out "$OUT/prefill_h200.json" 2>&1 | grep "^{'seq" ;;
     offline32) python3 bench/offline.py --device cuda --dtype float32 --prompts 8 --out "$OUT/offline_h200_fp32.json" 2>&1 | tail -16 ;;
     dp) python3 bench/dp.py --device cuda --requests 256 --max-tokens 64 --max-num-seqs 128 --repeats 3 --out "$OUT/dp_h200x2.json" 2>&1 | grep -A3 '"dp2_over\|"tokens_per_s"\|_step_ms' ;;
     dpk) python3 bench/dp.py --device cuda --k 3 --requests 256 --max-tokens 64 --max-num-seqs 128 --repeats 3 --out "$OUT/dp_h200x2_k3.json" 2>&1 | grep -A3 '"dp2_over\|"tokens_per_s"\|_step_ms' ;;
