@@ -64,7 +64,7 @@ def _reference(m: GatedDeltaNet, x: dict, batch: ForwardBatch) -> tuple[torch.Te
 
 CASES = [((2, 4, 32, 32), [1, 3, 37, 64, 70], [0, 5, 0, 100, 2]),
          ((1, 3, 64, 48), [130, 2], [0, 9]),
-         ((4, 8, 128, 128), [17, 1, 65], [1, 0, 40])]
+         ((4, 8, 128, 128), [17, 1, 65, 1], [1, 0, 40, 7])]  # a decode row: 1 token on a warm state
 
 
 def _run(m, x, batch, slots, dtype, chunk_fn):
