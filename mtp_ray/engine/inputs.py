@@ -102,6 +102,7 @@ def build_uniform(pieces: list[Piece], blocks: BlockManager, q_len: int, size: i
     `width` wide. Padded rows feed token 0 at positions 0.. into reserved block 0 and state slot 0.
     Built as one Python list and turned into one tensor (`StepInputs.packed`): this runs every decode step. With a
     size (graph steps) and q_len > 1 the snapshot slots are always present (zeros on padded rows)."""
+    graph = size is not None
     size = len(pieces) if size is None else size
     assert len(pieces) <= size and all(len(p.tokens) == q_len and p.start > 0 for p in pieces)
     pad = size - len(pieces)
@@ -124,7 +125,7 @@ def build_uniform(pieces: list[Piece], blocks: BlockManager, q_len: int, size: i
     slots += [0] * (pad * q_len)
     ctx = [p.start for p in pieces] + [0] * pad
     state = [p.req.state_slots[0] for p in pieces] + [0] * pad
-    has_spec = any(p.spec_slots for p in pieces) or (size is not None and q_len > 1)
+    has_spec = any(p.spec_slots for p in pieces) or (graph and q_len > 1)
     spec: list[int] = []
     if has_spec:
         for p in pieces:
