@@ -26,7 +26,7 @@ import torch
 from mtp_ray.config.model import ModelConfig
 from mtp_ray.engine.cache import CacheShape, bind_caches
 from mtp_ray.engine.graphs import CudaGraphs
-from mtp_ray.engine.inputs import StepInputs
+from mtp_ray.engine.inputs import StepInputs, uniform_layout
 from mtp_ray.layers.context import ForwardBatch, UniformDecode
 from mtp_ray.layers.linear import fuse_projections
 from mtp_ray.layers.moe import SparseMoE
@@ -82,15 +82,24 @@ def bandwidth(device: torch.device) -> float:
 
 
 def inputs(bsz: int, context: int, width: int, vocab: int, device: torch.device, q: int = 1) -> StepInputs:
-    """B sequences x q new tokens at positions context .. context + q - 1 (q > 1: an MTP verify with snapshots)."""
-    tables = 1 + torch.arange(bsz * width, device=device).view(bsz, width)  # block 0 stays reserved
-    ctx = torch.full((bsz,), context, dtype=torch.long, device=device)
-    pos = (ctx[:, None] + torch.arange(q, device=device)).reshape(-1)  # [B * q]
-    slot = tables.repeat_interleave(q, 0).gather(1, (pos // BLOCK)[:, None])[:, 0] * BLOCK + pos % BLOCK
-    spec = 1 + bsz + torch.arange(bsz * q, device=device).view(bsz, q) if q > 1 else None
-    u = UniformDecode(q, ctx, 1 + torch.arange(bsz, device=device), spec)
-    ids = torch.randint(0, vocab, (bsz * q,), device=device)
-    return StepInputs(ids, pos, ForwardBatch.decode(u, tables, slot), [[b] for b in range(bsz)])
+    """B sequences x q new tokens at positions context .. context + q - 1 (q > 1: an MTP verify with snapshots),
+    packed in the graphs' input layout (the engine's build_uniform layout)."""
+    lay = uniform_layout(bsz, q, width, spec=q > 1)
+    packed = torch.zeros(lay.total, dtype=torch.long, device=device)
+    v = lay.views(packed)
+    v["tables"].copy_(1 + torch.arange(bsz * width, device=device).view(bsz, width))  # block 0 stays reserved
+    v["ctx"].fill_(context)
+    v["pos"].copy_((v["ctx"][:, None] + torch.arange(q, device=device)).reshape(-1))  # [B * q]
+    pos = v["pos"]
+    v["slots"].copy_(v["tables"].repeat_interleave(q, 0).gather(1, (pos // BLOCK)[:, None])[:, 0] * BLOCK
+                     + pos % BLOCK)
+    v["state"].copy_(1 + torch.arange(bsz, device=device))
+    if q > 1:
+        v["spec"].copy_(1 + bsz + torch.arange(bsz * q, device=device).view(bsz, q))
+    v["ids"].copy_(torch.randint(0, vocab, (bsz * q,), device=device))
+    u = UniformDecode(q, v["ctx"], v["state"], v["spec"] if q > 1 else None)
+    return StepInputs(v["ids"], pos, ForwardBatch.decode(u, v["tables"], v["slots"]), [[b] for b in range(bsz)],
+                      packed)
 
 
 def kernel_table(fn, steps: int = 10) -> list[dict]:

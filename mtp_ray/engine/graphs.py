@@ -124,17 +124,8 @@ class CudaGraphs:
             log.info("capturing the target graph for batch %d (%d tokens)", b, n)
             g, outs = self._capture(lambda: self._target_fn(b))
             self.target[b] = (g, *outs)
-        if inp.packed is not None and inp.packed.numel() == total:  # build_uniform's layout: one transfer
-            self.inputs[:total].copy_(inp.packed, non_blocking=True)
-        else:  # inputs built elsewhere (bench/decode.py): field by field
-            v = self.views(b)
-            for name, src in (("ids", inp.input_ids), ("pos", inp.positions), ("slots", inp.batch.slot_mapping),
-                              ("tables", inp.batch.block_tables), ("ctx", u.context_lens), ("state", u.state_slots)):
-                v[name].copy_(src, non_blocking=True)
-            if u.spec_slots is not None:
-                v["spec"].copy_(u.spec_slots, non_blocking=True)
-            else:  # no snapshot slots (k = 0: an empty view; an all-padding batch: slot 0)
-                v["spec"].zero_()
+        assert inp.packed is not None and inp.packed.numel() == total, "graph inputs come packed (build_uniform)"
+        self.inputs[:total].copy_(inp.packed, non_blocking=True)  # one transfer
         g, hidden, logits = self.target[b][:3]
         g.replay()
         return hidden, logits
