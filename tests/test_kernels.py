@@ -137,7 +137,7 @@ def test_gated_attention_mixed_batch(dtype, tol, monkeypatch):
             monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
         out = layer(x.to(DEVICE, dtype), pos.to(DEVICE), batch)
     monkeypatch.undo()
-    assert "attn_meta" in batch.rope_cache  # the Triton branch ran
+    assert "varlen" in batch.rope_cache  # the Triton branch ran (its device lists are cached on the batch)
     assert out.dtype == dtype and _rel(out.cpu(), ref) < tol
 
 

@@ -43,15 +43,11 @@ def paged_attention(
 
 
 def attn_meta(batch: ForwardBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The general batch's cu_seqlens [B + 1], context_lens [B] (int32) and block_tables on `device`: the lists
-    go over in one copy per forward, cached on the batch and shared by every attention layer."""
-    meta = batch.rope_cache.get("attn_meta")
-    if meta is None or meta.device.type != torch.device(device).type:  # ("cuda" and "cuda:0" are one device here)
-        meta = torch.tensor(batch.cu_seqlens + batch.context_lens, dtype=torch.int32).to(device)
-        batch.rope_cache["attn_meta"] = meta
-    b = batch.num_seqs
+    """The general batch's cu_seqlens [B + 1], context_lens [B] and block_tables on `device` (the lists copied
+    once per forward: ForwardBatch.device_lists)."""
+    cu, ctx, _ = batch.device_lists(device)
     tables = batch.block_tables  # the runner moves it to the device; a CPU table (direct model calls) is copied
-    return meta[: b + 1], meta[b + 1 :], tables if tables.device == device else tables.to(device)
+    return cu, ctx, tables if tables.device == device else tables.to(device)
 
 
 def decode_attention(

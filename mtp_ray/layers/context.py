@@ -62,3 +62,14 @@ class ForwardBatch:
 
     def seq_range(self, b: int) -> tuple[int, int]:
         return self.cu_seqlens[b], self.cu_seqlens[b + 1]
+
+    def device_lists(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """cu_seqlens [B + 1], context_lens [B], state_slots [B] (int64) on `device`, for the varlen kernels of a
+        general batch: one host -> device copy per forward, cached here and shared by every attention and GDN
+        layer ("cuda" and "cuda:0" are one device here)."""
+        meta = self.rope_cache.get("varlen")
+        if meta is None or meta.device.type != torch.device(device).type:
+            meta = torch.tensor(self.cu_seqlens + list(self.context_lens) + list(self.state_slots), dtype=torch.long)
+            meta = self.rope_cache["varlen"] = meta.to(device)
+        b = self.num_seqs
+        return meta[: b + 1], meta[b + 1 : 2 * b + 1], meta[2 * b + 1 :]

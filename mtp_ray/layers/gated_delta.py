@@ -118,21 +118,14 @@ class GatedDeltaNet(nn.Module):
         fp32 models keep the per-sequence path: fla's chunk kernels use TF32 dots inside."""
         from mtp_ray.layers.gated_delta_triton import conv_varlen
 
-        meta = batch.rope_cache.get("gdn_meta")
-        if meta is None:  # once per forward (one host -> device copy), shared by every GDN layer
-            n = batch.num_seqs
-            host = torch.tensor(batch.cu_seqlens + list(batch.state_slots) + [int(c > 0) for c in batch.context_lens],
-                                dtype=torch.long)
-            dev = host.to(mixed.device)
-            meta = batch.rope_cache["gdn_meta"] = (dev[: n + 1], dev[n + 1 : 2 * n + 1], dev[2 * n + 1 :])
-        cu, slots, has_state = meta  # [N + 1], [N], [N] (0: a fresh sequence starts from zero states)
+        cu, ctx, slots = batch.device_lists(mixed.device)  # [N + 1], [N], [N]; ctx 0: a fresh sequence, zero states
         t = mixed.shape[0]
-        conv = conv_varlen(mixed, self.conv_state, weight, cu, slots, has_state)  # [T, C], conv state updated
+        conv = conv_varlen(mixed, self.conv_state, weight, cu, slots, ctx)  # [T, C], conv state updated
         q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         g = -self.A_log.float().exp() * F.softplus(a_raw.float() + self.dt_bias.float())  # [T, Hv] fp32
         beta = b_raw.sigmoid()  # [T, Hv] in the model dtype, as fla's own GDN layer passes it
         h0 = self.ssm_state.index_select(0, slots)  # [N, Hv, dk, dv] fp32
-        h0 = torch.where(has_state[:, None, None, None] > 0, h0, torch.zeros((), dtype=h0.dtype, device=h0.device))
+        h0 = torch.where(ctx[:, None, None, None] > 0, h0, torch.zeros((), dtype=h0.dtype, device=h0.device))
         core, final = chunk_fn(q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk), v.view(t, self.hv, self.dv),
                                g, beta, self.dk**-0.5, h0, cu)
         self.ssm_state.index_copy_(0, slots, final.to(self.ssm_state.dtype))

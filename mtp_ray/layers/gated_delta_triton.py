@@ -152,7 +152,7 @@ def recurrent_decode(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a
 
 
 @triton.jit
-def _conv_varlen_kernel(mixed_ptr, state_ptr, w_ptr, cu_ptr, slots_ptr, has_state_ptr, out_ptr, C,
+def _conv_varlen_kernel(mixed_ptr, state_ptr, w_ptr, cu_ptr, slots_ptr, ctx_ptr, out_ptr, C,
                         stride_m, stride_ss, stride_sc, stride_wc, stride_o,
                         K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """One program per (sequence, channel tile), looping over the sequence's tokens BT at a time: it owns its
@@ -164,7 +164,7 @@ def _conv_varlen_kernel(mixed_ptr, state_ptr, w_ptr, cu_ptr, slots_ptr, has_stat
     n = tl.load(cu_ptr + b + 1).to(tl.int64) - s0
     slot = tl.load(slots_ptr + b).to(tl.int64)
     # a sequence with cached context continues its conv state (state columns -(K - 1) .. -1 readable); else zeros
-    p_min = -(K - 1) * (tl.load(has_state_ptr + b) != 0).to(tl.int64)
+    p_min = -(K - 1) * (tl.load(ctx_ptr + b) != 0).to(tl.int64)
     dt = out_ptr.dtype.element_ty
     st = state_ptr + slot * stride_ss + c[None, :] * stride_sc  # [1, BC] column 0 of this sequence's state
     for t0 in range(0, n, BT):
@@ -194,15 +194,15 @@ def _conv_varlen_kernel(mixed_ptr, state_ptr, w_ptr, cu_ptr, slots_ptr, has_stat
 
 
 def conv_varlen(mixed: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
-                state_slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
+                state_slots: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
     """Prefill / mixed batch: mixed [T, C] (sequence b owns rows cu_seqlens[b] .. cu_seqlens[b + 1]);
-    conv_state [S, C, K - 1] read where has_state[b] (else zeros) and updated in place -> silu(conv) [T, C]."""
+    conv_state [S, C, K - 1] read where context_lens[b] > 0 (else zeros) and updated in place -> silu(conv) [T, C]."""
     bsz, c = state_slots.shape[0], mixed.shape[1]
     assert conv_state.stride(2) == 1 and weight.stride(1) == 1 and mixed.stride(1) == 1
     out = torch.empty(mixed.shape, dtype=mixed.dtype, device=mixed.device)
     bc = 64
     _conv_varlen_kernel[(bsz, triton.cdiv(c, bc))](
-        mixed, conv_state, weight, cu_seqlens, state_slots, has_state, out, c,
+        mixed, conv_state, weight, cu_seqlens, state_slots, context_lens, out, c,
         mixed.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0), out.stride(0),
         K=weight.shape[1], BT=32, BC=bc, num_warps=4,
     )
