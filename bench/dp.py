@@ -86,6 +86,8 @@ def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int, device: str,
         # graph-replay steps (uniform decode / verify) vs eager steps (prefill pieces, mixed batches), per rank
         "graph_steps_per_rank": round(delta("graph_steps") / dp / repeats, 1),
         "graph_step_ms": round(1e3 * delta("graph_step_s") / delta("graph_steps"), 3) if delta("graph_steps") else None,
+        # the part of a graph step the host waited for the device (device-greedy steps; the rest is host work)
+        "graph_wait_ms": round(1e3 * delta("graph_wait_s") / delta("graph_steps"), 3) if delta("graph_steps") else None,
         "eager_steps_per_rank": round((steps - delta("graph_steps")) / dp / repeats, 1),
         "eager_step_ms": round(1e3 * (delta("step_s") - delta("graph_step_s")) / (steps - delta("graph_steps")), 3)
         if steps > delta("graph_steps") else None,

@@ -177,3 +177,28 @@ def test_plain_greedy_fast_path_equals_full_sampling_path(k):
         assert f.outputs[0].token_ids == s.outputs[0].token_ids
         assert f.outputs[0].logprobs == pytest.approx(s.outputs[0].logprobs, abs=1e-6)
         assert all(lp <= 0 for lp in f.outputs[0].logprobs)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_mixed_request_kinds_in_one_step_equal_each_alone(k):
+    """A step reduces its logit rows where they are (argmax + log-prob) and brings full rows to the host only for
+    requests that sample, report top log-probs or reshape logits: with all kinds sharing steps (and the plain
+    greedy ones between them), every request gets exactly what it gets alone."""
+    llm = LLM(num_speculative_tokens=k)
+    prompts = [[5, 17, 200, 31], list(range(40, 90)), [9] * 13, [300, 301, 302], list(range(7, 30))]
+    base = {"max_tokens": 12, "ignore_eos": True}
+    params = [SamplingParams(temperature=0, **base),
+              SamplingParams(temperature=0.8, seed=11, **base),
+              SamplingParams(temperature=0, logprobs=2, **base),
+              SamplingParams(temperature=0, repetition_penalty=1.3, **base),
+              SamplingParams(temperature=0, **base)]
+    together = llm.generate(prompts, params)
+    for p, sp, t in zip(prompts, params, together, strict=True):
+        alone = llm.generate([p], sp)[0].outputs[0]
+        assert t.outputs[0].token_ids == alone.token_ids
+        assert t.outputs[0].logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+        got = t.outputs[0].top_logprobs
+        assert [d.keys() for d in got] == [d.keys() for d in alone.top_logprobs]
+        assert [list(d.values()) for d in got] == [pytest.approx(list(d.values()), abs=1e-5)
+                                                   for d in alone.top_logprobs]
+        assert bool(got and got[0]) == bool(sp.logprobs)  # top-n only where asked for

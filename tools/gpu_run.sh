@@ -21,11 +21,13 @@ for stage in "$@"; do
     profile) python3 bench/profile_step.py --device cuda --out "$OUT/profile_step_h200.json" 2>&1 | grep -v USDT | tail -50 ;;
     profile128) python3 bench/profile_step.py --device cuda --batch 128 --steps 20 --out "$OUT/profile_step_h200_b128.json" 2>&1 | grep -v USDT | tail -50 ;;
     prefill) python3 bench/prefill.py --layers 4 --out "$OUT/prefill_h200.json" 2>&1 | grep "^{'seq" ;;
+    prof35p) python3 bench/profile_step.py --device cuda --model 35b --layers 8 --phase prefill --batch 256 --steps 6 --k 0 --out "$OUT/profile_35b_prefill.json" 2>&1 | grep -v USDT | tail -30 ;;
+    prof35d) python3 bench/profile_step.py --device cuda --model 35b --layers 8 --phase decode --batch 256 --steps 20 --k 0 --out "$OUT/profile_35b_decode.json" 2>&1 | grep -v USDT | tail -30 ;;
     offline32) python3 bench/offline.py --device cuda --dtype float32 --prompts 8 --out "$OUT/offline_h200_fp32.json" 2>&1 | tail -16 ;;
-    dp) python3 bench/dp.py --device cuda --requests 256 --max-tokens 64 --max-num-seqs 128 --repeats 3 --out "$OUT/dp_h200x2.json" 2>&1 | grep -A3 '"dp2_over\|"tokens_per_s"\|_step_ms' ;;
-    dpk) python3 bench/dp.py --device cuda --k 3 --requests 256 --max-tokens 64 --max-num-seqs 128 --repeats 3 --out "$OUT/dp_h200x2_k3.json" 2>&1 | grep -A3 '"dp2_over\|"tokens_per_s"\|_step_ms' ;;
-    dpsat) python3 bench/dp.py --device cuda --requests 1024 --max-tokens 64 --max-num-seqs 512 --repeats 2 --out "$OUT/dp_h200x2_sat.json" 2>&1 | grep -A3 '"dp2_over\|"tokens_per_s"\|_step_ms' ;;
-    dp35) python3 bench/dp.py --device cuda --model 35b --layers 8 --requests 512 --max-tokens 64 --max-num-seqs 256 --repeats 2 --out "$OUT/dp_h200x2_35b.json" 2>&1 | grep -A3 '"dp2_over\|"tokens_per_s"\|_step_ms' ;;
+    dp) python3 bench/dp.py --device cuda --requests 256 --max-tokens 64 --max-num-seqs 128 --repeats 3 --out "$OUT/dp_h200x2.json" 2>&1 | grep -A3 '"dp2_over\|"tokens_per_s"\|_step_ms\|graph_wait' ;;
+    dpk) python3 bench/dp.py --device cuda --k 3 --requests 256 --max-tokens 64 --max-num-seqs 128 --repeats 3 --out "$OUT/dp_h200x2_k3.json" 2>&1 | grep -A3 '"dp2_over\|"tokens_per_s"\|_step_ms\|graph_wait' ;;
+    dpsat) python3 bench/dp.py --device cuda --requests 1024 --max-tokens 64 --max-num-seqs 512 --repeats 2 --out "$OUT/dp_h200x2_sat.json" 2>&1 | grep -A3 '"dp2_over\|"tokens_per_s"\|_step_ms\|graph_wait' ;;
+    dp35) python3 bench/dp.py --device cuda --model 35b --layers 8 --requests 512 --max-tokens 64 --max-num-seqs 256 --repeats 2 --out "$OUT/dp_h200x2_35b.json" 2>&1 | grep -A3 '"dp2_over\|"tokens_per_s"\|_step_ms\|graph_wait' ;;
   esac
 done
 echo "=== end $(date +%T)"

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from mtp_ray.engine.inputs import StepInputs, UniformLayout, uniform_layout
+from mtp_ray.engine.sampler import argmax_logprob
 from mtp_ray.layers.context import ForwardBatch, UniformDecode
 from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
 
@@ -70,8 +71,8 @@ class CudaGraphs:
         v, n = self.views(b), b * self.q
         hidden = self.model(v["ids"], v["pos"], self._batch(v))  # [n, H]
         logits = self.model.compute_logits(hidden)  # [n, V] fp32
-        top, ids = logits.max(-1)
-        parts = [ids.view(b, self.q).double(), (top - logits.logsumexp(-1)).view(b, self.q).double()]
+        ids, lp = argmax_logprob(logits)  # [n] each
+        parts = [ids.view(b, self.q).double(), lp.view(b, self.q).double()]
         if self.k:
             match = ids.view(b, self.q)[:, : self.k] == v["ids"].view(b, self.q)[:, 1:]
             self.last[:b].copy_(match.long().cumprod(1).sum(1))

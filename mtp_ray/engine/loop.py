@@ -16,7 +16,7 @@ from mtp_ray.engine.inputs import build, build_uniform, dummy_inputs, is_uniform
 from mtp_ray.engine.outputs import OutputProcessor, StepOutput
 from mtp_ray.engine.request import Request, check_prompt
 from mtp_ray.engine.runner import ModelRunner
-from mtp_ray.engine.sampler import Row, logprob_info, sample_row
+from mtp_ray.engine.sampler import Row, logprob_info, reduce_rows, sample_row
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.engine.scheduler import Scheduled, Scheduler
 from mtp_ray.engine.sync import DPSync, LocalSync
@@ -51,7 +51,8 @@ class EngineCore:
                       "device_greedy_steps": 0, "uniform_steps": 0,
                       "mixed_batch_steps": 0, "graph_steps": 0,
                       "step_s": 0.0,  # wall time of the steps that ran a forward, host work included
-                      "graph_step_s": 0.0}  # the part of step_s spent in steps that replayed a CUDA graph
+                      "graph_step_s": 0.0,  # the part of step_s spent in steps that replayed a CUDA graph
+                      "graph_wait_s": 0.0}  # the part of graph_step_s the host waited for the device's results
         self.out = OutputProcessor(self.scheduler, self.requests, self.eos_ids, self.max_model_len, self.stats)
         if cfg.scheduler.max_num_batched_tokens < 1 + self.k:
             raise ValueError(f"scheduler.max_num_batched_tokens={cfg.scheduler.max_num_batched_tokens} cannot hold "
@@ -135,23 +136,22 @@ class EngineCore:
         if table.graph_size and (self.k == 0 or table.graph_drafts) and all(self._plain_greedy(s.req) for s in sched):
             return self._device_greedy(sched, table)
         rows = [r for rs in inp.logit_rows for r in rs]
-        if all_logits is not None:
-            logits = all_logits[rows].cpu()
-        else:
-            logits = self.runner.logits(hidden[rows]) if rows else None
-        g_ids: list[int] = []
-        g_lp: list[float] = []
-        logprobs = None
-        if logits is not None:  # one call each for the whole step: log-probs, and the argmax greedy rows take
-            logprobs = torch.log_softmax(logits, dim=-1)
-            top = logits.argmax(-1)
-            g_ids, g_lp = top.tolist(), logprobs.gather(1, top[:, None])[:, 0].tolist()
-        outputs, items, at = [], [], 0
+        fast = [self._plain_greedy(s.req) for s in sched]
+        sl = None
+        if rows:  # reduced on the device; only rows that sample or report top-n log-probs come to the host
+            logits = all_logits[rows] if all_logits is not None else self.runner.logits(hidden[rows])  # [N, V]
+            sl = reduce_rows(logits, [not f for f, lr in zip(fast, inp.logit_rows, strict=True) for _ in lr])
+        outputs, items, at, host_at = [], [], 0, 0
         for i, (s, start_row, lrows) in enumerate(zip(sched, inp.batch.cu_seqlens, inp.logit_rows, strict=False)):
-            n = len(lrows)
-            lg = (logits[at : at + n], logprobs[at : at + n], g_ids[at : at + n], g_lp[at : at + n]) if n else None
+            n, lg = len(lrows), None
+            if n:
+                full = lps = None
+                if not fast[i]:
+                    full, lps = sl.logits[host_at : host_at + n], sl.logprobs[host_at : host_at + n]
+                    host_at += n
+                lg = (full, lps, sl.ids[at : at + n], sl.lp[at : at + n])
             at += n
-            out, item = self._postprocess(s, lg, hidden[start_row : start_row + s.num_new], i)
+            out, item = self._postprocess(s, lg, hidden[start_row : start_row + s.num_new], i, fast[i])
             if out is not None:
                 outputs.append(out)
             if item is not None:
@@ -172,7 +172,9 @@ class EngineCore:
         self.stats["device_greedy_steps"] += 1
         if self.k:
             self.proposer.replay_graph(table)
+        t0 = time.perf_counter()
         res = self.runner.greedy_results(size, with_drafts=self.k > 0)
+        self.stats["graph_wait_s"] += time.perf_counter() - t0
         q, outputs = 1 + self.k, []
         for i, s in enumerate(sched):
             req, row = s.req, res[i]
@@ -231,15 +233,15 @@ class EngineCore:
             **self.meta_extra,
         )
 
-    def _postprocess(self, s: Scheduled, lg: tuple | None, hidden: torch.Tensor,
-                     index: int) -> tuple[StepOutput | None, DraftItem | None]:
+    def _postprocess(self, s: Scheduled, lg: tuple | None, hidden: torch.Tensor, index: int,
+                     fast: bool) -> tuple[StepOutput | None, DraftItem | None]:
         """lg: this sequence's rows as (logits, log-probs, argmax ids, their log-probs), or None for a non-last
-        prefill chunk. Plain greedy requests take the argmax as computed for the whole step."""
+        prefill chunk; logits and log-probs (host, fp32) only when not `fast`. Plain greedy (`fast`) requests
+        take the argmax as computed for the whole step on the device."""
         req, start = s.req, s.req.num_computed
         logits, logprobs, g_ids, g_lp = lg if lg is not None else (None, None, [], [])
-        fast = self._plain_greedy(req)
         if s.verify:
-            assert logits is not None
+            assert g_ids and (fast or logits is not None)
             k = len(req.drafts)
             if fast:  # accept while the draft is the target's argmax, then the argmax itself
                 a = next((i for i in range(k) if req.drafts[i] != g_ids[i]), k)
@@ -253,14 +255,15 @@ class EngineCore:
             req.num_computed = start + a + 1
             committed = a + 1  # the draft loop's step 1 may still run over all k + 1 rows (uniform batch)
         elif s.completes_prefill:
-            assert logits is not None
+            assert g_ids and (fast or logits is not None)
             committed = s.num_new
             if fast:
                 emitted = [g_ids[-1]]
             else:
-                emitted = [sample_row(logits[0], self._row(req, [], len(req.output_ids)), req.generator)]
+                emitted = [sample_row(logits[-1], self._row(req, [], len(req.output_ids)), req.generator)]
+                logprobs = logprobs[-1:]
+            g_lp = g_lp[-1:]
             req.num_computed = start + s.num_new
-            logprobs, g_lp = logprobs[-1:], g_lp[-1:]
         else:
             req.num_computed = start + s.num_new
             return None, DraftItem(req, start, hidden, False, index) if self.k else None

@@ -174,8 +174,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> [N, V] fp32 on the CPU (sampling runs there)."""
-        return self.model.compute_logits(hidden).cpu()
+        """[N, H] -> [N, V] fp32 on the model's device (reduce there; move only the rows sampling needs)."""
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def replay_target(self, inp: StepInputs, size: int) -> tuple[torch.Tensor, torch.Tensor]:

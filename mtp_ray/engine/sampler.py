@@ -64,6 +64,36 @@ def sample_row(logits: torch.Tensor, row: Row, gen: torch.Generator | None) -> i
     return draw(probs(x, row.params), gen)
 
 
+def argmax_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] fp32 -> argmax ids [N] (first max on ties) and their raw log-probs [N], computed where the
+    logits are: the graph steps and the eager steps reduce the same way."""
+    top, ids = logits.max(-1)
+    return ids, top - logits.logsumexp(-1)
+
+
+@dataclass
+class StepLogits:
+    """A step's logit rows, reduced on their device: every row's argmax and its log-prob; the full logits and
+    log-probs on the host only for the rows whose sampling needs them (in row order). Moving all of them costs:
+    128 prefill rows of a 248k vocabulary are 127 MB, 88 ms of device -> host copy on an H200 host."""
+
+    ids: list[int]
+    lp: list[float]
+    logits: torch.Tensor | None  # [N_host, V] fp32 on the CPU
+    logprobs: torch.Tensor | None  # [N_host, V] log_softmax of `logits`
+
+
+def reduce_rows(logits: torch.Tensor, host: list[bool]) -> StepLogits:
+    """logits: [N, V] fp32 on any device; host: per row, whether its full row is needed on the CPU."""
+    assert len(host) == logits.shape[0]
+    ids, lp = argmax_logprob(logits)
+    both = torch.stack([ids.double(), lp.double()]).cpu()  # [2, N]: one small copy (ids < 2^53 are exact)
+    sel = [i for i, h in enumerate(host) if h]
+    full = (logits if len(sel) == len(host) else logits[sel]).cpu() if sel else None
+    return StepLogits(both[0].long().tolist(), both[1].tolist(), full,
+                      torch.log_softmax(full, dim=-1) if full is not None else None)
+
+
 def logprob_info(lp: torch.Tensor, token: int, top_n: int | None) -> tuple[float, dict[int, float]]:
     """lp: [V] raw log-probabilities (log_softmax of the logits, computed for the whole step at once) ->
     logprob of `token` and the top_n alternatives {token: logprob}."""

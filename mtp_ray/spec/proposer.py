@@ -72,12 +72,7 @@ class MTPProposer:
             rows = [r for rs in inp.logit_rows for r in rs]
             h_last = h[rows] if live else self._dummy_hidden()  # [B, H]
             if live:
-                logits = self.runner.logits(h_last)
-                for b, it in enumerate(live):
-                    tok, q = self._draft(logits[b], it.req)
-                    drafts[b].append(tok)
-                    if q is not None:
-                        probs[b].append(q)
+                self._draft_rows(self.runner.logits(h_last), live, drafts, probs)
             if step + 1 == self.k:
                 break
             # next step: one token per live sequence, at the position after its last one
@@ -135,9 +130,18 @@ class MTPProposer:
         return torch.zeros(1, r.model_config.hidden_size, dtype=r.dtype, device=r.device)
 
     @staticmethod
-    def _draft(logits: torch.Tensor, req: Request) -> tuple[int, torch.Tensor | None]:
-        p = req.params
-        if p.greedy:
-            return int(logits.argmax().item()), None
-        q = torch.softmax(logits / p.temperature, dim=-1)
-        return draw(q, req.generator), q
+    def _draft_rows(logits: torch.Tensor, live: list[DraftItem], drafts: list[list[int]],
+                    probs: list[list[torch.Tensor]]) -> None:
+        """logits: [B, V] fp32 on the device, one row per live sequence. Greedy rows take the argmax there; only
+        sampled rows (whose draft distribution the rejection sampler needs) come to the host."""
+        greedy = logits.argmax(-1).tolist()
+        sampled = [b for b, it in enumerate(live) if not it.req.params.greedy]
+        host = dict(zip(sampled, logits[sampled].cpu(), strict=True)) if sampled else {}
+        for b, it in enumerate(live):
+            p = it.req.params
+            if p.greedy:
+                drafts[b].append(greedy[b])
+                continue
+            q = torch.softmax(host[b] / p.temperature, dim=-1)
+            drafts[b].append(draw(q, it.req.generator))
+            probs[b].append(q)
