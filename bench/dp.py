@@ -2,7 +2,7 @@
 handle), plus the per-step cost of the DPMeta gather and of a dummy forward measured inside the ranks.
 
     python bench/dp.py [--out bench/results/dp.json] [--requests 64] [--k 0] [--device cpu|cuda]
-                       [--max-num-seqs 64] [--repeats 1] [--model bundled|35b] [--layers 8]
+                       [--max-num-seqs 64] [--repeats 1] [--model bundled|35b] [--layers 8] [--profile-steps N]
 
 --model 35b: random weights (load_format dummy) at the Qwen3.5-35B-A3B shapes cut to --layers layers, so the
 steps are device-bound as on a real model (the bundled tiny model's steps are host-bound).
@@ -35,7 +35,7 @@ from decode import hf_config  # noqa: E402
 
 
 def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int, device: str, max_num_seqs: int,
-        repeats: int, model: dict) -> dict:
+        repeats: int, model: dict, profile_steps: int = 0) -> dict:
     cfg = {"spec": {"num_speculative_tokens": k}, "parallel": {"dp": dp}, "device": device,
            "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 4096}, **model}
     if "load_format" in model:  # real shapes: a short context keeps the graph block tables small
@@ -57,6 +57,14 @@ def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int, device: str,
         # one lone request: every other rank runs dummy forwards alongside it
         ray.get(h.generate.remote(prompts[1], params))
         lone = ray.get(h.get_stats.remote())["ranks"]
+        profiles = None
+        if profile_steps:  # the workload once more, its first steps profiled on every rank (after the timing)
+            workers = ray.get(h.worker_handles.remote())
+            refs = [w.profile_steps.remote(profile_steps) for w in workers]
+            time.sleep(0.5)  # the profilers are armed before the work arrives
+            gens = [h.generate.remote(p, params) for p in prompts]
+            profiles = ray.get(refs)
+            ray.get(gens)
     finally:
         ray.get(h.shutdown.remote())
     toks = sum(len(o["token_ids"]) for o in outs)
@@ -93,6 +101,7 @@ def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int, device: str,
         if steps > delta("graph_steps") else None,
         "lone_request_dummy_forwards": dummies,
         "dummy_forward_ms": round(1e3 * dummy_s / dummies, 3) if dummies else None,
+        **({"profile": profiles} if profiles else {}),
     }
 
 
@@ -107,6 +116,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--model", choices=["bundled", "35b"], default="bundled")
     ap.add_argument("--layers", type=int, default=8, help="--model 35b: layers kept of the 40")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after the timing: cProfile each rank's engine thread over N steps of one more run")
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if args.device == "cuda":
@@ -123,8 +134,8 @@ def main() -> None:
         model = {"model": str(tmp), "load_format": "dummy"}
         name = f"random Qwen3.5-35B-A3B shapes, {args.layers} layers"
     try:
-        rows = [run(dp, args.k, prompts, args.max_tokens, args.device, args.max_num_seqs, args.repeats, model)
-                for dp in (1, 2)]
+        rows = [run(dp, args.k, prompts, args.max_tokens, args.device, args.max_num_seqs, args.repeats, model,
+                    args.profile_steps) for dp in (1, 2)]
     finally:
         if "model" in model:
             shutil.rmtree(model["model"], ignore_errors=True)

@@ -91,6 +91,23 @@ def test_single_request_runs_dummy_forwards_on_idle_ranks(dp3_k3):
     assert dummies[0] < steps
 
 
+def test_rank_profiles_its_next_steps_through_the_worker_handle(dp3_k3):
+    """An operator's view of where a rank's step time goes: cProfile of the engine thread over its next N steps."""
+    import ray
+
+    workers = ray.get(dp3_k3.worker_handles.remote())
+    with pytest.raises(ray.exceptions.RayTaskError, match="steps must be > 0"):
+        ray.get(workers[0].profile_steps.remote(0))
+    refs = [w.profile_steps.remote(3) for w in workers]
+    time.sleep(0.3)
+    run(dp3_k3, PROMPTS[:2], [4, 4])
+    for rank, prof in enumerate(ray.get(refs, timeout=60)):
+        assert prof["rank"] == rank and set(prof) <= {"rank", "graph", "eager"}
+        assert sum(p["steps"] for k, p in prof.items() if k != "rank") == 3
+        eager = prof["eager"]  # CPU: no graphs
+        assert eager["step_ms"] > 0 and eager["functions"] and all(f["calls_per_step"] > 0 for f in eager["functions"])
+
+
 def test_chunked_prefill_decode_and_idle_in_one_step(dp3_k3):
     """Rank 0 decodes (k = 3) while rank 1 prefills a 100-token prompt in 16-token chunks and rank 2 idles."""
     before = {r["rank"]: r for r in stats(dp3_k3)["ranks"]}
@@ -166,6 +183,8 @@ def test_burst_of_1000_short_requests(ray_cluster):
         assert len(outs) == 1000 and all(len(o["token_ids"]) == 3 for o in outs)
         st = stats(h)
         assert st["health"]["restarts"] == 0 and st["health"]["healthy"]
+        calls = st["health"]["add_calls"]  # a burst reaches each rank in a few add_many calls, not one per request
+        assert all(c >= 1 for c in calls) and sum(calls) < 750, calls  # one call each: 1000
     finally:
         ray_cluster.get(h.shutdown.remote())
 

@@ -20,6 +20,7 @@ from mtp_ray.config.model import ModelConfig
 from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.request import check_prompt
 from mtp_ray.engine.sampling_params import SamplingParams
+from mtp_ray.serve.batcher import CallBatcher
 from mtp_ray.serve.group_commands import GroupCommands
 from mtp_ray.serve.protocol import unpack_step
 from mtp_ray.serve.worker import RankWorker
@@ -56,6 +57,8 @@ class EngineGroup(GroupCommands):
         self.workers: list = []
         self.reqs: dict[str, tuple[int, asyncio.Queue]] = {}
         self.load = [0] * self.dp
+        # new requests per rank: one add_many call for all that arrive while the previous one is in flight
+        self.adds = [CallBatcher(lambda items, r=r: self.workers[r].add_many.remote(items)) for r in range(self.dp)]
         self.progress = [(0, time.monotonic())] * self.dp  # (step, when it last advanced) per rank
         self.last_poll: list[dict] = [{} for _ in range(self.dp)]
         self.epoch = 0  # bumps on every (re)start; pollers of an older epoch exit
@@ -157,7 +160,7 @@ class EngineGroup(GroupCommands):
         self.load[rank] += 1
         finished = False
         try:
-            await self.workers[rank].add.remote(rid, list(prompt_ids), dataclasses.asdict(params))
+            await self.adds[rank].submit((rid, list(prompt_ids), dataclasses.asdict(params)))
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
@@ -262,6 +265,7 @@ class EngineGroup(GroupCommands):
         return {"healthy": self.state == "ready", "state": self.state, "restarts": self.restarts,
                 "sleeping": self.sleeping,
                 "in_flight": len(self.reqs), "load": list(self.load), "last_failure": self.last_failure,
+                "add_calls": [b.calls for b in self.adds],  # actor calls that carried new requests, per rank
                 "max_model_len": self.max_model_len,
                 "ranks": [{"step": p.get("step", 0), "wave": p.get("wave", 0), "counters": p.get("counters", {}),
                            "collectives": p.get("collectives", 0), "num_running": p.get("num_running", 0),

@@ -29,6 +29,7 @@ from mtp_ray.engine.runner import resolve_device
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.engine.sync import DPSync
 from mtp_ray.serve.protocol import pack_step
+from mtp_ray.serve.step_profile import StepProfiler
 
 log = logging.getLogger("mtp_ray.rank")
 
@@ -51,6 +52,7 @@ class RankWorker:
         self.update_groups: dict[str, object] = {}
         self.core: EngineCore | None = None
         self.ctx: DistContext | None = None
+        self.profiler = StepProfiler()
 
     # ---- set-up ----
     def rendezvous_address(self) -> tuple[str, int]:
@@ -81,7 +83,12 @@ class RankWorker:
 
     # ---- requests (any thread) ----
     def add(self, request_id: str, prompt_ids: list[int], params: dict) -> None:
-        self.inbox.put(("add", request_id, prompt_ids, SamplingParams.from_dict(params)))
+        self.add_many([(request_id, prompt_ids, params)])
+
+    def add_many(self, items: list[tuple[str, list[int], dict]]) -> None:
+        """Requests (id, prompt ids, sampling params as a dict), in arrival order: one actor call for a burst."""
+        for request_id, prompt_ids, params in items:
+            self.inbox.put(("add", request_id, prompt_ids, SamplingParams.from_dict(params)))
         self._want_wave(None)
 
     def abort(self, request_id: str) -> None:
@@ -134,6 +141,18 @@ class RankWorker:
                 "collectives": self.ctx.collectives if self.ctx else 0, "wave": self.wave,
                 "last_meta": self.ctx.local.describe() if self.ctx else ""}
 
+    def profile_steps(self, steps: int, timeout: float = 120.0) -> dict:
+        """cProfile the engine thread over its next `steps` steps that run (send work meanwhile); returns the
+        heaviest functions per step of each kind ("graph" replays, "eager"), or raises if the steps did not run
+        within `timeout` seconds."""
+        if steps <= 0:
+            raise ValueError(f"steps must be > 0, got {steps}")
+        self.profiler.start(steps)
+        if not self.profiler.done.wait(timeout):
+            self.profiler.left = 0  # stop profiling the steps that come later
+            raise TimeoutError(f"rank {self.rank}: {steps - self.profiler.left} of {steps} steps ran in {timeout:.0f}s")
+        return {"rank": self.rank, **self.profiler.result}
+
     def shutdown(self) -> None:
         self.stopped = True
         with self.cond:
@@ -157,7 +176,7 @@ class RankWorker:
                     self._drain_inbox()
                     with self.cond:
                         core.meta_extra = {"next_cmd": self.cmds[0][0] if self.cmds else 0}
-                    outs = core.step()
+                    outs = self.profiler.run(core)
                     sync.step += 1
                     if outs:
                         self._publish(pack_step(sync.step, outs))
