@@ -60,7 +60,7 @@ def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int, device: str,
         profiles = None
         if profile_steps:  # the workload once more, its first steps profiled on every rank (after the timing)
             workers = ray.get(h.worker_handles.remote())
-            refs = [w.profile_steps.remote(profile_steps) for w in workers]
+            refs = [w.profile_steps.remote(profile_steps, 120.0, device == "cuda") for w in workers]
             time.sleep(0.5)  # the profilers are armed before the work arrives
             gens = [h.generate.remote(p, params) for p in prompts]
             profiles = ray.get(refs)

@@ -98,12 +98,14 @@ def test_rank_profiles_its_next_steps_through_the_worker_handle(dp3_k3):
     workers = ray.get(dp3_k3.worker_handles.remote())
     with pytest.raises(ray.exceptions.RayTaskError, match="steps must be > 0"):
         ray.get(workers[0].profile_steps.remote(0))
-    refs = [w.profile_steps.remote(3) for w in workers]
+    refs = [w.profile_steps.remote(3, 60.0, rank == 1) for rank, w in enumerate(workers)]
     time.sleep(0.3)
     run(dp3_k3, PROMPTS[:2], [4, 4])
     for rank, prof in enumerate(ray.get(refs, timeout=60)):
-        assert prof["rank"] == rank and set(prof) <= {"rank", "graph", "eager"}
-        assert sum(p["steps"] for k, p in prof.items() if k != "rank") == 3
+        assert prof["rank"] == rank and set(prof) <= {"rank", "graph", "eager", "device"}
+        assert sum(p["steps"] for k, p in prof.items() if k in ("graph", "eager")) == 3
+        assert ("device" in prof) == (rank == 1)  # torch.profiler where asked: on the CPU its host ops
+        assert rank != 1 or (prof["device"]["steps"] == 3 and prof["device"]["ops"])
         eager = prof["eager"]  # CPU: no graphs
         assert eager["step_ms"] > 0 and eager["functions"] and all(f["calls_per_step"] > 0 for f in eager["functions"])
 

@@ -1,4 +1,5 @@
-"""StepProfiler: cProfile over a rank's next N engine steps, on demand, split into graph-replay and eager steps.
+"""StepProfiler: cProfile over a rank's next N engine steps, on demand, split into graph-replay and eager steps;
+optionally torch.profiler over the same steps for the device kernels (on a GPU: NCCL inside the graphs included).
 
 Wall-clock cProfile on the engine thread inside the rank actor, so time the thread spends waiting for the GIL
 (other actor threads: Ray task execution, polls) shows up inside the calls that released it (torch ops, device
@@ -27,10 +28,12 @@ class StepProfiler:
         self.counts: dict[str, int] = {}
         self.result: dict | None = None
         self.done = threading.Event()
+        self.device = False
+        self.tprof = None  # torch.profiler.profile over all the profiled steps (device=True)
 
-    def start(self, steps: int) -> None:
+    def start(self, steps: int, device: bool = False) -> None:
         assert steps > 0, "steps must be > 0"
-        self.stats, self.counts, self.result = {}, {}, None
+        self.stats, self.counts, self.result, self.device, self.tprof = {}, {}, None, device, None
         self.done.clear()
         self.left = steps  # last: the engine thread starts profiling once this is set
 
@@ -38,6 +41,9 @@ class StepProfiler:
         """One engine step (engine thread), profiled while steps are left."""
         if not self.left:
             return core.step()
+        if self.device and self.tprof is None:
+            self.tprof = _torch_profiler()
+            self.tprof.start()
         graphs, prof = core.stats.get("graph_steps", 0), cProfile.Profile()
         prof.enable()
         try:
@@ -53,7 +59,35 @@ class StepProfiler:
             self.left -= 1
             if not self.left:
                 self.result = {kind: summary(st, self.counts[kind]) for kind, st in self.stats.items()}
+                if self.tprof is not None:
+                    self.result["device"] = device_summary(self.tprof, sum(self.counts.values()))
                 self.done.set()
+
+
+def _torch_profiler():
+    import torch
+
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=acts)
+
+
+def device_summary(tprof, steps: int, top: int = 30) -> dict:
+    """The heaviest device kernels (self time) per step; on the CPU the heaviest host ops instead."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    tprof.stop()
+    ev = tprof.key_averages()
+    dev = [e for e in ev if getattr(e, "self_device_time_total", 0) > 0]
+    key = (lambda e: e.self_device_time_total) if dev else (lambda e: e.self_cpu_time_total)
+    rows = sorted(dev or ev, key=key, reverse=True)[:top]
+    return {"steps": steps, "on": "device" if dev else "host",
+            "busy_ms_per_step": round(sum(key(e) for e in (dev or ev)) / 1e3 / steps, 3),
+            "ops": [{"name": e.key[:90], "us_per_step": round(key(e) / steps, 2),
+                     "count_per_step": round(e.count / steps, 2)} for e in rows]}
 
 
 def summary(st: pstats.Stats, steps: int, top: int = 30) -> dict:

@@ -141,13 +141,13 @@ class RankWorker:
                 "collectives": self.ctx.collectives if self.ctx else 0, "wave": self.wave,
                 "last_meta": self.ctx.local.describe() if self.ctx else ""}
 
-    def profile_steps(self, steps: int, timeout: float = 120.0) -> dict:
+    def profile_steps(self, steps: int, timeout: float = 120.0, device: bool = False) -> dict:
         """cProfile the engine thread over its next `steps` steps that run (send work meanwhile); returns the
-        heaviest functions per step of each kind ("graph" replays, "eager"), or raises if the steps did not run
-        within `timeout` seconds."""
+        heaviest functions per step of each kind ("graph" replays, "eager"), with device=True also the heaviest
+        device kernels ("device"), or raises if the steps did not run within `timeout` seconds."""
         if steps <= 0:
             raise ValueError(f"steps must be > 0, got {steps}")
-        self.profiler.start(steps)
+        self.profiler.start(steps, device)
         if not self.profiler.done.wait(timeout):
             self.profiler.left = 0  # stop profiling the steps that come later
             raise TimeoutError(f"rank {self.rank}: {steps - self.profiler.left} of {steps} steps ran in {timeout:.0f}s")

@@ -1,0 +1,116 @@
+"""Host cost of a CUDA-graph decode step in-process vs inside a Ray actor, side by side in one run (CPU): the
+graph path of bench/host_step.py (replay a no-op) with each step's outputs packed for publishing, run (a) in this
+process, (b) in an engine thread of an actor
+nobody calls, (c) the same with the caller long-polling it for each step's packed outputs, as EngineGroup polls a
+RankWorker. The gap is what the actor's other threads (Ray task execution, the poll) cost the engine thread.
+
+    python bench/actor_step.py [--batch 128] [--steps 100] [--out bench/results/actor_step.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+import ray
+
+BENCH = str(Path(__file__).resolve().parent)
+
+
+def measure(batch: int, steps: int, notify=None) -> dict:
+    """host_step.measure with each step's outputs handed to `notify` (packed, as a RankWorker publishes them)."""
+    sys.path.insert(0, BENCH)
+    import host_step
+    import torch
+
+    from mtp_ray.engine.graphs import CudaGraphs
+    from mtp_ray.engine.loop import EngineCore
+    from mtp_ray.serve.protocol import pack_step
+
+    torch.set_num_threads(1)
+    CudaGraphs._capture = host_step._capture
+    if notify is not None:
+        step = EngineCore.step
+
+        def publishing_step(self):
+            out = step(self)
+            notify(pack_step(0, out))
+            return out
+
+        EngineCore.step = publishing_step
+    return host_step.measure(0, batch, steps)
+
+
+class Rank:
+    """The RankWorker's threading shape: an engine thread publishing per step, poll() on the actor's threads."""
+
+    def __init__(self):
+        self.cond, self.outbox, self.result = threading.Condition(), [], None
+
+    def _publish(self, msg: bytes) -> None:
+        with self.cond:
+            self.outbox.append(msg)
+            self.cond.notify_all()
+
+    def start(self, batch: int, steps: int) -> None:
+        def run():
+            try:
+                self.result = measure(batch, steps, self._publish)
+            except Exception as e:  # reported through poll
+                self.result = {"error": repr(e)}
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def poll(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not self.outbox and time.monotonic() < deadline:
+                self.cond.wait(max(0.0, deadline - time.monotonic()))
+            msgs, self.outbox = self.outbox, []
+        return {"msgs": len(msgs), "result": self.result}
+
+
+def in_actor(batch: int, steps: int, polled: bool) -> dict:
+    rank = ray.remote(max_concurrency=16)(Rank).remote()
+    try:
+        ray.get(rank.start.remote(batch, steps))
+        while True:
+            if polled:
+                r = ray.get(rank.poll.remote(0.5))
+            else:
+                time.sleep(0.5)
+                r = ray.get(rank.poll.remote(0.0))
+            if r["result"] is not None:
+                assert "error" not in r["result"], r["result"]
+                return r["result"]
+    finally:
+        ray.kill(rank)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--out", default="bench/results/actor_step.json")
+    args = ap.parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    local = measure(args.batch, args.steps, lambda msg: None)  # packs each step's outputs too, as the actors do
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    idle, polled = in_actor(args.batch, args.steps, False), in_actor(args.batch, args.steps, True)
+    out = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "batch": args.batch, "steps": args.steps,
+           "host_ms_per_step": {"in_process": local["host_ms_per_step"], "actor_idle": idle["host_ms_per_step"],
+                                "actor_polled": polled["host_ms_per_step"]}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(json.dumps(out, indent=1))
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
