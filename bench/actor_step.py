@@ -4,7 +4,7 @@ process, (b) in an engine thread of an actor
 nobody calls, (c) the same with the caller long-polling it for each step's packed outputs, as EngineGroup polls a
 RankWorker. The gap is what the actor's other threads (Ray task execution, the poll) cost the engine thread.
 
-    python bench/actor_step.py [--batch 128] [--steps 100] [--out bench/results/actor_step.json]
+    python bench/actor_step.py [--batch 128] [--steps 100] [--device-ms 0] [--out bench/results/actor_step.json]
 """
 
 from __future__ import annotations
@@ -23,14 +23,16 @@ import ray
 BENCH = str(Path(__file__).resolve().parent)
 
 
-def measure(batch: int, steps: int, notify=None) -> dict:
-    """host_step.measure with each step's outputs handed to `notify` (packed, as a RankWorker publishes them)."""
+def measure(batch: int, steps: int, notify=None, device_ms: float = 0.0) -> dict:
+    """host_step.measure with each step's outputs handed to `notify` (packed, as a RankWorker publishes them);
+    device_ms > 0: the wait for a graph step's results sleeps that long (GIL released, as in a CUDA sync)."""
     sys.path.insert(0, BENCH)
     import host_step
     import torch
 
     from mtp_ray.engine.graphs import CudaGraphs
     from mtp_ray.engine.loop import EngineCore
+    from mtp_ray.engine.runner import ModelRunner
     from mtp_ray.serve.protocol import pack_step
 
     torch.set_num_threads(1)
@@ -44,6 +46,14 @@ def measure(batch: int, steps: int, notify=None) -> dict:
             return out
 
         EngineCore.step = publishing_step
+    if device_ms:
+        results = ModelRunner.greedy_results
+
+        def waiting_results(self, size, with_drafts):
+            time.sleep(device_ms / 1e3)
+            return results(self, size, with_drafts)
+
+        ModelRunner.greedy_results = waiting_results
     return host_step.measure(0, batch, steps)
 
 
@@ -58,10 +68,10 @@ class Rank:
             self.outbox.append(msg)
             self.cond.notify_all()
 
-    def start(self, batch: int, steps: int) -> None:
+    def start(self, batch: int, steps: int, device_ms: float) -> None:
         def run():
             try:
-                self.result = measure(batch, steps, self._publish)
+                self.result = measure(batch, steps, self._publish, device_ms)
             except Exception as e:  # reported through poll
                 self.result = {"error": repr(e)}
 
@@ -76,10 +86,10 @@ class Rank:
         return {"msgs": len(msgs), "result": self.result}
 
 
-def in_actor(batch: int, steps: int, polled: bool) -> dict:
+def in_actor(batch: int, steps: int, polled: bool, device_ms: float) -> dict:
     rank = ray.remote(max_concurrency=16)(Rank).remote()
     try:
-        ray.get(rank.start.remote(batch, steps))
+        ray.get(rank.start.remote(batch, steps, device_ms))
         while True:
             if polled:
                 r = ray.get(rank.poll.remote(0.5))
@@ -97,13 +107,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--device-ms", type=float, default=0.0,
+                    help="a simulated device wait per graph step (sleep: the GIL is released, as in a CUDA sync)")
     ap.add_argument("--out", default="bench/results/actor_step.json")
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    local = measure(args.batch, args.steps, lambda msg: None)  # packs each step's outputs too, as the actors do
+    local = measure(args.batch, args.steps, lambda msg: None, args.device_ms)  # packs each step's outputs too
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    idle, polled = in_actor(args.batch, args.steps, False), in_actor(args.batch, args.steps, True)
+    idle = in_actor(args.batch, args.steps, False, args.device_ms)
+    polled = in_actor(args.batch, args.steps, True, args.device_ms)
     out = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "batch": args.batch, "steps": args.steps,
+           "device_ms": args.device_ms,
            "host_ms_per_step": {"in_process": local["host_ms_per_step"], "actor_idle": idle["host_ms_per_step"],
                                 "actor_polled": polled["host_ms_per_step"]}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
