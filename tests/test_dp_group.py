@@ -100,6 +100,8 @@ def test_rank_profiles_its_next_steps_through_the_worker_handle(dp3_k3):
         ray.get(workers[0].profile_steps.remote(0))
     refs = [w.profile_steps.remote(3, 60.0, rank == 1) for rank, w in enumerate(workers)]
     time.sleep(0.3)
+    with pytest.raises(ray.exceptions.RayTaskError, match="already running"):
+        ray.get(workers[0].profile_steps.remote(2))
     run(dp3_k3, PROMPTS[:2], [4, 4])
     for rank, prof in enumerate(ray.get(refs, timeout=60)):
         assert prof["rank"] == rank and set(prof) <= {"rank", "graph", "eager", "device"}

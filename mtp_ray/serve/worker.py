@@ -147,6 +147,8 @@ class RankWorker:
         device kernels ("device"), or raises if the steps did not run within `timeout` seconds."""
         if steps <= 0:
             raise ValueError(f"steps must be > 0, got {steps}")
+        if self.profiler.left:
+            raise ValueError(f"rank {self.rank}: a profile of {self.profiler.left} more steps is already running")
         self.profiler.start(steps, device)
         if not self.profiler.done.wait(timeout):
             self.profiler.left = 0  # stop profiling the steps that come later
