@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+FLA_CHUNK = 64  # the chunk length of fla's chunked gated delta rule (its default)
+
 
 @dataclass
 class UniformDecode:
@@ -66,10 +68,24 @@ class ForwardBatch:
     def device_lists(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """cu_seqlens [B + 1], context_lens [B], state_slots [B] (int64) on `device`, for the varlen kernels of a
         general batch: one host -> device copy per forward, cached here and shared by every attention and GDN
-        layer ("cuda" and "cuda:0" are one device here)."""
-        meta = self.rope_cache.get("varlen")
-        if meta is None or meta.device.type != torch.device(device).type:
-            meta = torch.tensor(self.cu_seqlens + list(self.context_lens) + list(self.state_slots), dtype=torch.long)
-            meta = self.rope_cache["varlen"] = meta.to(device)
-        b = self.num_seqs
-        return meta[: b + 1], meta[b + 1 : 2 * b + 1], meta[2 * b + 1 :]
+        layer ("cuda" and "cuda:0" are one device here). The same tensor objects on every call: fla caches what it
+        derives from cu_seqlens by identity."""
+        return self._device_meta(device)[:3]
+
+    def chunk_indices(self, device: torch.device) -> torch.Tensor:
+        """[num_chunks, 2] int64 (sequence, chunk within it) over FLA_CHUNK-token chunks of the new tokens: fla's
+        chunk_indices, built on the host and copied with device_lists, so that no GDN layer derives it on the
+        device (a device sync per layer: a repeat_interleave of device-side counts)."""
+        return self._device_meta(device)[3]
+
+    def _device_meta(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        cached = self.rope_cache.get("varlen")
+        if cached is None or cached[0].device.type != torch.device(device).type:
+            chunks = [x for b, n in enumerate(self.query_lens) for c in range(-(-n // FLA_CHUNK)) for x in (b, c)]
+            meta = torch.tensor(self.cu_seqlens + list(self.context_lens) + list(self.state_slots) + chunks,
+                                dtype=torch.long).to(device)
+            b = self.num_seqs
+            cached = (meta[: b + 1], meta[b + 1 : 2 * b + 1], meta[2 * b + 1 : 3 * b + 1],
+                      meta[3 * b + 1 :].view(-1, 2))
+            self.rope_cache["varlen"] = cached
+        return cached

@@ -127,7 +127,7 @@ class GatedDeltaNet(nn.Module):
         h0 = self.ssm_state.index_select(0, slots)  # [N, Hv, dk, dv] fp32
         h0 = torch.where(ctx[:, None, None, None] > 0, h0, torch.zeros((), dtype=h0.dtype, device=h0.device))
         core, final = chunk_fn(q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk), v.view(t, self.hv, self.dv),
-                               g, beta, self.dk**-0.5, h0, cu)
+                               g, beta, self.dk**-0.5, h0, cu, batch.chunk_indices(mixed.device))
         self.ssm_state.index_copy_(0, slots, final.to(self.ssm_state.dtype))
         return core  # [T, Hv, dv]
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mtp_ray.layers.context import FLA_CHUNK
+
 
 def recurrent_gated_delta(
     q: torch.Tensor,  # [n, Hv, dk]
@@ -99,12 +101,16 @@ def chunk_gated_delta_varlen(
     scale: float,
     initial_state: torch.Tensor,  # [N, Hv, dk, dv] fp32
     cu_seqlens: torch.Tensor,  # [N + 1]: sequence b owns rows cu[b] .. cu[b + 1]
+    chunk_indices: torch.Tensor,  # [NC, 2] (sequence, chunk) of each FLA_CHUNK-token chunk (fla's layout)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # o: [T, Hv, dv] in v's dtype, final states [N, Hv, dk, dv] fp32
-    """Reference for the varlen (fla) contract: the sequences one by one through chunk_gated_delta."""
+    """Reference for the varlen (fla) contract: the sequences one by one through chunk_gated_delta. The chunk
+    indices are not needed here; they are checked against cu_seqlens (what fla would derive from it)."""
     rep = v.shape[1] // q.shape[1]
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     final = torch.empty_like(initial_state, dtype=torch.float32)
     cu = cu_seqlens.tolist()
+    want = [[b, c] for b in range(len(cu) - 1) for c in range(-(-(cu[b + 1] - cu[b]) // FLA_CHUNK))]
+    assert chunk_indices.tolist() == want, "chunk_indices do not match cu_seqlens"
     for b in range(len(cu) - 1):
         s, e = cu[b], cu[b + 1]
         qb = l2norm(q[s:e].float()).repeat_interleave(rep, dim=1) * scale

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mtp_ray.layers.context import FLA_CHUNK
+
 log = logging.getLogger(__name__)
 
 
@@ -222,11 +224,13 @@ def fla_chunk() -> Callable | None:
 
 
 def chunk_varlen_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     scale: float, initial_state: torch.Tensor, cu_seqlens: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as gated_delta_ops.chunk_gated_delta_varlen, on fla's kernels (q / k L2-norm inside)."""
+                     scale: float, initial_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                     chunk_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as gated_delta_ops.chunk_gated_delta_varlen, on fla's kernels (q / k L2-norm inside); the
+    host-built chunk indices spare fla a device sync per call."""
     fn = fla_chunk()
     assert fn is not None
     o, final = fn(q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=initial_state,
-                  output_final_state=True, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+                  output_final_state=True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+                  chunk_size=FLA_CHUNK, use_qk_l2norm_in_kernel=True)
     return o[0], final
