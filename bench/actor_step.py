@@ -10,9 +10,7 @@ RankWorker. The gap is what the actor's other threads (Ray task execution, the p
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import threading
 import time
@@ -21,6 +19,8 @@ from pathlib import Path
 import ray
 
 BENCH = str(Path(__file__).resolve().parent)
+sys.path.insert(0, BENCH)
+from common import machine, write_json  # noqa: E402
 
 
 def measure(batch: int, steps: int, notify=None, device_ms: float = 0.0) -> dict:
@@ -116,13 +116,11 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     idle = in_actor(args.batch, args.steps, False, args.device_ms)
     polled = in_actor(args.batch, args.steps, True, args.device_ms)
-    out = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "batch": args.batch, "steps": args.steps,
+    out = {"machine": machine(), "batch": args.batch, "steps": args.steps,
            "device_ms": args.device_ms,
            "host_ms_per_step": {"in_process": local["host_ms_per_step"], "actor_idle": idle["host_ms_per_step"],
                                 "actor_polled": polled["host_ms_per_step"]}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
-    print(json.dumps(out, indent=1))
+    write_json(out, args.out)
     ray.shutdown()
 
 

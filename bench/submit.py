@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import queue
 import resource
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import ray
 
 from mtp_ray.serve.batcher import CallBatcher
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, write_json  # noqa: E402
 
 
 class Rank:
@@ -76,13 +78,11 @@ def main() -> None:
             rows[batched].append({"wall_ms": round(1e3 * wall, 1),
                                   "rank_cpu_ms": round(1e3 * (ray.get(rank.cpu_s.remote()) - c0), 1),
                                   "calls": calls})
-    out = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "requests": args.requests,
+    out = {"machine": machine(), "requests": args.requests,
            "one_call_per_request": rows[False], "call_batcher": rows[True],
            "median_rank_cpu_ms": {"one_call_per_request": statistics.median(r["rank_cpu_ms"] for r in rows[False]),
                                   "call_batcher": statistics.median(r["rank_cpu_ms"] for r in rows[True])}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
-    print(json.dumps(out, indent=1))
+    write_json(out, args.out)
     ray.shutdown()
 
 
