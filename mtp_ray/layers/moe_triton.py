@@ -3,8 +3,9 @@ can capture the MoE layer.
 
 The (token, slot) pairs are sorted by local expert; each expert's run of pairs is cut into tiles of BLOCK_M rows.
 The grid has a static upper bound of tiles (ceil(pairs / BLOCK_M) + experts); a program whose tile is empty does
-nothing. Two GEMMs (gate_up with gathered token rows, then down) with SwiGLU between; each pair's output is
-weighted, put back in pair order and summed over the top-k slots (no atomics: deterministic).
+nothing. Two GEMMs (gate_up with gathered token rows, then down) with SwiGLU between; the down GEMM weights each
+pair's output and stores it in pair order (one pass, no separate weighting / un-permute kernels), and the pairs are
+summed over the top-k slots (no atomics: deterministic).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import triton.language as tl
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, w_ptr, c_ptr, rows_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+    a_ptr, w_ptr, c_ptr, rows_ptr, out_rows_ptr, scale_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
     N, K, stride_am, stride_we, stride_wn, stride_wk, stride_cm,
-    GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    GATHER: tl.constexpr, SCATTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):
     t = tl.program_id(0)
     r0 = tl.load(tile_start_ptr + t)
@@ -45,23 +47,33 @@ def _grouped_gemm_kernel(
                 acc += tl.dot(a, w, input_precision="ieee")
             else:
                 acc += tl.dot(a, w)
-        tl.store(c_ptr + r[:, None].to(tl.int64) * stride_cm + n[None, :], acc.to(c_ptr.dtype.element_ty),
-                 mask=rm[:, None] & nm[None, :])
+        out = acc.to(c_ptr.dtype.element_ty)
+        crow = r.to(tl.int64)
+        if SCATTER:  # weighted, into the pair's own row: round, then weight and round, as torch's y * w would
+            sc = tl.load(scale_ptr + r, mask=rm, other=0.0).to(tl.float32)
+            out = (out.to(tl.float32) * sc[:, None]).to(c_ptr.dtype.element_ty)
+            crow = tl.load(out_rows_ptr + r, mask=rm, other=0).to(tl.int64)
+        tl.store(c_ptr + crow[:, None] * stride_cm + n[None, :], out, mask=rm[:, None] & nm[None, :])
 
 
-def _gemm(a: torch.Tensor, w: torch.Tensor, rows: torch.Tensor | None, tiles: tuple, num_rows: int, bm: int
-          ) -> torch.Tensor:
-    """c[r] = a[rows[r] or r] @ w[expert(r)].T for every row r covered by a tile. a: [*, K]; w: [E, N, K]."""
+def _gemm(a: torch.Tensor, w: torch.Tensor, rows: torch.Tensor | None, tiles: tuple, num_rows: int, bm: int,
+          scatter: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """c[r] = a[rows[r] or r] @ w[expert(r)].T for every row r covered by a tile. a: [*, K]; w: [E, N, K].
+    scatter = (out_rows, scale): c[out_rows[r]] = round(round(a @ w.T) * scale[r]) instead, into a zeroed c (rows
+    no tile covers stay zero)."""
     tile_expert, r0, r1 = tiles
     n_out, k_in = w.shape[1], w.shape[2]
-    c = torch.empty(num_rows, n_out, dtype=a.dtype, device=a.device)
+    alloc = torch.zeros if scatter is not None else torch.empty
+    c = alloc(num_rows, n_out, dtype=a.dtype, device=a.device)
     ieee = a.dtype == torch.float32
     bn, bk = 64, 32 if ieee else 64
     grid = (tile_expert.numel(), triton.cdiv(n_out, bn))
+    out_rows, scale = scatter if scatter is not None else (r0, r0)
     _grouped_gemm_kernel[grid](
-        a, w, c, rows if rows is not None else r0, tile_expert, r0, r1,
+        a, w, c, rows if rows is not None else r0, out_rows, scale, tile_expert, r0, r1,
         n_out, k_in, a.stride(0), w.stride(0), w.stride(1), w.stride(2), c.stride(0),
-        GATHER=rows is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee, num_warps=4,
+        GATHER=rows is not None, SCATTER=scatter is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee,
+        num_warps=4,
     )
     return c
 
@@ -95,8 +107,7 @@ def fused_experts(
     tiles = (tile_expert, torch.where(live, r0, 0), torch.where(live, r1, 0))
     h = _gemm(x, gate_up, order // topk, tiles, pairs, bm)  # [P, 2I] in sorted order
     gate, up = h.chunk(2, dim=-1)
-    y = _gemm((F.silu(gate) * up).contiguous(), down, None, tiles, pairs, bm)  # [P, H]
-    w_sorted = topk_w.reshape(-1)[order].to(y.dtype)
-    # rows of foreign experts were never written: select, never multiply, so garbage cannot leak in
-    y = torch.where(valid[order][:, None], y * w_sorted[:, None], torch.zeros((), dtype=y.dtype, device=y.device))
-    return torch.empty_like(y).index_copy_(0, order, y).view(t, topk, y.shape[-1]).sum(1)
+    w_sorted = topk_w.reshape(-1)[order].to(x.dtype)  # [P] weight of each sorted pair
+    # down GEMM weighted and written back in pair order; pairs of foreign experts get no tile and stay zero
+    y = _gemm((F.silu(gate) * up).contiguous(), down, None, tiles, pairs, bm, (order, w_sorted))  # [P, H]
+    return y.view(t, topk, y.shape[-1]).sum(1)
