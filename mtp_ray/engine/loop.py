@@ -133,10 +133,10 @@ class EngineCore:
         if not sched:  # a dummy forward: keep the group in lock-step through the draft loop too
             self.proposer.propose([], table)
             return []
-        if table.graph_size and (self.k == 0 or table.graph_drafts) and all(self._plain_greedy(s.req) for s in sched):
+        fast = [self._plain_greedy(s.req) for s in sched]
+        if table.graph_size and (self.k == 0 or table.graph_drafts) and all(fast):
             return self._device_greedy(sched, table)
         rows = [r for rs in inp.logit_rows for r in rs]
-        fast = [self._plain_greedy(s.req) for s in sched]
         sl = None
         if rows:  # reduced on the device; only rows that sample or report top-n log-probs come to the host
             logits = all_logits[rows] if all_logits is not None else self.runner.logits(hidden[rows])  # [N, V]
