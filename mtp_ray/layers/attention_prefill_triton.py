@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mtp_ray.layers.attention_triton import _attend, _store_out
+
 
 @triton.jit
 def _find_seq(cu_ptr, pid, num_seqs, TOK_M: tl.constexpr):
@@ -35,40 +37,6 @@ def _find_seq(cu_ptr, pid, num_seqs, TOK_M: tl.constexpr):
         else:
             hi = mid
     return lo - 1
-
-
-@triton.jit
-def _attend(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr, kvh, d, d_ok, limit, lo, hi, width, stride_ks, stride_kh,
-            scale, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, CAUSAL: tl.constexpr):
-    """Online softmax of the tile's rows over keys [lo, hi); CAUSAL: mask key p of row r unless p <= limit[r]."""
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-        idx = pos // BLOCK_SIZE
-        # idx < width only matters for a dummy forward (table [1, 1], any number of tokens): it reads block 0
-        blk = tl.load(bt_ptr + idx, mask=(pos < hi) & (idx < width), other=0)
-        slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-        kv_off = slot[:, None] * stride_ks + kvh * stride_kh + d[None, :]  # [BLOCK_N, BLOCK_D]
-        kv_mask = (pos < hi)[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-        if IEEE:  # fp32 inputs: match the fp32 torch reference (no TF32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale  # [BLOCK_M, BLOCK_N] fp32
-        if CAUSAL:  # also masks pos >= hi (hi - 1 is the tile's last limit)
-            s = tl.where(pos[None, :] <= limit[:, None], s, float("-inf"))
-        # every row sees key 0 in the first block, so m_i is finite from then on: no -inf - -inf
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    return m_i, l_i, acc
 
 
 @triton.jit
@@ -108,13 +76,8 @@ def _paged_prefill_kernel(
                             stride_kh, scale, BLOCK_SIZE, BLOCK_N, IEEE, False)
     m_i, l_i, acc = _attend(q, m_i, l_i, acc, k_ptr, v_ptr, bt, kvh, d, d_ok, limit, full, hi, width, stride_ks,
                             stride_kh, scale, BLOCK_SIZE, BLOCK_N, IEEE, True)
-    dt = o_ptr.dtype.element_ty
-    out = (acc / l_i[:, None]).to(dt)
-    if GATE:  # the layer's sigmoid output gate, rounded as `o * torch.sigmoid(gate)`
-        g = tl.load(g_ptr + tok[:, None] * stride_gt + head[:, None] * stride_gh + d[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        out = (out.to(tl.float32) * tl.sigmoid(g).to(dt).to(tl.float32)).to(dt)
-    tl.store(o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], out, mask=mask)
+    _store_out(o_ptr, g_ptr, acc / l_i[:, None], tok, head, mask, d, stride_ot, stride_oh, stride_gt, stride_gh,
+               GATE)
 
 
 def paged_prefill_attention(

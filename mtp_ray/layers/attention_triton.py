@@ -14,16 +14,53 @@ import triton.language as tl
 
 
 @triton.jit
-def _store_out(o_ptr, g_ptr, out, b, j, head, d, row_ok, d_ok, stride_ot, stride_oh, stride_gt, stride_gh,
-               Q_LEN: tl.constexpr, GATE: tl.constexpr):
+def _store_out(o_ptr, g_ptr, out, tok, head, mask, d, stride_ot, stride_oh, stride_gt, stride_gh, GATE: tl.constexpr):
+    """out [rows, D] fp32 -> o[tok, head] in o's dtype; GATE: times the layer's sigmoid output gate, rounded as
+    `o * torch.sigmoid(gate)`. tok / head: [rows] flat token row and query head of each row."""
     dt = o_ptr.dtype.element_ty
     out = out.to(dt)
-    if GATE:  # the layer's sigmoid output gate, rounded as `o * torch.sigmoid(gate)`
-        g = tl.load(g_ptr + (b * Q_LEN + j)[:, None] * stride_gt + head[:, None] * stride_gh + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    if GATE:
+        g = tl.load(g_ptr + tok[:, None] * stride_gt + head[:, None] * stride_gh + d[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
         out = (out.to(tl.float32) * tl.sigmoid(g).to(dt).to(tl.float32)).to(dt)
-    tl.store(o_ptr + (b * Q_LEN + j)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], out, mask=mask)
+
+
+@triton.jit
+def _attend(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr, kvh, d, d_ok, limit, lo, hi, width, stride_ks, stride_kh,
+            scale, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, CAUSAL: tl.constexpr):
+    """Online softmax of a tile's rows (q [rows, D]) over keys [lo, hi) of one sequence (bt_ptr: its block table,
+    `width` entries); CAUSAL: key p of row r is masked unless p <= limit[r] (and p < hi). Without CAUSAL every key
+    of [lo, hi) is seen: hi - lo must then be a multiple of BLOCK_N. Shared by the decode and prefill kernels."""
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        pos_ok = pos < hi
+        idx = pos // BLOCK_SIZE
+        # idx < width only matters for a dummy forward (table [1, 1], any number of tokens): it reads block 0
+        blk = tl.load(bt_ptr + idx, mask=pos_ok & (idx < width), other=0)
+        slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        kv_off = slot[:, None] * stride_ks + kvh * stride_kh + d[None, :]  # [BLOCK_N, BLOCK_D]
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        if IEEE:  # fp32 inputs: match the fp32 torch reference (no TF32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale  # [rows, BLOCK_N] fp32
+        if CAUSAL:
+            s = tl.where((pos[None, :] <= limit[:, None]) & pos_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row may see no key of a split's block
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -56,34 +93,11 @@ def _paged_decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        pos_ok = pos < hi
-        blk = tl.load(bt_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=pos_ok, other=0)
-        slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-        kv_off = slot[:, None] * stride_ks + kvh * stride_kh + d[None, :]
-        kv_mask = pos_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale
-        s = tl.where((pos[None, :] <= limit[:, None]) & pos_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row may see no key of a split's block
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    m_i, l_i, acc = _attend(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr + b * stride_bt, kvh, d, d_ok, limit, lo, hi,
+                            stride_bt, stride_ks, stride_kh, scale, BLOCK_SIZE, BLOCK_N, IEEE, True)
     if SPLITS == 1:
-        _store_out(o_ptr, g_ptr, acc / l_i[:, None], b, j, head, d, row_ok, d_ok, stride_ot, stride_oh, stride_gt,
-                   stride_gh, Q_LEN, GATE)
+        _store_out(o_ptr, g_ptr, acc / l_i[:, None], b * Q_LEN + j, head, row_ok[:, None] & d_ok[None, :], d,
+                   stride_ot, stride_oh, stride_gt, stride_gh, GATE)
     else:  # partial results, merged by _combine_kernel
         base = (b * tl.num_programs(1) + kvh) * SPLITS + split
         tl.store(ml_ptr + (2 * base) * BLOCK_M + rows, m_i)
@@ -119,8 +133,8 @@ def _combine_kernel(part_ptr, ml_ptr, o_ptr, g_ptr, stride_ot, stride_oh, stride
         l_sum = l_sum * alpha + l_s * beta
         acc = acc * alpha[:, None] + a_s * beta[:, None]
         m = m_new
-    _store_out(o_ptr, g_ptr, acc / l_sum[:, None], b, j, head, d, row_ok, d_ok, stride_ot, stride_oh, stride_gt,
-               stride_gh, Q_LEN, GATE)
+    _store_out(o_ptr, g_ptr, acc / l_sum[:, None], b * Q_LEN + j, head, row_ok[:, None] & d_ok[None, :], d,
+               stride_ot, stride_oh, stride_gt, stride_gh, GATE)
 
 
 def paged_decode_attention(
