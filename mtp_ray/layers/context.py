@@ -17,6 +17,11 @@ import torch
 FLA_CHUNK = 64  # the chunk length of fla's chunked gated delta rule (its default)
 
 
+def fla_chunks(lens: list[int]) -> list[tuple[int, int]]:
+    """(sequence, chunk within it) of every FLA_CHUNK-token chunk of sequences of `lens` tokens: fla's layout."""
+    return [(b, c) for b, n in enumerate(lens) for c in range(-(-n // FLA_CHUNK))]
+
+
 @dataclass
 class UniformDecode:
     """Decode (q_len = 1) or MTP verify (q_len = k + 1) batch; padded rows point at block 0 / state slot 0."""
@@ -81,7 +86,7 @@ class ForwardBatch:
     def _device_meta(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         cached = self.rope_cache.get("varlen")
         if cached is None or cached[0].device.type != torch.device(device).type:
-            chunks = [x for b, n in enumerate(self.query_lens) for c in range(-(-n // FLA_CHUNK)) for x in (b, c)]
+            chunks = [x for pair in fla_chunks(self.query_lens) for x in pair]
             meta = torch.tensor(self.cu_seqlens + list(self.context_lens) + list(self.state_slots) + chunks,
                                 dtype=torch.long).to(device)
             b = self.num_seqs

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mtp_ray.layers.context import FLA_CHUNK
+from mtp_ray.layers.context import fla_chunks
 
 
 def recurrent_gated_delta(
@@ -101,7 +101,7 @@ def chunk_gated_delta_varlen(
     scale: float,
     initial_state: torch.Tensor,  # [N, Hv, dk, dv] fp32
     cu_seqlens: torch.Tensor,  # [N + 1]: sequence b owns rows cu[b] .. cu[b + 1]
-    chunk_indices: torch.Tensor,  # [NC, 2] (sequence, chunk) of each FLA_CHUNK-token chunk (fla's layout)
+    chunk_indices: torch.Tensor,  # [NC, 2] (sequence, chunk) of each fla chunk (context.fla_chunks)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # o: [T, Hv, dv] in v's dtype, final states [N, Hv, dk, dv] fp32
     """Reference for the varlen (fla) contract: the sequences one by one through chunk_gated_delta. The chunk
     indices are not needed here; they are checked against cu_seqlens (what fla would derive from it)."""
@@ -109,8 +109,8 @@ def chunk_gated_delta_varlen(
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     final = torch.empty_like(initial_state, dtype=torch.float32)
     cu = cu_seqlens.tolist()
-    want = [[b, c] for b in range(len(cu) - 1) for c in range(-(-(cu[b + 1] - cu[b]) // FLA_CHUNK))]
-    assert chunk_indices.tolist() == want, "chunk_indices do not match cu_seqlens"
+    want = fla_chunks([e - s for s, e in zip(cu[:-1], cu[1:], strict=True)])
+    assert [tuple(x) for x in chunk_indices.tolist()] == want, "chunk_indices do not match cu_seqlens"
     for b in range(len(cu) - 1):
         s, e = cu[b], cu[b + 1]
         qb = l2norm(q[s:e].float()).repeat_interleave(rep, dim=1) * scale
