@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from mtp_ray import LLM, SamplingParams
+from mtp_ray.serve.step_profile import summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import hf_config  # noqa: E402
@@ -95,11 +96,7 @@ def profile(k: int, args: argparse.Namespace, model_kw: dict) -> dict:
     steps = work.run(args.steps)
     sync()
     prof.disable()
-    st = pstats.Stats(prof)
-    rows = sorted(((v[2], v[3], v[1], f"{Path(fn[0]).name}:{fn[1]}:{fn[2]}") for fn, v in st.stats.items()),
-                  reverse=True)[:25]
-    host = [{"fn": r[3], "own_ms_per_step": round(1e3 * r[0] / steps, 4),
-             "cum_ms_per_step": round(1e3 * r[1] / steps, 4), "calls_per_step": round(r[2] / steps, 2)} for r in rows]
+    host = summary(pstats.Stats(prof), steps, top=25)["functions"]
     # device kernels and torch ops
     acts = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
