@@ -74,6 +74,17 @@ def test_dp_outputs_equal_dp1(ray_cluster, ref, dp, k, draft_gathers):
         ray_cluster.get(h.shutdown.remote())
 
 
+def test_group_of_one_computes_experts_in_place(ray_cluster, ref):
+    """A dp = 1 group owns every expert: same tokens as the plain engine and no EP exchange with itself."""
+    h = launch_engine(cfg(1, 2))
+    try:
+        assert [r["token_ids"] for r in run(h, PROMPTS, MAX_TOKENS)] == ref
+        (rank,) = stats(h)["ranks"]
+        assert rank["forwards"] > 0 and rank["collectives"] == 0
+    finally:
+        ray_cluster.get(h.shutdown.remote())
+
+
 def test_dp3_mtp3_outputs_equal_dp1(dp3_k3, ref):
     assert [r["token_ids"] for r in run(dp3_k3, PROMPTS, MAX_TOKENS)] == ref
 

@@ -28,6 +28,7 @@ from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.runner import resolve_device
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.engine.sync import DPSync
+from mtp_ray.layers.moe import local_dispatch
 from mtp_ray.serve.protocol import pack_step
 from mtp_ray.serve.step_profile import StepProfiler
 
@@ -72,7 +73,11 @@ class RankWorker:
         self.peers = [p for i, p in enumerate(peers) if i != self.rank]
         sync = DPSync(self.ctx, draft_gathers=c.parallel.draft_gathers, group_turns=c.parallel.group_turns)
         expert_range = expert_ranges(self.ctx.num_experts, self.world)[self.rank]
+        # a group of one owns every expert: the layer computes them in place (no exchange with itself, no
+        # header syncs, and the fused small-batch path), as a plain engine does
         dispatch = make_dispatcher(c.parallel.ep_backend, self.ctx, mc.hidden_size, mc.num_experts_per_tok)
+        if self.world == 1:
+            dispatch = local_dispatch
         self.core = EngineCore(c, expert_range, dispatch, sync)
         self.ctx.barrier()
         self.core.warmup()

@@ -36,19 +36,24 @@ class TorchAllToAll:
         dest = self.owner[topk_ids.reshape(-1)]  # [T*k] owning rank of each (token, expert) pair
         counts = torch.zeros(self.ctx.world, dtype=torch.long, device=x.device).scatter_add_(
             0, dest, torch.ones_like(dest))
-        recv_counts = None
+        splits = None
         if mode != EP_LOW_LATENCY or (self.ctx.check_collectives and not graph):
-            recv_counts = self._header(mode, counts)
+            splits = self._header(mode, counts)
         if mode == EP_LOW_LATENCY:
             return self._low_latency(x, topk_ids, topk_w, experts, dest, counts)
-        return self._normal(x, topk_ids, topk_w, experts, dest, counts, recv_counts)
+        assert splits is not None
+        return self._normal(x, topk_ids, topk_w, experts, dest, *splits)
 
-    def _header(self, mode: int, counts: torch.Tensor) -> torch.Tensor:
-        """Exchange (mode, rows) with every rank; every rank checks that all took the gathered mode."""
+    def _header(self, mode: int, counts: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Exchange (mode, rows) with every rank; every rank checks that all took the gathered mode. Returns the
+        (send, receive) row counts per rank on the host, fetched in one copy: each device -> host read is a sync
+        that drains the launch queue, so a MoE layer in the normal protocol pays exactly one."""
+        world = self.ctx.world
         send = torch.stack([torch.full_like(counts, mode), counts], dim=1)  # [world, 2]
         recv = torch.empty_like(send)
         self._a2a(recv, send)
-        modes = recv[:, 0].tolist()
+        host = torch.cat([recv.reshape(-1), counts]).tolist()  # [world*2 received (mode, rows) | world sent rows]
+        modes, recv_n, send_n = host[0 : 2 * world : 2], host[1 : 2 * world : 2], host[2 * world :]
         decided = self.ctx.forward.ep_mode
         bad = [r for r, m in enumerate(modes) if m != decided]
         if bad:
@@ -56,14 +61,13 @@ class TorchAllToAll:
                 f"EP mode disagreement seen by rank {self.ctx.rank}: the gathered DPMeta decided "
                 f"{EP_MODE_NAMES[decided]}, but " + ", ".join(f"rank {r} used {EP_MODE_NAMES[modes[r]]}" for r in bad)
                 + f"\n{self.ctx.forward.describe()}")
-        return recv[:, 1]
+        return send_n, recv_n
 
-    def _normal(self, x, topk_ids, topk_w, experts, dest, send_counts, recv_counts):
+    def _normal(self, x, topk_ids, topk_w, experts, dest, send_n: list[int], recv_n: list[int]):
         t, k = topk_ids.shape
         ids = topk_ids.reshape(-1)  # [T*k]
         order = torch.argsort(dest, stable=True)
         token = (torch.arange(t * k, device=x.device) // k)[order]  # source token of each sent row
-        send_n, recv_n = send_counts.tolist(), recv_counts.tolist()
         x_recv = x.new_empty(sum(recv_n), x.shape[1])
         self._a2a(x_recv, x[token].contiguous(), recv_n, send_n)
         # expert id and weight travel together; float64 holds both exactly
