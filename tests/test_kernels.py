@@ -175,6 +175,37 @@ def test_fused_experts(dtype, tol, t, e, topk, h, inter, start, path):
 
 @needs_device
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("e,m,h,inter,counts", [(4, 12, 64, 32, (3, 0, 12, 1)),
+                                                (8, 40, 128, 64, (40, 7, 0, 0, 33, 2, 9, 17))])
+def test_expert_major_experts(dtype, tol, e, m, h, inter, counts):
+    """DeepEP's low-latency layout [E, M, H]: valid rows first in each expert's block; padding rows hold garbage
+    (NaN here) and must come back zero without touching the valid rows."""
+    from mtp_ray.layers.moe import Experts
+    from mtp_ray.layers.moe_triton import expert_major_experts
+
+    g = torch.Generator().manual_seed(e * 31 + m)
+    ex = Experts(h, inter, 0, e)
+    with torch.no_grad():
+        ex.gate_up_proj.copy_(torch.randn(e, 2 * inter, h, generator=g) * h**-0.5)
+        ex.down_proj.copy_(torch.randn(e, h, inter, generator=g) * inter**-0.5)
+    cnt = torch.tensor(counts, dtype=torch.int32)
+    x = torch.full((e, m, h), float("nan"))
+    for i, n in enumerate(counts):
+        x[i, :n] = torch.randn(n, h, generator=g)
+    with torch.no_grad():
+        ref = ex.float().expert_major(x, cnt, sum(counts))
+    ex = ex.to(DEVICE, dtype)
+    with torch.no_grad():
+        out = expert_major_experts(x.to(DEVICE, dtype), cnt.to(DEVICE), ex.gate_up_proj, ex.down_proj,
+                                   sum(counts) + 5).cpu()
+    assert torch.isfinite(out).all()
+    assert _rel(out.float(), ref) < tol
+    for i, n in enumerate(counts):
+        assert (out[i, n:] == 0).all()
+
+
+@needs_device
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("rows,d", [(1, 128), (7, 2048), (33, 96)])
 def test_rms_norms(dtype, tol, rows, d):
     from mtp_ray.layers.norm import GatedRMSNorm, RMSNorm

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +50,7 @@ class DistContext:
     last_ep_mode: int = 0
     inject_ep_flip: bool = False  # test hook: this rank deliberately takes the other EP mode
     check_collectives: bool = True
+    on_forward: Callable[[Gathered], None] | None = None  # the EP backend's hook, called by set_forward
 
     @property
     def expert_range(self) -> tuple[int, int]:
@@ -77,6 +79,13 @@ class DistContext:
         local.ep_mode = self.last_ep_mode
         self.local = local
         return gather(local, self.cpu_group, self.world, self.rank, self.check_collectives)
+
+    def set_forward(self, table: Gathered) -> None:
+        """The gathered table of the forward about to run (eager or a graph replay); the EP backend sees it first
+        (DeepEP cleans its low-latency buffers when the group moves from the normal protocol to low-latency)."""
+        self.forward = table
+        if self.on_forward is not None:
+            self.on_forward(table)
 
     def barrier(self) -> None:
         import torch.distributed as dist

@@ -60,6 +60,10 @@ class Gathered:
 
     ranks: tuple[DPMeta, ...]
     graph_size: int = 0  # > 0: every rank replays the CUDA graph of this batch size (DP-wide padding)
+    # tokens per rank the EP backend's low-latency buffers hold (config, the same on every rank): 0 unbounded
+    # (torch backend), > 0 a global decode batch larger than this takes the normal protocol (and no graph),
+    # -1 never low-latency (the draft forwards of a step whose target forward took the normal protocol)
+    ll_max_tokens: int = 0
 
     @property
     def world(self) -> int:
@@ -90,13 +94,14 @@ class Gathered:
 
     @property
     def ep_mode(self) -> int:
-        return EP_LOW_LATENCY if self.global_decode else EP_NORMAL
+        fits = self.ll_max_tokens == 0 or self.max_num_tokens <= self.ll_max_tokens
+        return EP_LOW_LATENCY if self.global_decode and fits else EP_NORMAL
 
     def pick_graph_size(self, sizes: tuple[int, ...]) -> int:
         """The graph batch size of this forward: the smallest captured size that holds the largest batch of any
         rank, when every rank runs a uniform decode batch (or a dummy); 0: eager."""
-        if not sizes or not self.global_decode or not all(m.graph_ok for m in self.ranks):
-            return 0
+        if not sizes or self.ep_mode != EP_LOW_LATENCY or not all(m.graph_ok for m in self.ranks):
+            return 0  # a graph captures the low-latency exchange: no host sync, fixed shapes
         need = max(m.batch_size for m in self.ranks)
         return next((b for b in sorted(sizes) if b >= need), 0)
 
@@ -145,8 +150,16 @@ def draft_tables(target: Gathered) -> tuple[Gathered, Gathered]:
     over the rows the target step committed (at most its num_tokens); steps 2..k over one token per sequence
     that drafts (at most its batch_size; 1 for a dummy)."""
     first = replace(target, graph_size=0)
-    later = Gathered(tuple(replace(m, num_tokens=max(m.batch_size, 1)) for m in target.ranks))
+    later = Gathered(tuple(replace(m, num_tokens=max(m.batch_size, 1)) for m in target.ranks),
+                     ll_max_tokens=pinned_ll_max_tokens(target))
+    assert first.ep_mode == later.ep_mode == target.ep_mode or later.all_dummy
     return first, later
+
+
+def pinned_ll_max_tokens(target: Gathered) -> int:
+    """The capacity a draft table carries so that it keeps the target's EP mode (rule 4) although it feeds fewer
+    tokens: a target that did not fit the low-latency buffers pins its drafts to the normal protocol."""
+    return target.ll_max_tokens if target.ep_mode == EP_LOW_LATENCY else -1
 
 
 def _odd_ranks(vals: list[int]) -> list[int]:

@@ -12,9 +12,10 @@ move are compared at the next gather. `draft_gathers=True` gathers before every 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from mtp_ray.dist.context import DistContext
-from mtp_ray.dist.dp_meta import DPMeta, Gathered, draft_tables
+from mtp_ray.dist.dp_meta import DPMeta, Gathered, draft_tables, pinned_ll_max_tokens
 
 
 class LocalSync:
@@ -48,8 +49,10 @@ class LocalSync:
 class DPSync:
     lockstep = True
 
-    def __init__(self, ctx: DistContext, draft_gathers: bool = False, group_turns: bool = True):
+    def __init__(self, ctx: DistContext, draft_gathers: bool = False, group_turns: bool = True,
+                 ll_max_tokens: int = 0):
         self.ctx = ctx
+        self.ll_max_tokens = ll_max_tokens  # the EP backend's low-latency capacity per rank (0: unbounded)
         self.draft_gathers, self.group_turns = draft_gathers, group_turns
         self.draft_tables: tuple[Gathered, Gathered] | None = None  # derived from the target gather: step 1, 2..k
         self.last_turn_prefill = False  # split scheduling: the group's previous turn
@@ -87,13 +90,13 @@ class DPSync:
         return g
 
     def target(self, local: DPMeta, graph_sizes: tuple[int, ...] = ()) -> Gathered | None:
-        g = self._gather(local, 0).with_graph_size(graph_sizes)
+        g = replace(self._gather(local, 0), ll_max_tokens=self.ll_max_tokens).with_graph_size(graph_sizes)
         self.step_table = g
         if g.all_dummy:
             return None  # nobody has work: every rank skips this step
         self.target_decode = g.global_decode
         self.draft_tables = draft_tables(g)
-        self.ctx.forward = g
+        self.ctx.set_forward(g)
         c = self.counters
         c["forwards"] += 1
         c["dummy_forwards"] += local.is_dummy
@@ -110,7 +113,8 @@ class DPSync:
         # rule 4: a draft forward keeps the target step's global decode state (and so its EP mode)
         local.is_decoding = int(self.target_decode)
         if self.draft_gathers:
-            g = self._gather(local, local.forward_idx)
+            assert self.step_table is not None, "a draft forward before any target forward"
+            g = replace(self._gather(local, local.forward_idx), ll_max_tokens=pinned_ll_max_tokens(self.step_table))
             if g.global_decode != self.target_decode and not g.all_dummy:
                 # cannot differ when every rank follows the rule; checked so a broken rank cannot flip modes
                 raise RuntimeError(f"draft forward changed the global decode state\n{g.describe()}")
@@ -118,7 +122,7 @@ class DPSync:
             assert self.draft_tables is not None, "a draft forward before any target forward"
             g = self.draft_tables[0 if local.forward_idx <= 1 else 1]
             self._t0, self._dummy = time.perf_counter(), bool(local.is_dummy)
-        self.ctx.forward = g
+        self.ctx.set_forward(g)
         self.counters["forwards"] += 1
         self.counters["dummy_forwards"] += local.is_dummy
         return g
@@ -130,7 +134,7 @@ class DPSync:
     def graph_drafts(self, table: Gathered) -> None:
         """The draft loop as one graph: no gather (every rank decided it from the target table), which stays
         the forward context so a capture sees the graph's EP mode and padding."""
-        self.ctx.forward = table
+        self.ctx.set_forward(table)
         self._t0 = time.perf_counter()
         self.counters["forwards"] += 1
         self.counters["graph_draft_loops"] += 1

@@ -68,6 +68,21 @@ class Experts(nn.Module):
         return out
 
 
+    def expert_major(self, x: torch.Tensor, counts: torch.Tensor, max_rows: int) -> torch.Tensor:
+        """Unweighted expert outputs in the expert-major layout of a low-latency EP receive buffer (DeepEP): x:
+        [E_local, M, H], rows [0, counts[e]) of expert e valid (the rest unspecified), at most max_rows valid in
+        all. Returns [E_local, M, H]; rows past an expert's count are zero."""
+        if x.is_cuda:
+            from mtp_ray.layers.moe_triton import expert_major_experts
+
+            return expert_major_experts(x, counts, self.gate_up_proj, self.down_proj, max_rows)
+        out = torch.zeros_like(x)
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                out[e, :n] = F.linear(silu_and_mul(F.linear(x[e, :n], self.gate_up_proj[e])), self.down_proj[e])
+        return out
+
+
 class ExpertDispatcher(Protocol):
     """EP backend seen from a MoE layer: runs `experts` on every token's top-k, wherever the experts live."""
 

@@ -111,3 +111,37 @@ def fused_experts(
     # down GEMM weighted and written back in pair order; pairs of foreign experts get no tile and stay zero
     y = _gemm((F.silu(gate) * up).contiguous(), down, None, tiles, pairs, bm, (order, w_sorted))  # [P, H]
     return y.view(t, topk, y.shape[-1]).sum(1)
+
+
+def expert_major_experts(
+    x: torch.Tensor,  # [E, M, H]: rows [0, counts[e]) of expert e are tokens (DeepEP's low-latency receive layout)
+    counts: torch.Tensor,  # [E] int
+    gate_up: torch.Tensor,  # [E, 2I, H]
+    down: torch.Tensor,  # [E, H, I]
+    max_rows: int,  # static bound on sum(counts) (tokens per rank x ranks x top-k): sizes the grid, graph-safe
+) -> torch.Tensor:  # [E, M, H] unweighted expert outputs, zero past each expert's count
+    e, m, h = x.shape
+    bound = min(max_rows, e * m)
+    bm = 16 if bound <= 256 else 64
+    counts = counts.to(torch.long)
+    seg_end = counts.cumsum(0)
+    seg_start = seg_end - counts
+    # compact index i -> (expert, row of x): the valid rows, expert after expert
+    i = torch.arange(bound, device=x.device)
+    ex = torch.searchsorted(seg_end, i, right=True).clamp_max(e - 1)
+    rows = torch.where(i < seg_end[-1], ex * m + i - seg_start[ex], 0)  # [bound] row of x.view(E*M, H)
+    ntiles = (counts + bm - 1) // bm
+    tile_cum = ntiles.cumsum(0)
+    j = torch.arange(triton.cdiv(bound, bm) + e, device=x.device)  # static bound on the number of tiles
+    tile_expert = torch.searchsorted(tile_cum, j, right=True).clamp_max(e - 1)
+    r0 = seg_start[tile_expert] + (j - (tile_cum[tile_expert] - ntiles[tile_expert])) * bm
+    r1 = torch.minimum(r0 + bm, seg_end[tile_expert])
+    live = j < tile_cum[-1]
+    tiles = (tile_expert, torch.where(live, r0, 0), torch.where(live, r1, 0))
+    flat = x.reshape(e * m, h)
+    hid = _gemm(flat, gate_up, rows, tiles, bound, bm)  # [bound, 2I] in compact order
+    gate, up = hid.chunk(2, dim=-1)
+    ones = torch.ones(bound, dtype=x.dtype, device=x.device)
+    # down GEMM stored straight into each row's place in the expert-major layout (zeroed: padding rows stay zero)
+    y = _gemm((F.silu(gate) * up).contiguous(), down, None, tiles, e * m, bm, (rows, ones))  # [E*M, H]
+    return y.view(e, m, h)

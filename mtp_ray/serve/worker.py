@@ -25,10 +25,9 @@ from mtp_ray.dist.context import DistContext, expert_ranges, free_port
 from mtp_ray.dist.ep import make_dispatcher
 from mtp_ray.engine.loop import EngineCore
 from mtp_ray.engine.outputs import StepOutput
-from mtp_ray.engine.runner import resolve_device
+from mtp_ray.engine.runner import resolve_device, resolve_dtype
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.engine.sync import DPSync
-from mtp_ray.layers.moe import local_dispatch
 from mtp_ray.serve.protocol import pack_step
 from mtp_ray.serve.step_profile import StepProfiler
 
@@ -71,13 +70,15 @@ class RankWorker:
                                check_collectives=c.parallel.check_collectives)
         self.ctx.init(addr, port)
         self.peers = [p for i, p in enumerate(peers) if i != self.rank]
-        sync = DPSync(self.ctx, draft_gathers=c.parallel.draft_gathers, group_turns=c.parallel.group_turns)
         expert_range = expert_ranges(self.ctx.num_experts, self.world)[self.rank]
-        # a group of one owns every expert: the layer computes them in place (no exchange with itself, no
-        # header syncs, and the fused small-batch path), as a plain engine does
-        dispatch = make_dispatcher(c.parallel.ep_backend, self.ctx, mc.hidden_size, mc.num_experts_per_tok)
-        if self.world == 1:
-            dispatch = local_dispatch
+        # the most tokens a rank feeds a global decode forward that may be a graph: largest graph batch x (k + 1)
+        seqs = max(c.graphs.batch_sizes(c.scheduler.max_num_seqs)) if c.graphs.enabled else c.scheduler.max_num_seqs
+        ll_max_tokens = seqs * (1 + c.spec.k)
+        dispatch = make_dispatcher(c.parallel.ep_backend, self.ctx, mc.hidden_size, resolve_dtype(c, device),
+                                   ll_max_tokens)
+        bounded = getattr(dispatch, "ll_max_tokens", 0)  # DeepEP: fixed low-latency buffers; torch: unbounded
+        sync = DPSync(self.ctx, draft_gathers=c.parallel.draft_gathers, group_turns=c.parallel.group_turns,
+                      ll_max_tokens=bounded)
         self.core = EngineCore(c, expert_range, dispatch, sync)
         self.ctx.barrier()
         self.core.warmup()
