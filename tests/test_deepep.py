@@ -113,6 +113,22 @@ def test_deepep_dispatcher_on_two_ranks_against_the_api_stand_in():
         assert cleanings == 2  # before steps 1 and 4: after a normal-protocol forward
 
 
+def test_deepep_backend_refuses_what_it_cannot_run(monkeypatch):
+    from types import SimpleNamespace
+
+    from mtp_ray.dist.ep import make_dispatcher
+    from tests import fake_deep_ep
+
+    monkeypatch.setitem(sys.modules, "deep_ep", fake_deep_ep)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    with pytest.raises(ValueError, match=r"num_experts \(8\) divisible by parallel.dp \(3\)"):
+        make_dispatcher("deepep", SimpleNamespace(num_experts=8, world=3, device=cuda), 16, torch.bfloat16, 4)
+    with pytest.raises(ValueError, match="runs on CUDA in bfloat16 .got device cpu, dtype float32"):
+        make_dispatcher("deepep", SimpleNamespace(num_experts=8, world=2, device=cpu), 16, torch.float32, 4)
+    with pytest.raises(ValueError, match="ep_backend must be 'torch' or 'deepep'"):
+        make_dispatcher("nccl", SimpleNamespace(num_experts=8, world=2, device=cpu), 16, torch.float32, 4)
+
+
 def test_deepep_backend_errors_through_the_group(ray_cluster):
     """ep_backend deepep where it cannot run: a clear error from the group start, not a hang."""
     from mtp_ray.rl.engine import launch_engine

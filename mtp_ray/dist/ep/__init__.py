@@ -24,6 +24,9 @@ def make_dispatcher(name: str, ctx: DistContext, hidden: int, dtype: torch.dtype
         except ImportError as e:
             raise ValueError("parallel.ep_backend 'deepep' needs the deep_ep package, which is not installed; "
                              "use ep_backend 'torch'") from e
+        if ctx.num_experts % ctx.world:  # DeepEP owns experts in equal contiguous blocks
+            raise ValueError(f"parallel.ep_backend 'deepep' needs num_experts ({ctx.num_experts}) divisible by "
+                             f"parallel.dp ({ctx.world}); use ep_backend 'torch'")
         if ctx.device.type != "cuda" or dtype != torch.bfloat16:
             raise ValueError(f"parallel.ep_backend 'deepep' runs on CUDA in bfloat16 (got device {ctx.device.type}, "
                              f"dtype {str(dtype).removeprefix('torch.')}); use ep_backend 'torch'")
