@@ -78,6 +78,22 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, rows: torch.Tensor | None, tiles: tu
     return c
 
 
+def _tiles(counts: torch.Tensor, seg_start: torch.Tensor, seg_end: torch.Tensor, num_rows: int, bm: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tiles of up to bm rows over each expert's run [seg_start[e], seg_end[e]) of rows grouped by expert
+    (counts: [E]), as (expert, first row, end row) per tile. Their number is a static bound, ceil(num_rows / bm) + E
+    (graph-safe: no host sync); tiles past the last live one are empty (0, 0)."""
+    e = counts.shape[0]
+    ntiles = (counts + bm - 1) // bm
+    tile_cum = ntiles.cumsum(0)
+    i = torch.arange(triton.cdiv(num_rows, bm) + e, device=counts.device)
+    tile_expert = torch.searchsorted(tile_cum, i, right=True).clamp_max(e - 1)
+    r0 = seg_start[tile_expert] + (i - (tile_cum[tile_expert] - ntiles[tile_expert])) * bm
+    r1 = torch.minimum(r0 + bm, seg_end[tile_expert])
+    live = i < tile_cum[-1]
+    return tile_expert, torch.where(live, r0, 0), torch.where(live, r1, 0)
+
+
 def fused_experts(
     x: torch.Tensor,  # [T, H]
     topk_ids: torch.Tensor,  # [T, k] global expert ids (ids outside [start, start + E) contribute nothing)
@@ -97,14 +113,7 @@ def fused_experts(
     counts = torch.zeros(e + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
     seg_end = counts.cumsum(0)
     seg_start = seg_end - counts
-    ntiles = (counts[:e] + bm - 1) // bm
-    tile_cum = ntiles.cumsum(0)
-    i = torch.arange(triton.cdiv(pairs, bm) + e, device=x.device)  # static bound on the number of tiles
-    tile_expert = torch.searchsorted(tile_cum, i, right=True).clamp_max(e - 1)
-    r0 = seg_start[tile_expert] + (i - (tile_cum[tile_expert] - ntiles[tile_expert])) * bm
-    r1 = torch.minimum(r0 + bm, seg_end[tile_expert])
-    live = i < tile_cum[-1]
-    tiles = (tile_expert, torch.where(live, r0, 0), torch.where(live, r1, 0))
+    tiles = _tiles(counts[:e], seg_start, seg_end, pairs, bm)
     h = _gemm(x, gate_up, order // topk, tiles, pairs, bm)  # [P, 2I] in sorted order
     gate, up = h.chunk(2, dim=-1)
     w_sorted = topk_w.reshape(-1)[order].to(x.dtype)  # [P] weight of each sorted pair
@@ -130,14 +139,7 @@ def expert_major_experts(
     i = torch.arange(bound, device=x.device)
     ex = torch.searchsorted(seg_end, i, right=True).clamp_max(e - 1)
     rows = torch.where(i < seg_end[-1], ex * m + i - seg_start[ex], 0)  # [bound] row of x.view(E*M, H)
-    ntiles = (counts + bm - 1) // bm
-    tile_cum = ntiles.cumsum(0)
-    j = torch.arange(triton.cdiv(bound, bm) + e, device=x.device)  # static bound on the number of tiles
-    tile_expert = torch.searchsorted(tile_cum, j, right=True).clamp_max(e - 1)
-    r0 = seg_start[tile_expert] + (j - (tile_cum[tile_expert] - ntiles[tile_expert])) * bm
-    r1 = torch.minimum(r0 + bm, seg_end[tile_expert])
-    live = j < tile_cum[-1]
-    tiles = (tile_expert, torch.where(live, r0, 0), torch.where(live, r1, 0))
+    tiles = _tiles(counts, seg_start, seg_end, bound, bm)
     flat = x.reshape(e * m, h)
     hid = _gemm(flat, gate_up, rows, tiles, bound, bm)  # [bound, 2I] in compact order
     gate, up = hid.chunk(2, dim=-1)
