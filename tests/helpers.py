@@ -113,3 +113,20 @@ class PagedSeqs:
 
 def positions_for(parts: list[tuple[int, int, int]]) -> torch.Tensor:
     return torch.tensor([p for _, ctx, n in parts for p in range(ctx, ctx + n)])
+
+
+def settled_stats(handle, timeout: float = 10.0) -> dict:
+    """A group's stats (actor handle) once every rank reports the same EP collective count. The ranks finish a
+    step's last collective at slightly different times and a request's result can arrive first: a read in that
+    window shows counts one apart. A real divergence persists (and fails the next DPMeta gather's check), so it
+    still shows here after the timeout."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while True:
+        st = ray.get(handle.get_stats.remote())
+        if len({r["collectives"] for r in st["ranks"]}) == 1 or time.monotonic() > deadline:
+            return st
+        time.sleep(0.1)

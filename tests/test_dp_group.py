@@ -9,6 +9,7 @@ import pytest
 
 from mtp_ray import LLM, SamplingParams
 from mtp_ray.rl.engine import launch_engine
+from tests.helpers import settled_stats
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 SCHED = {"prefill_chunk": 16, "max_num_batched_tokens": 64, "max_num_seqs": 16}
@@ -62,7 +63,7 @@ def test_dp_outputs_equal_dp1(ray_cluster, ref, dp, k, draft_gathers):
     h = launch_engine(cfg(dp, k, parallel={"draft_gathers": draft_gathers}))
     try:
         assert [r["token_ids"] for r in run(h, PROMPTS, MAX_TOKENS)] == ref
-        st = stats(h)
+        st = settled_stats(h)
         assert st["health"]["restarts"] == 0
         assert len({r["collectives"] for r in st["ranks"]}) == 1  # every rank issued the same collectives
         assert len({r["forwards"] for r in st["ranks"]}) == 1
@@ -185,7 +186,7 @@ def stress(handle, n: int = 300) -> None:
     for r, o in zip(pending, outs):
         got[results[r]] = o["token_ids"]
     assert got == ref
-    st = stats(handle)
+    st = settled_stats(handle)
     assert st["health"]["restarts"] == 0
     assert len({r["collectives"] for r in st["ranks"]}) == 1
     assert min(r["waves"] for r in st["ranks"]) > 5
