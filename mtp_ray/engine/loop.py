@@ -113,8 +113,9 @@ class EngineCore:
         self.stats["steps"] += 1
         self.stats["uniform_steps"] += int(uniform)
         self.stats["graph_steps"] += int(bool(table.graph_size))
-        decodes = sum(s.req.is_decode for s in sched)
-        self.stats["mixed_batch_steps"] += int(0 < decodes < len(sched))  # decodes + prefill pieces, one forward
+        # decodes + prefill pieces in one forward (a uniform batch is all decodes: no per-sequence scan)
+        decodes = len(sched) if uniform else sum(s.req.is_decode for s in sched)
+        self.stats["mixed_batch_steps"] += int(0 < decodes < len(sched))
         pieces = target_pieces(sched)
         if table.graph_size:  # every rank replays the graph of the DP-wide padded size
             inp = build_uniform(pieces, self.blocks, q_len, table.graph_size, self.runner.blocks_per_seq)
@@ -212,24 +213,27 @@ class EngineCore:
             if self.k:
                 self.proposer.propose_graph([], table)
 
-    def _pending(self, sched: list[Scheduled]) -> dict[str, int]:
+    def _pending(self, sched: list[Scheduled], uniform: bool) -> dict[str, int]:
         """Work left for the next step (split scheduling turns): prefill pieces not finished by this step, and
         decodes (running ones, and prefills this step completes)."""
-        done = {id(s.req) for s in sched if s.completes_prefill}
         running = self.scheduler.running
+        if uniform and len(sched) == len(running):  # every running sequence decodes this step (the common case)
+            return {"pending_prefill": int(bool(self.scheduler.waiting)), "pending_decode": int(bool(running))}
+        done = {id(s.req) for s in sched if s.completes_prefill}
         prefill = bool(self.scheduler.waiting) or any(not r.is_decode and id(r) not in done for r in running)
         decode = any(r.is_decode or id(r) in done for r in running)
         return {"pending_prefill": int(prefill), "pending_decode": int(decode)}
 
     def _local_meta(self, sched: list[Scheduled], uniform: bool) -> DPMeta:
         n = sum(s.num_new for s in sched)
+        # a uniform batch decodes / verifies from a cached prefix: decoding, no chunk (is_uniform's conditions)
+        decoding = uniform or (bool(sched) and all(s.verify or not s.req.is_prefill for s in sched))
         return DPMeta(
-            num_tokens=max(n, 1), batch_size=len(sched),
-            is_decoding=int(bool(sched) and all(s.verify or not s.req.is_prefill for s in sched)),
-            is_dummy=int(not sched), is_chunk=int(any(not s.completes_prefill for s in sched)),
+            num_tokens=max(n, 1), batch_size=len(sched), is_decoding=int(decoding),
+            is_dummy=int(not sched), is_chunk=int(not uniform and any(not s.completes_prefill for s in sched)),
             has_unfinished=int(self.scheduler.has_unfinished()), is_sleeping=int(self.runner.asleep),
             graph_ok=int(uniform or not sched), greedy_ok=int(all(s.req.params.greedy for s in sched)),
-            **self._pending(sched),
+            **self._pending(sched, uniform),
             **self.meta_extra,
         )
 
