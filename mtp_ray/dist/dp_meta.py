@@ -152,7 +152,7 @@ def draft_tables(target: Gathered) -> tuple[Gathered, Gathered]:
     first = replace(target, graph_size=0)
     later = Gathered(tuple(replace(m, num_tokens=max(m.batch_size, 1)) for m in target.ranks),
                      ll_max_tokens=pinned_ll_max_tokens(target))
-    assert first.ep_mode == later.ep_mode == target.ep_mode or later.all_dummy
+    assert first.ep_mode == later.ep_mode == target.ep_mode
     return first, later
 
 

@@ -50,8 +50,7 @@ class DeepEPDispatcher:
         if mode == EP_LOW_LATENCY and self.last_mode == EP_NORMAL:
             self.buffer.clean_low_latency_buffer(self.ll_max_tokens, self.hidden, self.num_experts)
             self.cleanings += 1
-        if not table.all_dummy:
-            self.last_mode = mode
+        self.last_mode = mode
 
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: Experts
                  ) -> torch.Tensor:
