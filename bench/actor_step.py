@@ -30,9 +30,8 @@ def measure(batch: int, steps: int, notify=None, device_ms: float = 0.0) -> dict
     import host_step
     import torch
 
-    from mtp_ray.engine.graphs import CudaGraphs
+    from mtp_ray.engine.graphs import CudaGraphs, Fetched
     from mtp_ray.engine.loop import EngineCore
-    from mtp_ray.engine.runner import ModelRunner
     from mtp_ray.serve.protocol import pack_step
 
     torch.set_num_threads(1)
@@ -47,13 +46,13 @@ def measure(batch: int, steps: int, notify=None, device_ms: float = 0.0) -> dict
 
         EngineCore.step = publishing_step
     if device_ms:
-        results = ModelRunner.greedy_results
+        wait = Fetched.wait
 
-        def waiting_results(self, size, with_drafts):
+        def waiting_results(self):
             time.sleep(device_ms / 1e3)
-            return results(self, size, with_drafts)
+            return wait(self)
 
-        ModelRunner.greedy_results = waiting_results
+        Fetched.wait = waiting_results
     return host_step.measure(0, batch, steps)
 
 

@@ -126,3 +126,49 @@ def test_device_greedy_equals_host_path():
         cut = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
                                                       stop_token_ids=[ids[5]]))
         assert cut[0].outputs[0].token_ids == ids[:end] and cut[0].outputs[0].finish_reason == "stop"
+
+
+def _stopping_params(ref: list[list[int]]) -> list[dict]:
+    """Greedy requests that stop at different steps: on a token each generates (EOS-like), or at max_tokens."""
+    sp = [{"temperature": 0, "max_tokens": 32, "stop_token_ids": [ids[4 + 3 * i]]} for i, ids in enumerate(ref)]
+    sp[-1] = {"temperature": 0, "max_tokens": 21, "ignore_eos": True}
+    return sp
+
+
+@needs_gpu
+def test_async_scheduling_equals_sync():
+    """k = 0 graph steps launch before the previous step is committed (inputs from the device, results through
+    pinned buffers): same tokens and finish reasons as the synchronous engine, fp32."""
+    ref = greedy(LLM(device="cuda", dtype="float32", async_scheduling=False))
+    sp = [SamplingParams(**d) for d in _stopping_params(ref)]
+    sync = LLM(device="cuda", dtype="float32", async_scheduling=False).generate(PROMPTS, sp)
+    llm = LLM(device="cuda", dtype="float32")
+    assert greedy(llm) == ref
+    fast = llm.generate(PROMPTS, sp)
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in fast] == [
+        (o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in sync]
+    assert llm.engine.stats["async_steps"] > 0 and llm.engine.greedy.inflight is None
+
+
+@needs_2_gpus
+def test_dp2_async_scheduling_on_two_gpus_equals_dp1(ray_cluster):
+    """dp = 2 with async scheduling (k = 0, the default) equals a synchronous dp = 1 engine, fp32."""
+    from mtp_ray.rl.engine import launch_engine
+    from tests.helpers import settled_stats
+
+    ref = greedy(LLM(device="cuda", dtype="float32", async_scheduling=False))
+    sp = _stopping_params(ref)
+    want = [o.outputs[0].token_ids for o in LLM(device="cuda", dtype="float32", async_scheduling=False).generate(
+        PROMPTS, [SamplingParams(**d) for d in sp])]
+    h = launch_engine({"device": "cuda", "dtype": "float32",
+                       "parallel": {"dp": 2, "placement_strategy": "STRICT_PACK"}})
+    try:
+        res = ray_cluster.get(h.generate.remote(PROMPTS, {"temperature": 0, "max_tokens": 32, "ignore_eos": True}))
+        assert [r["token_ids"] for r in res] == ref
+        refs = [h.generate.remote(p, d) for p, d in zip(PROMPTS, sp, strict=True)]  # in flight together
+        assert [r["token_ids"] for r in ray_cluster.get(refs)] == want
+        st = settled_stats(h)
+        assert len({r["collectives"] for r in st["ranks"]}) == 1
+        assert all(r["async_steps"] > 0 for r in st["ranks"])
+    finally:
+        ray_cluster.get(h.shutdown.remote())

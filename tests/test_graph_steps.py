@@ -64,3 +64,66 @@ def test_graph_steps_equal_eager(emulated_graphs, k):
     before = st["device_greedy_steps"]
     assert run(llm, sampled) == run(LLM(num_speculative_tokens=k, max_num_seqs=8), sampled)
     assert st["device_greedy_steps"] == before
+
+
+def outputs(llm: LLM, prompts, params) -> list[tuple]:
+    """(token ids, finish reason, log-probs to 4 decimals: a step's padded batch size may differ, and with it the
+    last bits of an fp32 GEMM)."""
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, [round(x, 4) for x in o.outputs[0].logprobs or []])
+            for o in llm.generate(prompts, params)]
+
+
+def test_async_scheduling_equals_sync(emulated_graphs):
+    """Async scheduling (k = 0): each graph step launches before the previous one is committed, its rows reading
+    their tokens from the device. Same tokens, finish reasons and log-probs as the synchronous engine, through stops
+    at EOS-like stop tokens (a row then runs one step too many and is dropped), max_tokens, max_model_len, a sampled
+    request joining (host path with tokens in flight), and preemption (tight blocks)."""
+    sync = with_graphs(LLM(max_num_seqs=8, async_scheduling=False))
+    ref_ids = [o.outputs[0].token_ids for o in sync.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16,
+                                                                                      ignore_eos=True))]
+    # stop on a token each request generates mid-way (several requests stop at different steps)
+    params = [SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[ids[3 + i]], logprobs=0)
+              for i, ids in enumerate(ref_ids)]
+    params[2] = SamplingParams(temperature=0, max_tokens=7 + 1, ignore_eos=True)
+    params[4] = SamplingParams(temperature=0.9, seed=3, max_tokens=3, ignore_eos=True)  # then all greedy
+    for kw in ({}, {"max_model_len": 70}, {"num_blocks": 16, "block_size": 8, "max_model_len": 80}):
+        ref = outputs(with_graphs(LLM(max_num_seqs=8, async_scheduling=False, **kw)), PROMPTS, params)
+        llm = with_graphs(LLM(max_num_seqs=8, **kw))
+        assert outputs(llm, PROMPTS, params) == ref, kw
+        e = llm.engine
+        assert e.stats["async_steps"] > 0 and e.greedy.inflight is None
+        assert e.blocks.num_free_blocks == e.blocks.num_blocks - 1  # every block came back
+        if "num_blocks" in kw:
+            assert e.scheduler.num_preemptions > 0
+    # a stop token as a request's first generated token: its next row is already in flight, then dropped
+    first = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[ref_ids[0][1]])
+    assert outputs(with_graphs(LLM(max_num_seqs=8)), PROMPTS[:2], [first] * 2) == outputs(
+        with_graphs(LLM(max_num_seqs=8, async_scheduling=False)), PROMPTS[:2], [first] * 2)
+
+
+def test_async_scheduling_abort_and_drain(emulated_graphs):
+    """A request aborted while its token is in flight ends with no more tokens; drain() commits what is in flight
+    (group commands run after it); nothing leaks."""
+    llm = with_graphs(LLM(max_num_seqs=8))
+    e = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        e.add_request(str(i), p, sp)
+    got: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+    while e.greedy.inflight is None:
+        for o in e.step():
+            got[o.request_id] += o.new_token_ids
+    aborted = e.abort_request("1")
+    assert aborted is not None and aborted.finished and aborted.finish_reason == "abort"
+    before = len(got["1"])
+    e.drain()
+    assert e.greedy.inflight is None
+    for _ in range(3):
+        for o in e.step():
+            got[o.request_id] += o.new_token_ids
+            assert o.request_id != "1"
+    assert len(got["1"]) == before
+    e.abort_all()
+    while e.has_unfinished() or e.greedy.inflight is not None or e.pending_outputs:
+        e.step()
+    assert e.blocks.num_free_blocks == e.blocks.num_blocks - 1

@@ -223,3 +223,38 @@ def test_uniform_inputs_are_views_of_one_packed_tensor():
     # one-token decodes of a k = 0 engine carry no snapshot slots
     plain = build_uniform([dataclasses.replace(p, tokens=p.tokens[:1], spec_slots=None) for p in pieces], s.blocks, 1)
     assert plain.batch.uniform.spec_slots is None and plain.input_ids.tolist() == [p.tokens[0] for p in pieces]
+
+
+def test_in_flight_tokens_count_but_read_as_placeholders():
+    """Async scheduling: a token still on the device counts in num_tokens (the request decodes after it) and reads
+    as 0 until committed; a request whose in-flight token reaches max_tokens is not scheduled again."""
+    s = make(num_blocks=8, block_size=4)
+    r = Request("r", [1, 2, 3], SamplingParams(max_tokens=3))
+    s.add(r)
+    run_step(s)  # prefill: token 7 committed
+    r.num_computed += 1  # a decode launched; its token stays on the device
+    r.num_inflight = 1
+    assert r.num_tokens == 5 and r.num_known == 4 and r.is_decode
+    assert r.tokens(3, 5) == [7, 0] and r.tokens(4, 5) == [0] and r.tokens(0, 4) == [1, 2, 3, 7]
+    assert not r.ends_in_flight
+    (sc,) = s.schedule()
+    assert sc.num_new == 1 and sc.completes_prefill
+    r.num_computed += 1
+    r.num_inflight = 2  # 1 committed + 2 in flight = max_tokens
+    assert r.ends_in_flight and s.schedule() == []
+
+
+def test_may_preempt_only_when_blocks_may_run_out():
+    s = make(num_blocks=5, block_size=4)  # 4 usable blocks
+    a, b = req(0, 4), req(1, 4)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # both prefilled (one block each) with one output each: the next decodes start a block each
+    assert a.is_decode and b.is_decode and s.blocks.num_free_blocks == 2
+    assert not s.may_preempt()  # each next decode needs one more block: 2 free
+    s.blocks.free_blocks.popleft()
+    assert s.may_preempt()  # 2 needed, 1 free
+    c = req(2, 30)
+    s.running.append(c)  # a running prefill may need any number of blocks
+    s.blocks.free_blocks.append(4)
+    assert s.may_preempt()

@@ -30,6 +30,9 @@ class SchedulerConfig:
     # prefill pieces and decodes in separate steps (SGLang style), alternating while both wait, so decode steps stay
     # uniform and replay a CUDA graph; False: mixed steps (vLLM style); None: split exactly when graphs are in use
     split_prefill: bool | None = None
+    # overlap the host's work for the next step with the device's current one (vLLM's async scheduling): CUDA-graph
+    # decode steps whose rows are all plain greedy, without MTP (k = 0); outputs then stream one step later
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs > 0, "scheduler.max_num_seqs", "must be > 0")

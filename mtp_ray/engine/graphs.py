@@ -10,12 +10,18 @@ plain-greedy step is two replays and one device -> host copy, with no eager kern
 graph is captured when first used: every size at engine warmup, and again on first use after `reset()` (sleep frees
 the tensors the graphs point at). In a DP group every rank reaches a capture at the same step (the size is a function
 of the gathered table) and captures behind a barrier, so captures happen in the same order everywhere.
+
+Async scheduling (k = 0): inputs go through pinned staging buffers and results come back into pinned ones, both
+non-blocking and fenced by events, so the host can build step N + 1 while step N runs. A row of step N + 1 whose
+token is step N's argmax (still on the device) names its row of step N in `src`; the target graph reads the token
+from `next_ids`, where every k = 0 target graph leaves its argmax.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +31,38 @@ from mtp_ray.layers.context import ForwardBatch, UniformDecode
 from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Fetched:
+    """A greedy block on its way to pinned host memory (non-blocking copy, then the event)."""
+
+    host: torch.Tensor  # [b, cols] view of a staging buffer
+    event: torch.cuda.Event | None  # None on CPU (emulated graphs): the copy is already done
+
+    def wait(self) -> list[list[float]]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+class Staging:
+    """Two host buffers used in turn, each fenced by an event recorded after its last copy, so the host never
+    rewrites (or reads) a buffer a copy on the stream has not finished with. Pinned on a GPU: a copy between pageable
+    memory and the device would make the host wait for the stream."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.bufs = [torch.empty(numel, dtype=dtype, pin_memory=self.cuda) for _ in range(2)]
+        self.events = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
+        self.turn = 0
+
+    def next(self) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        self.turn ^= 1
+        ev = self.events[self.turn]
+        if ev is not None:
+            ev.synchronize()  # its previous copy is done (normally long since)
+        return self.bufs[self.turn], ev
 
 
 class CudaGraphs:
@@ -39,6 +77,11 @@ class CudaGraphs:
         self.inputs = z(self.layout(max_b).total)
         # draft loop inputs: the token after each verify row, and the last committed row of each sequence
         self.next_ids, self.last = z(max_b * self.q), z(max_b)
+        # k = 0: per row of the next replay, the row of the previous replay whose argmax is its input token (-1: the
+        # host's token); set by every replay
+        self.src = torch.full((max_b,), -1, dtype=torch.long, device=device)
+        self.in_stage = Staging(self.layout(max_b).total + max_b, torch.long, device)
+        self.out_stage = Staging(max_b * (2 * self.q + 1 + self.k), torch.float64, device)
         # size -> (graph, hidden [n, H], logits [n, V], greedy block [b, 2q (+ 1 accepted count when k)])
         self.target: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # size -> (graph, drafts [b, k], greedy block [b, 2q + 1 + k])
@@ -69,11 +112,17 @@ class CudaGraphs:
         rows) equals the argmax of row j. The draft loop's inputs are set on the device too (the token after every
         row = its argmax; the last committed row = the accepted count); a host-path step overwrites them."""
         v, n = self.views(b), b * self.q
-        hidden = self.model(v["ids"], v["pos"], self._batch(v))  # [n, H]
+        inp = v["ids"]  # [n]
+        if not self.k:  # rows whose token is the previous replay's argmax, still on the device (async scheduling)
+            src = self.src[:b]
+            inp = torch.where(src >= 0, self.next_ids[src.clamp(min=0)], inp)
+        hidden = self.model(inp, v["pos"], self._batch(v))  # [n, H]
         logits = self.model.compute_logits(hidden)  # [n, V] fp32
         ids, lp = argmax_logprob(logits)  # [n] each
         parts = [ids.view(b, self.q).double(), lp.view(b, self.q).double()]
-        if self.k:
+        if not self.k:
+            self.next_ids[:n].copy_(ids)
+        else:
             match = ids.view(b, self.q)[:, : self.k] == v["ids"].view(b, self.q)[:, 1:]
             self.last[:b].copy_(match.long().cumprod(1).sum(1))
             self.next_ids[:n].copy_(ids)
@@ -113,30 +162,49 @@ class CudaGraphs:
         return g, out
 
     # ---- replay ----
-    def run_target(self, inp: StepInputs, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the target graph of size b on inp (built with size b and this width) -> hidden, logits."""
+    def run_target(self, inp: StepInputs, b: int, src: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the target graph of size b on inp (built with size b and this width) -> hidden, logits.
+        src (k = 0): per live row, the previous replay's row whose argmax is its token, or -1 (inp has it)."""
         u = inp.batch.uniform
         assert u is not None and u.context_lens.shape[0] == b and inp.batch.block_tables.shape[1] == self.width
         n, total = b * self.q, self.layout(b).total
         if b not in self.target:
+            # a capture rewrites next_ids, which rows of the next step may still read: never with a step in flight
+            # (every size is captured at warmup, and again only after a reset, which a drained group command does)
+            assert not src or max(src) < 0, "a graph capture while a step is in flight"
             # capture on padded rows only (zeros: block 0, state slot 0): the eager run inside the capture must not
             # advance a real sequence's GDN state before the replay does
             self.inputs.zero_()
+            self.src.fill_(-1)
             log.info("capturing the target graph for batch %d (%d tokens)", b, n)
             g, outs = self._capture(lambda: self._target_fn(b))
             self.target[b] = (g, *outs)
         assert inp.packed is not None and inp.packed.numel() == total, "graph inputs come packed (build_uniform)"
-        self.inputs[:total].copy_(inp.packed, non_blocking=True)  # one transfer
+        assert src is None or (not self.k and len(src) <= b)
+        stage, ev = self.in_stage.next()
+        stage[:total].copy_(inp.packed)
+        stage[total : total + b].fill_(-1)
+        if src:
+            stage[total : total + len(src)].copy_(torch.tensor(src, dtype=torch.long))
+        self.inputs[:total].copy_(stage[:total], non_blocking=True)  # one transfer
+        self.src[:b].copy_(stage[total : total + b], non_blocking=True)
+        if ev is not None:
+            ev.record()
         g, hidden, logits = self.target[b][:3]
         g.replay()
         return hidden, logits
 
-    def greedy_results(self, b: int, with_drafts: bool) -> list[list[float]]:
-        """The greedy block of the last replays, one device -> host copy: per sequence [argmax of each row (q),
+    def fetch(self, b: int, with_drafts: bool) -> Fetched:
+        """Start the one device -> host copy of the last replays' greedy block: per sequence [argmax of each row (q),
         log-prob of each (q), accepted drafts (1, with k), next drafts (k, when the draft loop ran)] as floats (ids
-        are exact below 2**53)."""
+        are exact below 2**53). `wait()` on the result blocks until it has landed."""
         block = self.draft[b][2] if with_drafts else self.target[b][3]
-        return block.cpu().tolist()
+        stage, ev = self.out_stage.next()
+        host = stage[: block.numel()].view(block.shape)
+        host.copy_(block, non_blocking=True)
+        if ev is not None:
+            ev.record()
+        return Fetched(host, ev)
 
     def run_drafts(self, next_ids: torch.Tensor | None, last: torch.Tensor | None, b: int) -> torch.Tensor:
         """next_ids: [b * q] token after each verify row; last: [b] last committed row -> drafts [b, k] (device).

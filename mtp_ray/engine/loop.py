@@ -1,4 +1,11 @@
-"""EngineCore: one rank's engine. A step is schedule -> target forward -> sample / verify + commit -> MTP drafts."""
+"""EngineCore: one rank's engine. A step is schedule -> target forward -> sample / verify + commit -> MTP drafts.
+
+Async scheduling (`scheduler.async_scheduling`, CUDA-graph steps of plain-greedy rows with k = 0): a step's results
+stay on the device while the host schedules, gathers and launches the next step, whose rows take their input token
+from the device; the host then reads the earlier step's results (the device is already busy with the next one) and
+commits them. A request that stopped at the earlier step has also run in the later one: that row is dropped. Anything
+else (an eager step, sampling on the host, a preemption, a group command) first resolves what is in flight.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +17,9 @@ import torch
 
 from mtp_ray.config.engine import EngineConfig
 from mtp_ray.config.model import ModelConfig
-from mtp_ray.dist.dp_meta import DPMeta, Gathered
+from mtp_ray.dist.dp_meta import DPMeta
 from mtp_ray.engine.block_manager import BlockManager
+from mtp_ray.engine.device_greedy import DeviceGreedy
 from mtp_ray.engine.inputs import build, build_uniform, dummy_inputs, is_uniform, target_pieces
 from mtp_ray.engine.outputs import OutputProcessor, StepOutput
 from mtp_ray.engine.request import Request, check_prompt
@@ -48,12 +56,13 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._seeds = itertools.count(cfg.seed * 1_000_003 + 1)
         self.stats = {"steps": 0, "drafted": 0, "accepted": 0, "verify_steps": 0, "aborted": 0,
-                      "device_greedy_steps": 0, "uniform_steps": 0,
+                      "device_greedy_steps": 0, "uniform_steps": 0, "async_steps": 0,
                       "mixed_batch_steps": 0, "graph_steps": 0,
                       "step_s": 0.0,  # wall time of the steps that ran a forward, host work included
                       "graph_step_s": 0.0,  # the part of step_s spent in steps that replayed a CUDA graph
                       "graph_wait_s": 0.0}  # the part of graph_step_s the host waited for the device's results
         self.out = OutputProcessor(self.scheduler, self.requests, self.eos_ids, self.max_model_len, self.stats)
+        self.greedy = DeviceGreedy(self.runner, self.proposer, self.out, self.stats, cfg.scheduler.async_scheduling)
         if cfg.scheduler.max_num_batched_tokens < 1 + self.k:
             raise ValueError(f"scheduler.max_num_batched_tokens={cfg.scheduler.max_num_batched_tokens} cannot hold "
                              f"one verify step of 1 + k = {1 + self.k} tokens")
@@ -103,13 +112,20 @@ class EngineCore:
         return early + out
 
     def _step(self) -> list[StepOutput]:
+        done: list[StepOutput] = []  # outputs of the step that was in flight
+        if self.greedy.inflight is not None and self.scheduler.may_preempt():
+            done = self.greedy.resolve()
         sched = self.scheduler.schedule(self.sync.prefill_turn() if self.scheduler.split else None)
         q_len = 1 + self.k
         uniform = is_uniform(sched, q_len)
         local = self._local_meta(sched, uniform)
         table = self.sync.target(local, self.runner.graph_sizes)
         if table is None:
-            return []  # no rank has work this step
+            return done + self.greedy.resolve()  # no rank has work this step
+        if self.greedy.inflight is not None and not table.graph_size:  # an eager step reads its tokens on the host
+            done += self.greedy.resolve()
+            sched = [s for s in sched if not s.req.finished]  # ended at the step that was in flight
+            uniform = uniform and bool(sched)
         self.stats["steps"] += 1
         self.stats["uniform_steps"] += int(uniform)
         self.stats["graph_steps"] += int(bool(table.graph_size))
@@ -126,17 +142,19 @@ class EngineCore:
         all_logits = None
         try:
             if table.graph_size:
-                hidden, all_logits = self.runner.replay_target(inp, table.graph_size)
+                hidden, all_logits = self.runner.replay_target(inp, table.graph_size, self.greedy.src(sched))
             else:
                 hidden = self.runner.forward(inp)  # [T, H]
         finally:
             self.sync.done()
+        done += self.greedy.resolve()  # the step before, while the device runs this one
         if not sched:  # a dummy forward: keep the group in lock-step through the draft loop too
             self.proposer.propose([], table)
-            return []
-        fast = [self._plain_greedy(s.req) for s in sched]
+            return done
+        # a finished request's row (it stopped at the step that was in flight) is computed and dropped
+        fast = [s.req.finished or self._plain_greedy(s.req) for s in sched]
         if table.graph_size and (self.k == 0 or table.graph_drafts) and all(fast):
-            return self._device_greedy(sched, table)
+            return done + self.greedy.step(sched, table)
         rows = [r for rs in inp.logit_rows for r in rs]
         sl = None
         if rows:  # reduced on the device; only rows that sample or report top-n log-probs come to the host
@@ -158,7 +176,7 @@ class EngineCore:
             if item is not None:
                 items.append(item)
         self.proposer.propose(items, table)
-        return outputs
+        return done + outputs
 
     @staticmethod
     def _plain_greedy(req: Request) -> bool:
@@ -166,29 +184,10 @@ class EngineCore:
         p = req.params
         return p.greedy and p.repetition_penalty == 1.0 and not p.logprobs and len(req.output_ids) >= p.min_tokens
 
-    def _device_greedy(self, sched: list[Scheduled], table: Gathered) -> list[StepOutput]:
-        """A graph step whose rows are all plain greedy: acceptance on the device, the draft-loop graph straight
-        after the target graph, one small device -> host copy (ids, log-probs, accepted count, next drafts)."""
-        size = table.graph_size
-        self.stats["device_greedy_steps"] += 1
-        if self.k:
-            self.proposer.replay_graph(table)
-        t0 = time.perf_counter()
-        res = self.runner.greedy_results(size, with_drafts=self.k > 0)
-        self.stats["graph_wait_s"] += time.perf_counter() - t0
-        q, outputs = 1 + self.k, []
-        for i, s in enumerate(sched):
-            req, row = s.req, res[i]
-            a = int(row[2 * q]) if self.k else 0  # accepted drafts
-            emitted = [int(t) for t in row[: a + 1]]
-            info = [(lp, {}) for lp in row[q : q + a + 1]]
-            if self.k:
-                self.out.commit_spec(req, a, self.k)
-            req.num_computed += a + 1
-            outputs.append(self.out.emit(req, emitted, info))
-            if self.k and not req.finished:
-                req.drafts = [int(t) for t in row[2 * q + 1 :]]
-        return outputs
+    def drain(self) -> None:
+        """Before anything that must see every token committed (group commands): the results in flight go out with
+        the next step's outputs."""
+        self.pending_outputs += self.greedy.resolve()
 
     def warmup(self) -> None:
         """All ranks together: one eager dummy decode step with the k draft forwards, then (GPU) every CUDA graph
@@ -243,6 +242,8 @@ class EngineCore:
         prefill chunk; logits and log-probs (host, fp32) only when not `fast`. Plain greedy (`fast`) requests
         take the argmax as computed for the whole step on the device."""
         req, start = s.req, s.req.num_computed
+        if req.finished:  # it stopped at the step that was in flight (async scheduling): this row is dropped
+            return None, None
         logits, logprobs, g_ids, g_lp = lg if lg is not None else (None, None, [], [])
         if s.verify:
             assert g_ids and (fast or logits is not None)

@@ -72,7 +72,7 @@ class OutputProcessor:
                 reason, req.stop_reason = "stop", t
             elif p.max_tokens is not None and len(req.output_ids) >= p.max_tokens:
                 reason = "length"
-            elif req.num_tokens >= self.max_model_len:
+            elif req.num_known >= self.max_model_len:  # tokens still in flight (async scheduling) do not count
                 reason = "length"
             if reason:
                 self.scheduler.finish(req, reason)

@@ -32,6 +32,9 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     state_slots: list[int] = field(default_factory=list)  # [main, spec_0..spec_k]
     num_computed: int = 0  # tokens whose KV / state is in the cache (target)
+    # async scheduling: tokens sampled by a step whose results are still on the device; they count in num_tokens
+    # (so the next step decodes after them) but are not in output_ids yet
+    num_inflight: int = 0
     # speculative decoding
     drafts: list[int] = field(default_factory=list)  # proposed tokens for the next verify
     draft_probs: torch.Tensor | None = None  # [k, V] the draft distribution each draft was sampled from
@@ -48,8 +51,12 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     def tokens(self, start: int, end: int) -> list[int]:
-        """all_ids[start:end] without building all_ids (this runs for every sequence every step)."""
-        p = len(self.prompt_ids)
+        """all_ids[start:end] without building all_ids (this runs for every sequence every step). Positions of
+        in-flight tokens read 0: their ids are on the device, where the step that feeds them takes them."""
+        p, known = len(self.prompt_ids), self.num_known
+        if self.num_inflight and end > known:
+            pad = [0] * max(0, min(end, known + self.num_inflight) - max(start, known))
+            return (self.tokens(start, known) if start < known else []) + pad
         if start >= p:
             return self.output_ids[start - p : end - p]
         if end <= p:
@@ -58,7 +65,18 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_inflight
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose ids the host has (prompt and committed output)."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def ends_in_flight(self) -> bool:
+        """Its in-flight tokens reach max_tokens: nothing after them is generated, whatever they turn out to be."""
+        m = self.params.max_tokens
+        return self.num_inflight > 0 and m is not None and len(self.output_ids) + self.num_inflight >= m
 
     @property
     def is_prefill(self) -> bool:

@@ -10,7 +10,7 @@ import torch
 from mtp_ray.config.engine import EngineConfig
 from mtp_ray.config.model import ModelConfig
 from mtp_ray.engine.cache import CacheShape, bind_caches, free_caches
-from mtp_ray.engine.graphs import CudaGraphs
+from mtp_ray.engine.graphs import CudaGraphs, Fetched
 from mtp_ray.engine.inputs import StepInputs
 from mtp_ray.layers.linear import fuse_projections
 from mtp_ray.layers.moe import ExpertDispatcher, local_dispatch
@@ -178,10 +178,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def replay_target(self, inp: StepInputs, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Uniform batch padded to a graph size -> hidden [size * q, H], logits [size * q, V] (device, static)."""
+    def replay_target(self, inp: StepInputs, size: int, src: list[int] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Uniform batch padded to a graph size -> hidden [size * q, H], logits [size * q, V] (device, static).
+        src (k = 0): per row, the previous replay's row whose argmax is its input token, or -1."""
         assert self.graphs is not None
-        return self.graphs.run_target(inp, size)
+        return self.graphs.run_target(inp, size, src)
 
     @torch.inference_mode()
     def replay_drafts(self, next_ids: torch.Tensor | None, last: torch.Tensor | None, size: int) -> torch.Tensor:
@@ -190,9 +192,10 @@ class ModelRunner:
         return self.graphs.run_drafts(next_ids, last, size)
 
     @torch.inference_mode()
-    def greedy_results(self, size: int, with_drafts: bool) -> list[list[float]]:
+    def fetch_greedy(self, size: int, with_drafts: bool) -> Fetched:
+        """Start copying the last replays' greedy block to the host; `.wait()` returns it as rows of floats."""
         assert self.graphs is not None
-        return self.graphs.greedy_results(size, with_drafts)
+        return self.graphs.fetch(size, with_drafts)
 
     def _on_device(self, inp: StepInputs):
         b = inp.batch

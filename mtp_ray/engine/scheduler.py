@@ -86,8 +86,8 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            if not (decodes if req.is_decode else prefills):
-                i += 1  # the other kind's step
+            if not (decodes if req.is_decode else prefills) or req.ends_in_flight:
+                i += 1  # the other kind's step, or its last token is already in flight
                 continue
             n, verify = self._cost(req, budget)
             if n > budget or n == 0:
@@ -117,8 +117,20 @@ class Scheduler:
             budget -= n
         return out
 
+    def may_preempt(self) -> bool:
+        """Whether the next schedule could preempt: a running prefill may need any number of blocks; decodes need
+        what their next verify and the draft lookahead reach. Async scheduling resolves in-flight tokens first then
+        (a preempted request re-prefills its tokens, so they must be known)."""
+        need = 0
+        for r in self.running:
+            if not r.is_decode:
+                return True
+            need += max(0, self.blocks.blocks_for(r.num_tokens + len(r.drafts) + self.lookahead) - len(r.block_ids))
+        return need > self.blocks.num_free_blocks
+
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: drop its cache, keep its tokens; it re-prefills prompt + output later."""
+        assert not req.num_inflight, "preempting a request with tokens in flight"
         self.running.remove(req)
         self.blocks.free(req)
         req.num_computed = 0

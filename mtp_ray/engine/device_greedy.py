@@ -1,0 +1,103 @@
+"""Graph steps whose rows are all plain greedy: acceptance on the device, one small device -> host copy per step.
+
+The target graph leaves each row's argmax and log-prob (and with k the accepted count) in a greedy block; the
+draft-loop graph follows straight away and appends the next drafts. Async scheduling (k = 0): the copy is started
+and the step is committed by the next one, after the next one is launched, so the host's work for step N + 1
+(schedule, DPMeta gather, inputs) overlaps the device's step N. A row of step N + 1 whose token is still on the
+device names its row of step N (`src`), and the target graph reads it from there.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from mtp_ray.dist.dp_meta import Gathered
+from mtp_ray.engine.graphs import Fetched
+from mtp_ray.engine.outputs import OutputProcessor, StepOutput
+from mtp_ray.engine.request import Request
+from mtp_ray.engine.runner import ModelRunner
+from mtp_ray.engine.scheduler import Scheduled
+from mtp_ray.spec.proposer import MTPProposer
+
+
+@dataclass
+class InFlight:
+    """A device-greedy k = 0 graph step whose results are still on the device."""
+
+    reqs: list[Request]  # its live sequences
+    rows: dict[int, int]  # id(request) -> row (where that sequence's next input token is, on the device)
+    results: Fetched
+
+
+class DeviceGreedy:
+    def __init__(self, runner: ModelRunner, proposer: MTPProposer, out: OutputProcessor, stats: dict,
+                 async_steps: bool):
+        self.runner, self.proposer, self.out, self.stats = runner, proposer, out, stats
+        self.k = runner.k
+        self.async_steps = async_steps and self.k == 0
+        self.inflight: InFlight | None = None
+
+    def src(self, sched: list[Scheduled]) -> list[int] | None:
+        """For a graph step launched while another is in flight: per row, the in-flight step's row holding its
+        input token (-1: the host has it)."""
+        if self.inflight is None:
+            return None
+        rows = self.inflight.rows
+        return [rows[id(s.req)] if s.req.num_inflight else -1 for s in sched]
+
+    def step(self, sched: list[Scheduled], table: Gathered) -> list[StepOutput]:
+        """After the target graph's replay: the draft-loop graph, then the results (or, async, leave them in
+        flight). A row whose request already finished (it stopped at the step that was in flight) is dropped."""
+        size = table.graph_size
+        self.stats["device_greedy_steps"] += 1
+        if self.k:
+            self.proposer.replay_graph(table)
+        fetched = self.runner.fetch_greedy(size, with_drafts=self.k > 0)
+        if self.async_steps:
+            live = [s.req for s in sched if not s.req.finished]
+            for req in live:  # its KV is (being) written; its new token counts from now on
+                req.num_computed += 1
+                req.num_inflight += 1
+            if live:
+                self.inflight = InFlight(live, {id(s.req): i for i, s in enumerate(sched)}, fetched)
+            self.stats["async_steps"] += 1
+            return []
+        res = self._wait(fetched)
+        q, outputs = 1 + self.k, []
+        for i, s in enumerate(sched):
+            req, row = s.req, res[i]
+            if req.finished:
+                continue
+            a = int(row[2 * q]) if self.k else 0  # accepted drafts
+            emitted = [int(t) for t in row[: a + 1]]
+            info = [(lp, {}) for lp in row[q : q + a + 1]]
+            if self.k:
+                self.out.commit_spec(req, a, self.k)
+            req.num_computed += a + 1
+            outputs.append(self.out.emit(req, emitted, info))
+            if self.k and not req.finished:
+                req.drafts = [int(t) for t in row[2 * q + 1 :]]
+        return outputs
+
+    def resolve(self) -> list[StepOutput]:
+        """Commit the step in flight, if any (waits for its results): a request that stopped or was aborted since
+        it was launched drops its row."""
+        inf, self.inflight = self.inflight, None
+        if inf is None:
+            return []
+        res = self._wait(inf.results)
+        outputs = []
+        for req in inf.reqs:
+            req.num_inflight -= 1
+            if req.finished:
+                continue
+            row = res[inf.rows[id(req)]]
+            outputs.append(self.out.emit(req, [int(row[0])], [(row[1], {})]))
+        return outputs
+
+    def _wait(self, fetched: Fetched) -> list[list[float]]:
+        t0 = time.perf_counter()
+        res = fetched.wait()
+        self.stats["graph_wait_s"] += time.perf_counter() - t0  # the host waiting for the device
+        return res
