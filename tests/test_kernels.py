@@ -171,6 +171,16 @@ def test_fused_experts(dtype, tol, t, e, topk, h, inter, start, path):
                             start)
     assert torch.isfinite(out).all()
     assert _rel(out.cpu(), ref) < tol
+    if path == "sorted":  # per-slot outputs (the low-latency EP path): zero off this shard, summing to `out` exactly
+        with torch.no_grad():
+            slots = fused_experts(x.to(DEVICE, dtype), ids.to(DEVICE), w.to(DEVICE, dtype), ex.gate_up_proj,
+                                  ex.down_proj, start, per_slot=True)
+        assert torch.equal(slots.sum(1), out)
+        foreign = (ids < start) | (ids >= total)
+        assert (slots.cpu()[foreign] == 0).all()
+        with torch.no_grad():
+            cpu_slots = ex.float().cpu().per_slot(x, ids, w)
+        assert _rel(slots.cpu().float(), cpu_slots) < tol and (cpu_slots[foreign] == 0).all()
 
 
 @needs_device

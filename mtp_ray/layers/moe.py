@@ -67,6 +67,22 @@ class Experts(nn.Module):
             out.index_add_(0, tok, (y * topk_w[tok, slot, None]).to(out.dtype))
         return out
 
+    def per_slot(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        """Each (token, slot)'s weighted output, unsummed: [N, k, H], zero where the slot's expert is not local.
+        forward() is this summed over the slots (same values, same order)."""
+        if x.is_cuda:
+            from mtp_ray.layers.moe_triton import fused_experts
+
+            return fused_experts(x, topk_ids, topk_w, self.gate_up_proj, self.down_proj, self.start, per_slot=True)
+        n, k = topk_ids.shape
+        out = x.new_zeros(n * k, x.shape[1])
+        flat = topk_ids.reshape(-1)
+        for e in torch.unique(flat[(flat >= self.start) & (flat < self.end)]).tolist():
+            (pair,) = torch.where(flat == e)
+            i = e - self.start
+            y = F.linear(silu_and_mul(F.linear(x[pair // k], self.gate_up_proj[i])), self.down_proj[i])
+            out[pair] = (y * topk_w.reshape(-1)[pair, None]).to(out.dtype)
+        return out.view(n, k, -1)
 
     def expert_major(self, x: torch.Tensor, counts: torch.Tensor, max_rows: int) -> torch.Tensor:
         """Unweighted expert outputs in the expert-major layout of a low-latency EP receive buffer (DeepEP): x:

@@ -101,6 +101,7 @@ def fused_experts(
     gate_up: torch.Tensor,  # [E, 2I, H]
     down: torch.Tensor,  # [E, H, I]
     start: int,
+    per_slot: bool = False,  # [T, k, H] unsummed (zero for foreign experts) instead
 ) -> torch.Tensor:  # [T, H]: sum over the local experts of weight * expert(x)
     t, topk = topk_ids.shape
     e = gate_up.shape[0]
@@ -119,7 +120,8 @@ def fused_experts(
     w_sorted = topk_w.reshape(-1)[order].to(x.dtype)  # [P] weight of each sorted pair
     # down GEMM weighted and written back in pair order; pairs of foreign experts get no tile and stay zero
     y = _gemm((F.silu(gate) * up).contiguous(), down, None, tiles, pairs, bm, (order, w_sorted))  # [P, H]
-    return y.view(t, topk, y.shape[-1]).sum(1)
+    y = y.view(t, topk, y.shape[-1])
+    return y if per_slot else y.sum(1)
 
 
 def expert_major_experts(

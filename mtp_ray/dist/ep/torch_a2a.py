@@ -1,10 +1,14 @@
 """EP dispatch / combine with torch.distributed.all_to_all_single (gloo on CPU, NCCL on GPU).
 
-Every (token, expert) pair travels to the expert's owner, is weighted there, and returns to be summed.
 Two protocols, chosen only from the gathered DPMeta of the forward (never locally):
-  normal       exchange a header (mode, row count) per rank pair, then variable-size rows: 4 collectives
-  low_latency  fixed capacity per rank pair (max tokens over the group x top_k), padded rows marked with
-               expert id -1, no count exchange: 3 collectives (global decode batches)
+  normal       every (token, expert) pair travels to the expert's owner, is weighted there and comes back to be
+               summed: a header (mode, row count) per rank pair, then variable-size rows: 4 collectives
+  low_latency  (global decode batches) every rank's tokens, padded to one size the table fixes (the graph's, or
+               the largest over the group), are all-gathered once with their top-k; each rank computes its own
+               experts' weighted output per (token, slot), zero for foreign experts, and a reduce-scatter hands each
+               rank its tokens' slots. Each slot has exactly one non-zero term, so the sum is exact and the top-k sum
+               after it is the one a single rank computes: dp = 2 equals dp = 1 bit for bit. 3 collectives, no count
+               exchange, a token crosses the link once (not once per expert) on its way out
 With check_collectives on, low_latency exchanges the same fixed-size header first, so that every MoE layer
 starts with an identically shaped collective whatever mode a rank took: a rank on the wrong protocol is then
 named from the headers instead of corrupting (or crashing) a size-mismatched exchange.
@@ -33,15 +37,14 @@ class TorchAllToAll:
                  ) -> torch.Tensor:
         mode = self.ctx.ep_mode()
         graph = self.ctx.forward.graph_size > 0  # captured: no host sync allowed, shapes fixed by the padding
+        if mode == EP_LOW_LATENCY and (graph or not self.ctx.check_collectives):
+            return self._low_latency(x, topk_ids, topk_w, experts)
         dest = self.owner[topk_ids.reshape(-1)]  # [T*k] owning rank of each (token, expert) pair
         counts = torch.zeros(self.ctx.world, dtype=torch.long, device=x.device).scatter_add_(
             0, dest, torch.ones_like(dest))
-        splits = None
-        if mode != EP_LOW_LATENCY or (self.ctx.check_collectives and not graph):
-            splits = self._header(mode, counts)
+        splits = self._header(mode, counts)
         if mode == EP_LOW_LATENCY:
-            return self._low_latency(x, topk_ids, topk_w, experts, dest, counts)
-        assert splits is not None
+            return self._low_latency(x, topk_ids, topk_w, experts)
         return self._normal(x, topk_ids, topk_w, experts, dest, *splits)
 
     def _header(self, mode: int, counts: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -79,32 +82,36 @@ class TorchAllToAll:
         self._a2a(back, y, send_n, recv_n)
         return _combine(back, order, t, k)
 
-    def _low_latency(self, x, topk_ids, topk_w, experts, dest, counts):
+    def _low_latency(self, x, topk_ids, topk_w, experts):
         t, k = topk_ids.shape
         world, h = self.ctx.world, x.shape[1]
         fwd = self.ctx.forward
         # same on every rank: the graph's padded token count (identical by construction) or the gathered maximum
-        cap = (t if fwd.graph_size else fwd.max_num_tokens) * k
-        ids = topk_ids.reshape(-1)
-        order = torch.argsort(dest, stable=True)
-        starts = torch.cumsum(counts, 0) - counts
-        # slot of each sorted row inside its destination's block of `cap` rows
-        pos = torch.arange(t * k, device=x.device) - starts[dest[order]]
-        slot = dest[order] * cap + pos
-        token = (torch.arange(t * k, device=x.device) // k)[order]
-        x_send = x.new_zeros(world * cap, h)
-        x_send[slot] = x[token]
-        meta = torch.full((world * cap, 2), -1.0, dtype=torch.float64, device=x.device)
-        meta[slot, 0] = ids[order].double()
-        meta[slot, 1] = topk_w.reshape(-1)[order].double()
-        x_recv, meta_recv = torch.empty_like(x_send), torch.empty_like(meta)
-        self._a2a(x_recv, x_send)
-        self._a2a(meta_recv, meta)
-        # padded rows carry expert id -1, which no expert owns: they come back as zeros
-        y = experts(x_recv, meta_recv[:, :1].long(), meta_recv[:, 1:].to(x.dtype))
-        back = torch.empty_like(y)
-        self._a2a(back, y)
-        return _combine(back[slot], order, t, k)
+        n = t if fwd.graph_size else fwd.max_num_tokens
+        assert t <= n, f"{t} tokens in a low-latency forward sized for {n}"
+        if t < n:  # padded tokens route to expert -1, which no rank owns: their slots stay zero
+            x = torch.cat([x, x.new_zeros(n - t, h)])
+            topk_ids = torch.cat([topk_ids, topk_ids.new_full((n - t, k), -1)])
+            topk_w = torch.cat([topk_w, topk_w.new_zeros(n - t, k)])
+        xs = x.new_empty(world * n, h)
+        self._gather(xs, x.contiguous())
+        # expert id and weight travel together; float64 holds both exactly
+        meta = torch.cat([topk_ids.double(), topk_w.double()], 1)  # [n, 2k]
+        ms = meta.new_empty(world * n, 2 * k)
+        self._gather(ms, meta)
+        y = experts.per_slot(xs, ms[:, :k].long(), ms[:, k:].to(x.dtype))  # [world*n, k, H], 0 where foreign
+        mine = y.new_empty(n, k, h)
+        _reduce_scatter(mine, y, group=self.ctx.group)
+        self.ctx.collectives += 1
+        return mine[:t].sum(1)  # [t, H]: the top-k sum in slot order, as one rank sums its own experts
+
+    def _gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        dist.all_gather_into_tensor(out, inp, group=self.ctx.group)
+        self.ctx.collectives += 1
+
+
+# torch >= 2.13 names it reduce_scatter_single (reduce_scatter_tensor is deprecated there)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _combine(back: torch.Tensor, order: torch.Tensor, t: int, k: int) -> torch.Tensor:
