@@ -232,7 +232,7 @@ def test_killed_rank_fails_inflight_requests_and_group_restarts(ray_cluster, ref
 
 def test_injected_local_ep_decision_is_named_not_hung(ray_cluster):
     t0 = time.monotonic()
-    with pytest.raises(Exception, match="rank 1 used"):
+    with pytest.raises(Exception, match="rank 1 used|odd one out: rank 1"):
         launch_engine(cfg(3, 1, parallel={"inject_ep_flip_rank": 1}, timeouts={"collective_s": 10}))
     assert time.monotonic() - t0 < 60
 

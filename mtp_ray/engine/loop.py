@@ -211,6 +211,11 @@ class EngineCore:
                 self.sync.done()
             if self.k:
                 self.proposer.propose_graph([], table)
+        # a closing gather, no forward: the lock-step checks (collective counts, the EP mode each rank used) run
+        # over the warmup's forwards now rather than at the first request
+        closing = self.sync.target(DPMeta(is_dummy=1))
+        assert closing is None  # every rank is idle: no forward
+        self.sync.done()
 
     def _pending(self, sched: list[Scheduled], uniform: bool) -> dict[str, int]:
         """Work left for the next step (split scheduling turns): prefill pieces not finished by this step, and

@@ -82,7 +82,7 @@ class Experts(nn.Module):
             i = e - self.start
             y = F.linear(silu_and_mul(F.linear(x[pair // k], self.gate_up_proj[i])), self.down_proj[i])
             out[pair] = (y * topk_w.reshape(-1)[pair, None]).to(out.dtype)
-        return out.view(n, k, -1)
+        return out.view(n, k, x.shape[1])
 
     def expert_major(self, x: torch.Tensor, counts: torch.Tensor, max_rows: int) -> torch.Tensor:
         """Unweighted expert outputs in the expert-major layout of a low-latency EP receive buffer (DeepEP): x:

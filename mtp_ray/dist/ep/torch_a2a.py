@@ -1,17 +1,19 @@
 """EP dispatch / combine with torch.distributed.all_to_all_single (gloo on CPU, NCCL on GPU).
 
 Two protocols, chosen only from the gathered DPMeta of the forward (never locally):
-  normal       every (token, expert) pair travels to the expert's owner, is weighted there and comes back to be
-               summed: a header (mode, row count) per rank pair, then variable-size rows: 4 collectives
-  low_latency  (global decode batches) every rank's tokens, padded to one size the table fixes (the graph's, or
-               the largest over the group), are all-gathered once with their top-k; each rank computes its own
-               experts' weighted output per (token, slot), zero for foreign experts, and a reduce-scatter hands each
-               rank its tokens' slots. Each slot has exactly one non-zero term, so the sum is exact and the top-k sum
-               after it is the one a single rank computes: dp = 2 equals dp = 1 bit for bit. 3 collectives, no count
-               exchange, a token crosses the link once (not once per expert) on its way out
-With check_collectives on, low_latency exchanges the same fixed-size header first, so that every MoE layer
-starts with an identically shaped collective whatever mode a rank took: a rank on the wrong protocol is then
-named from the headers instead of corrupting (or crashing) a size-mismatched exchange.
+  gathered  every rank's tokens, padded to one size the table fixes (the graph's, or the largest over the group),
+            are all-gathered once with their top-k; each rank computes its own experts' weighted output per
+            (token, slot), zero for foreign experts, and a reduce-scatter hands each rank its tokens' slots. Each
+            slot has exactly one non-zero term, so the sum is exact and the top-k sum after it is the one a single
+            rank computes: dp = 2 equals dp = 1 bit for bit. 3 collectives, no sizes on the host (no sync: CUDA
+            graphs capture it, and an eager forward's host runs ahead of the device), a token crosses the link once
+            on its way out. Taken by every graph and by eager forwards whose padding is bounded (the group's tokens
+            fill at least half of the padded size, and the per-slot buffer stays under GATHERED_MAX_BYTES).
+  normal    every (token, expert) pair travels to the expert's owner, is weighted there and comes back to be summed:
+            a header (mode, row count) per rank pair read on the host, then variable-size rows: 4 collectives.
+The gathered protocol issues the same collectives whatever EP mode a rank took, so a rank on the wrong mode cannot
+corrupt an exchange; the mode each rank used is compared at the next DPMeta gather, which names it. Before the normal
+protocol the header checks the mode in-band (a wrong protocol there would mean size-mismatched exchanges).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch.distributed as dist
 from mtp_ray.dist.context import DistContext
 from mtp_ray.dist.dp_meta import EP_LOW_LATENCY, EP_MODE_NAMES, LockstepError
 from mtp_ray.layers.moe import Experts
+
+GATHERED_MAX_BYTES = 1 << 29  # one MoE layer's per-(token, slot) outputs on a rank; larger eager forwards: normal
 
 
 class TorchAllToAll:
@@ -36,16 +40,25 @@ class TorchAllToAll:
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, experts: Experts
                  ) -> torch.Tensor:
         mode = self.ctx.ep_mode()
-        graph = self.ctx.forward.graph_size > 0  # captured: no host sync allowed, shapes fixed by the padding
-        if mode == EP_LOW_LATENCY and (graph or not self.ctx.check_collectives):
-            return self._low_latency(x, topk_ids, topk_w, experts)
+        fwd = self.ctx.forward
+        if fwd.graph_size or self._gathered_fits(topk_ids.shape[1], x.shape[1] * x.element_size()):
+            return self._gathered(x, topk_ids, topk_w, experts)
         dest = self.owner[topk_ids.reshape(-1)]  # [T*k] owning rank of each (token, expert) pair
         counts = torch.zeros(self.ctx.world, dtype=torch.long, device=x.device).scatter_add_(
             0, dest, torch.ones_like(dest))
         splits = self._header(mode, counts)
-        if mode == EP_LOW_LATENCY:
-            return self._low_latency(x, topk_ids, topk_w, experts)
+        if mode == EP_LOW_LATENCY:  # a decode batch too uneven or too large to gather: the same exchange
+            return self._gathered(x, topk_ids, topk_w, experts)
         return self._normal(x, topk_ids, topk_w, experts, dest, *splits)
+
+    def _gathered_fits(self, k: int, row_bytes: int) -> bool:
+        """An eager forward's padding is bounded: the group's tokens fill at least half of world x the largest
+        count (always with 2 ranks), and the per-(token, slot) output buffer stays under GATHERED_MAX_BYTES. A
+        function of the table: the same answer on every rank."""
+        fwd = self.ctx.forward
+        padded = fwd.world * fwd.max_num_tokens
+        total = sum(m.num_tokens for m in fwd.ranks)
+        return padded <= 2 * total and padded * k * row_bytes <= GATHERED_MAX_BYTES
 
     def _header(self, mode: int, counts: torch.Tensor) -> tuple[list[int], list[int]]:
         """Exchange (mode, rows) with every rank; every rank checks that all took the gathered mode. Returns the
@@ -82,7 +95,7 @@ class TorchAllToAll:
         self._a2a(back, y, send_n, recv_n)
         return _combine(back, order, t, k)
 
-    def _low_latency(self, x, topk_ids, topk_w, experts):
+    def _gathered(self, x, topk_ids, topk_w, experts):
         t, k = topk_ids.shape
         world, h = self.ctx.world, x.shape[1]
         fwd = self.ctx.forward
@@ -106,11 +119,12 @@ class TorchAllToAll:
         return mine[:t].sum(1)  # [t, H]: the top-k sum in slot order, as one rank sums its own experts
 
     def _gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        dist.all_gather_into_tensor(out, inp, group=self.ctx.group)
+        _all_gather(out, inp, group=self.ctx.group)
         self.ctx.collectives += 1
 
 
-# torch >= 2.13 names it reduce_scatter_single (reduce_scatter_tensor is deprecated there)
+# torch >= 2.13 names them *_single (the *_tensor names are deprecated there)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
