@@ -3,6 +3,11 @@ handle), plus the per-step cost of the DPMeta gather and of a dummy forward meas
 
     python bench/dp.py [--out bench/results/dp.json] [--requests 64] [--k 0] [--device cpu|cuda]
                        [--max-num-seqs 64] [--repeats 1] [--model bundled|35b] [--layers 8] [--profile-steps N]
+                       [--submit each|batch]
+
+--submit each (default): one `generate` call per request, as independent clients send them; the requests reach the
+ranks over the time the handle takes to accept that many calls (each prefill turn in that window admits what has
+arrived). --submit batch: the whole workload in one `generate` call (a rollout worker's batch), so it arrives at once.
 
 --model 35b: random weights (load_format dummy) at the Qwen3.5-35B-A3B shapes cut to --layers layers, so the
 steps are device-bound as on a real model (the bundled tiny model's steps are host-bound).
@@ -35,7 +40,7 @@ from decode import hf_config  # noqa: E402
 
 
 def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int, device: str, max_num_seqs: int,
-        repeats: int, model: dict, profile_steps: int = 0) -> dict:
+        repeats: int, model: dict, profile_steps: int = 0, submit: str = "each") -> dict:
     cfg = {"spec": {"num_speculative_tokens": k}, "parallel": {"dp": dp}, "device": device,
            "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 4096}, **model}
     if "load_format" in model:  # real shapes: a short context keeps the graph block tables small
@@ -51,7 +56,10 @@ def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int, device: str,
         seconds = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            outs = ray.get([h.generate.remote(p, params) for p in prompts])
+            if submit == "batch":
+                outs = ray.get(h.generate.remote(prompts, params))
+            else:
+                outs = ray.get([h.generate.remote(p, params) for p in prompts])
             seconds.append(time.perf_counter() - t0)
         after = ray.get(h.get_stats.remote())["ranks"]
         # one lone request: every other rank runs dummy forwards alongside it
@@ -116,6 +124,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--model", choices=["bundled", "35b"], default="bundled")
     ap.add_argument("--layers", type=int, default=8, help="--model 35b: layers kept of the 40")
+    ap.add_argument("--submit", choices=["each", "batch"], default="each",
+                    help="one generate call per request (default) or the whole workload in one call")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after the timing: cProfile each rank's engine thread over N steps of one more run")
     args = ap.parse_args()
@@ -135,14 +145,14 @@ def main() -> None:
         name = f"random Qwen3.5-35B-A3B shapes, {args.layers} layers"
     try:
         rows = [run(dp, args.k, prompts, args.max_tokens, args.device, args.max_num_seqs, args.repeats, model,
-                    args.profile_steps) for dp in (1, 2)]
+                    args.profile_steps, args.submit) for dp in (1, 2)]
     finally:
         if "model" in model:
             shutil.rmtree(model["model"], ignore_errors=True)
     result = {"machine": f"{platform.machine()} {os.cpu_count()} cores, device {args.device}", "model": name,
               "workload": {
         "requests": args.requests, "prompt_tokens": 32, "max_tokens": args.max_tokens, "k": args.k,
-        "max_num_seqs_per_rank": args.max_num_seqs, "repeats": args.repeats},
+        "max_num_seqs_per_rank": args.max_num_seqs, "repeats": args.repeats, "submit": args.submit},
         # medians of the repeats; and the ratio of each repeat pair, to show the spread
         "runs": rows, "dp2_over_dp1_throughput": round(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"], 3),
         "dp2_over_dp1_runs": [round(b / a, 3) for a, b in zip(rows[0]["tokens_per_s_runs"],

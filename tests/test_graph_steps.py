@@ -110,9 +110,12 @@ def test_async_scheduling_abort_and_drain(emulated_graphs):
     for i, p in enumerate(PROMPTS):
         e.add_request(str(i), p, sp)
     got: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
-    while e.greedy.inflight is None:
+    for _ in range(50):  # prefill, then the first decode step is left in flight
         for o in e.step():
             got[o.request_id] += o.new_token_ids
+        if e.greedy.inflight is not None:
+            break
+    assert e.greedy.inflight is not None, "no step was left in flight"
     aborted = e.abort_request("1")
     assert aborted is not None and aborted.finished and aborted.finish_reason == "abort"
     before = len(got["1"])

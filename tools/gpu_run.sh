@@ -29,6 +29,7 @@ for stage in "$@"; do
     dpk) python3 bench/dp.py --device cuda --k 3 --requests 256 --max-tokens 64 --max-num-seqs 128 --repeats 3 --out "$OUT/dp_h200x2_k3.json" 2>&1 | grep -A3 '"dp2_over\|"tokens_per_s"\|_step_ms\|graph_wait' ;;
     dpsat) python3 bench/dp.py --device cuda --requests 1024 --max-tokens 64 --max-num-seqs 512 --repeats 2 --out "$OUT/dp_h200x2_sat.json" 2>&1 | grep -A3 '"dp2_over\|"tokens_per_s"\|_step_ms\|graph_wait' ;;
     dp35) python3 bench/dp.py --device cuda --model 35b --layers 8 --requests 512 --max-tokens 64 --max-num-seqs 256 --repeats 3 --out "$OUT/dp_h200x2_35b.json" 2>&1 | grep -A3 '"dp2_over\|"tokens_per_s"\|_step_ms\|graph_wait' ;;
+    dp35b) python3 bench/dp.py --device cuda --model 35b --layers 8 --requests 512 --max-tokens 64 --max-num-seqs 256 --repeats 3 --submit batch --out "$OUT/dp_h200x2_35b_batch.json" 2>&1 | grep -A3 '"dp2_over\|"tokens_per_s"\|_step_ms\|graph_wait' ;;
     dp35prof) python3 bench/dp.py --device cuda --model 35b --layers 8 --requests 512 --max-tokens 64 --max-num-seqs 256 --repeats 1 --profile-steps 40 --out "$OUT/dp_h200x2_35b_prof.json" 2>&1 | grep -A3 '"dp2_over' ;;
   esac
 done

@@ -55,6 +55,7 @@ class DeviceGreedy:
             self.proposer.replay_graph(table)
         fetched = self.runner.fetch_greedy(size, with_drafts=self.k > 0)
         if self.async_steps:
+            assert self.inflight is None, "the step before is committed before this one is left in flight"
             live = [s.req for s in sched if not s.req.finished]
             for req in live:  # its KV is (being) written; its new token counts from now on
                 req.num_computed += 1
