@@ -84,16 +84,22 @@ class Scheduler:
         out: list[Scheduled] = []
         preempted = False
         i = 0
+        room = self.blocks.block_size  # tokens per block (a decode whose blocks already hold its step skips ensure)
         while i < len(self.running):
             req = self.running[i]
-            if not (decodes if req.is_decode else prefills) or req.ends_in_flight:
+            is_decode = 0 < req.num_computed == req.num_tokens - 1  # Request.is_decode, inlined: runs per sequence
+            if not (decodes if is_decode else prefills) or req.ends_in_flight:
                 i += 1  # the other kind's step, or its last token is already in flight
                 continue
-            n, verify = self._cost(req, budget)
+            if is_decode:  # the newest token, with its drafts when it has them (verify)
+                n, verify = (1 + len(req.drafts), True) if req.drafts else (1, False)
+            else:
+                n, verify = self._cost(req, budget)
             if n > budget or n == 0:
                 i += 1  # no room this step; it keeps its blocks and runs next step
                 continue
-            while not self.blocks.ensure(req, req.num_computed + n + self.lookahead):
+            need = req.num_computed + n + self.lookahead
+            while (need > len(req.block_ids) * room or not req.state_slots) and not self.blocks.ensure(req, need):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -121,11 +127,12 @@ class Scheduler:
         """Whether the next schedule could preempt: a running prefill may need any number of blocks; decodes need
         what their next verify and the draft lookahead reach. Async scheduling resolves in-flight tokens first then
         (a preempted request re-prefills its tokens, so they must be known)."""
-        need = 0
+        need, bs = 0, self.blocks.block_size
         for r in self.running:
-            if not r.is_decode:
+            nt = r.num_tokens
+            if not 0 < r.num_computed == nt - 1:  # not a decode (Request.is_decode, inlined)
                 return True
-            need += max(0, self.blocks.blocks_for(r.num_tokens + len(r.drafts) + self.lookahead) - len(r.block_ids))
+            need += max(0, (nt + len(r.drafts) + self.lookahead + bs - 1) // bs - len(r.block_ids))
         return need > self.blocks.num_free_blocks
 
     def _preempt(self, req: Request) -> None:
