@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mtp_ray.dist.dp_meta import EP_LOW_LATENCY, EP_NORMAL, DPMeta, Gathered, draft_tables
+from tests.ep_ranks import rank_setup, run_ranks
 
 LL = 6  # low-latency capacity (tokens per rank) in these tests
 
@@ -52,24 +53,10 @@ def _rank_main(rank: int, world: int, port: int, queue) -> None:
 
     sys.modules["deep_ep"] = fake_deep_ep
     try:
-        from mtp_ray.dist.context import DistContext
         from mtp_ray.dist.ep.deepep import DeepEPDispatcher
-        from mtp_ray.layers.moe import Experts
 
-        torch.set_num_threads(1)
         e, h, inter, k = 8, 16, 8, 3
-        ctx = DistContext(rank, world, e, torch.device("cpu"), 60.0)
-        ctx.init("127.0.0.1", port)
-        g = torch.Generator().manual_seed(0)  # the same full weights on every rank
-        full = Experts(h, inter, 0, e)
-        with torch.no_grad():
-            full.gate_up_proj.copy_(torch.randn(e, 2 * inter, h, generator=g) * h**-0.5)
-            full.down_proj.copy_(torch.randn(e, h, inter, generator=g) * inter**-0.5)
-        start, end = ctx.expert_range
-        mine = Experts(h, inter, start, end)
-        with torch.no_grad():
-            mine.gate_up_proj.copy_(full.gate_up_proj[start:end])
-            mine.down_proj.copy_(full.down_proj[start:end])
+        ctx, full, mine = rank_setup(rank, world, port, e, h, inter)
         disp = DeepEPDispatcher(ctx, h, LL)
         modes, errs = [], []
         for i, (tokens, decoding, _) in enumerate(STEPS):
@@ -93,18 +80,7 @@ def _rank_main(rank: int, world: int, port: int, queue) -> None:
 def test_deepep_dispatcher_on_two_ranks_against_the_api_stand_in():
     """Every protocol the table picks gives each rank's tokens the output of all experts computed in one place;
     the low-latency buffer is cleaned exactly when the group comes from the normal protocol."""
-    import torch.multiprocessing as mp
-
-    from mtp_ray.dist.context import free_port
-
-    mpc = mp.get_context("spawn")
-    queue, port = mpc.Queue(), free_port()
-    procs = [mpc.Process(target=_rank_main, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(30)
+    results = run_ranks(_rank_main, 2)
     expected = [m for _, _, m in STEPS]
     for rank, modes, errs, cleanings, err in results:
         assert err is None, f"rank {rank}: {err}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from mtp_ray.dist.dp_meta import DPMeta, Gathered
+from tests.ep_ranks import rank_setup, run_ranks
 
 # (tokens per rank, decode?) -> collectives one MoE layer issues on every rank
 STEPS = [((3, 4, 2), False, 3), ((9, 1, 1), False, 4), ((2, 2, 2), True, 3), ((6, 1, 1), True, 4),
@@ -21,24 +22,10 @@ def table(tokens: tuple[int, ...], decoding: bool) -> Gathered:
 
 def _rank_main(rank: int, world: int, port: int, queue) -> None:
     try:
-        from mtp_ray.dist.context import DistContext
         from mtp_ray.dist.ep.torch_a2a import TorchAllToAll
-        from mtp_ray.layers.moe import Experts
 
-        torch.set_num_threads(1)
         e, h, inter, k = 9, 16, 8, 3
-        ctx = DistContext(rank, world, e, torch.device("cpu"), 60.0)
-        ctx.init("127.0.0.1", port)
-        g = torch.Generator().manual_seed(0)  # the same full weights on every rank
-        full = Experts(h, inter, 0, e)
-        with torch.no_grad():
-            full.gate_up_proj.copy_(torch.randn(e, 2 * inter, h, generator=g) * h**-0.5)
-            full.down_proj.copy_(torch.randn(e, h, inter, generator=g) * inter**-0.5)
-        start, end = ctx.expert_range
-        mine = Experts(h, inter, start, end)
-        with torch.no_grad():
-            mine.gate_up_proj.copy_(full.gate_up_proj[start:end])
-            mine.down_proj.copy_(full.down_proj[start:end])
+        ctx, full, mine = rank_setup(rank, world, port, e, h, inter)
         disp = TorchAllToAll(ctx)
         counts, errs = [], []
         for i, (tokens, decoding, _) in enumerate(STEPS):
@@ -62,18 +49,7 @@ def _rank_main(rank: int, world: int, port: int, queue) -> None:
 
 
 def test_torch_ep_protocols_on_three_ranks():
-    import torch.multiprocessing as mp
-
-    from mtp_ray.dist.context import free_port
-
-    mpc = mp.get_context("spawn")
-    queue, port = mpc.Queue(), free_port()
-    procs = [mpc.Process(target=_rank_main, args=(r, 3, port, queue)) for r in range(3)]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(30)
+    results = run_ranks(_rank_main, 3)
     for rank, counts, errs, err in results:
         assert err is None, f"rank {rank}: {err}"
         assert counts == [c for _, _, c in STEPS], counts
