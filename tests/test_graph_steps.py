@@ -130,3 +130,29 @@ def test_async_scheduling_abort_and_drain(emulated_graphs):
     while e.has_unfinished() or e.greedy.inflight is not None or e.pending_outputs:
         e.step()
     assert e.blocks.num_free_blocks == e.blocks.num_blocks - 1
+
+
+def test_async_scheduling_with_min_tokens_and_late_joiners(emulated_graphs):
+    """Requests that turn plain greedy later (min_tokens reached), a request for log-probs and one that arrives
+    while a step is in flight: the same tokens as the synchronous engine, and steps did go async."""
+    params = [SamplingParams(temperature=0, max_tokens=14, min_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=9, logprobs=1, ignore_eos=True)]
+
+    def drive(llm: LLM) -> dict[str, list[int]]:
+        e, got = llm.engine, {}
+        for i, p in enumerate(params):
+            e.add_request(str(i), PROMPTS[i], p)
+        late = False
+        while e.has_unfinished() or e.greedy.inflight is not None:
+            for o in e.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if not late and len(got.get("1", [])) >= 4:  # joins mid-stream (in flight when async)
+                e.add_request("late", PROMPTS[3], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+                late = True
+        return got
+
+    ref = drive(with_graphs(LLM(max_num_seqs=8, async_scheduling=False)))
+    llm = with_graphs(LLM(max_num_seqs=8))
+    assert drive(llm) == ref and len(ref) == 4
+    assert llm.engine.stats["async_steps"] > 0
