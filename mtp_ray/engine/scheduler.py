@@ -50,10 +50,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @staticmethod
+    def _decode_cost(req: Request) -> tuple[int, bool]:
+        """A decode's tokens: the newest one, with its drafts when it has them (verify)."""
+        return (1 + len(req.drafts), True) if req.drafts else (1, False)
+
     def _cost(self, req: Request, budget: int) -> tuple[int, bool]:
         remaining = req.num_tokens - req.num_computed
         if remaining == 1:
-            return (1 + len(req.drafts), True) if req.drafts else (1, False)
+            return self._decode_cost(req)
         return min(remaining, self.cfg.prefill_chunk, budget), False
 
     def schedule(self, prefill_turn: bool | None = None) -> list[Scheduled]:
@@ -91,10 +96,7 @@ class Scheduler:
             if not (decodes if is_decode else prefills) or req.ends_in_flight:
                 i += 1  # the other kind's step, or its last token is already in flight
                 continue
-            if is_decode:  # the newest token, with its drafts when it has them (verify)
-                n, verify = (1 + len(req.drafts), True) if req.drafts else (1, False)
-            else:
-                n, verify = self._cost(req, budget)
+            n, verify = self._decode_cost(req) if is_decode else self._cost(req, budget)
             if n > budget or n == 0:
                 i += 1  # no room this step; it keeps its blocks and runs next step
                 continue
@@ -127,12 +129,12 @@ class Scheduler:
         """Whether the next schedule could preempt: a running prefill may need any number of blocks; decodes need
         what their next verify and the draft lookahead reach. Async scheduling resolves in-flight tokens first then
         (a preempted request re-prefills its tokens, so they must be known)."""
-        need, bs = 0, self.blocks.block_size
+        need, blocks_for = 0, self.blocks.blocks_for
         for r in self.running:
             nt = r.num_tokens
             if not 0 < r.num_computed == nt - 1:  # not a decode (Request.is_decode, inlined)
                 return True
-            need += max(0, (nt + len(r.drafts) + self.lookahead + bs - 1) // bs - len(r.block_ids))
+            need += max(0, blocks_for(nt + len(r.drafts) + self.lookahead) - len(r.block_ids))
         return need > self.blocks.num_free_blocks
 
     def _preempt(self, req: Request) -> None:

@@ -69,7 +69,8 @@ class Experts(nn.Module):
 
     def per_slot(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """Each (token, slot)'s weighted output, unsummed: [N, k, H], zero where the slot's expert is not local.
-        forward() is this summed over the slots (same values, same order)."""
+        On the GPU forward() is this summed over the slots (the same kernel); on the CPU forward() accumulates the
+        same products in expert order, which may differ from the slot-order sum in the last bits."""
         if x.is_cuda:
             from mtp_ray.layers.moe_triton import fused_experts
 

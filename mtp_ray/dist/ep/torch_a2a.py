@@ -5,7 +5,8 @@ Two protocols, chosen only from the gathered DPMeta of the forward (never locall
             are all-gathered once with their top-k; each rank computes its own experts' weighted output per
             (token, slot), zero for foreign experts, and a reduce-scatter hands each rank its tokens' slots. Each
             slot has exactly one non-zero term, so the sum is exact and the top-k sum after it is the one a single
-            rank computes: dp = 2 equals dp = 1 bit for bit. 3 collectives, no sizes on the host (no sync: CUDA
+            rank's grouped GEMM computes (dp = 2 equals dp = 1 bit for bit where dp = 1 takes that kernel; its
+            small-batch pair kernel and the CPU path sum in another order). 3 collectives, no sizes on the host (no sync: CUDA
             graphs capture it, and an eager forward's host runs ahead of the device), a token crosses the link once
             on its way out. Taken by every graph and by eager forwards whose padding is bounded (the group's tokens
             fill at least half of the padded size, and the per-slot buffer stays under GATHERED_MAX_BYTES).
@@ -114,12 +115,15 @@ class TorchAllToAll:
         self._gather(ms, meta)
         y = experts.per_slot(xs, ms[:, :k].long(), ms[:, k:].to(x.dtype))  # [world*n, k, H], 0 where foreign
         mine = y.new_empty(n, k, h)
-        _reduce_scatter(mine, y, group=self.ctx.group)
-        self.ctx.collectives += 1
+        self._scatter_sum(mine, y)
         return mine[:t].sum(1)  # [t, H]: the top-k sum in slot order, as one rank sums its own experts
 
     def _gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         _all_gather(out, inp, group=self.ctx.group)
+        self.ctx.collectives += 1
+
+    def _scatter_sum(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        _reduce_scatter(out, inp, group=self.ctx.group)
         self.ctx.collectives += 1
 
 
