@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import ray
 
@@ -38,15 +37,10 @@ class RolloutEngine:
     async def _one(self, ids: list[int], params: SamplingParams) -> dict:
         if params.n != 1:
             raise ValueError("n must be 1 per prompt on the rollout handle (repeat the prompt instead)")
-        toks: list[int] = []
-        lps: list[float] = []
-        last: Any = None
-        async for out in self.group.generate(ids, params):
-            toks += out.new_token_ids
-            lps += out.new_logprobs
-            last = out
-        return {"token_ids": toks, "log_probs": lps, "stop_reason": STOP_REASON.get(last.finish_reason, "completed"),
-                "finish_reason": last.finish_reason, "spec": last.spec}
+        c = await self.group.collect(ids, params)  # whole results: no per-step wake-up of 256 coroutines
+        return {"token_ids": c.token_ids, "log_probs": c.log_probs,
+                "stop_reason": STOP_REASON.get(c.finish_reason, "completed"), "finish_reason": c.finish_reason,
+                "spec": c.spec}
 
     # ---- RL control (verl / OpenRLHF / SGLang names) ----
     async def abort_all_requests(self) -> int:

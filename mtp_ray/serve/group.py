@@ -22,7 +22,8 @@ from mtp_ray.engine.request import check_prompt
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.serve.batcher import CallBatcher
 from mtp_ray.serve.group_commands import GroupCommands
-from mtp_ray.serve.protocol import unpack_step
+from mtp_ray.serve.protocol import unpack_rows
+from mtp_ray.serve.sinks import Collector, Sink, StreamSink
 from mtp_ray.serve.worker import RankWorker
 
 log = logging.getLogger("mtp_ray.group")
@@ -55,7 +56,7 @@ class EngineGroup(GroupCommands):
         self.model_config = ModelConfig.from_pretrained(cfg.model)
         self.pg, self.own_pg, self.bundle_offset = pg, pg is None, bundle_offset
         self.workers: list = []
-        self.reqs: dict[str, tuple[int, asyncio.Queue]] = {}
+        self.reqs: dict[str, tuple[int, Sink]] = {}
         self.load = [0] * self.dp
         # new requests per rank: one add_many call for all that arrive while the previous one is in flight
         self.adds = [CallBatcher(lambda items, r=r: self.workers[r].add_many.remote(items)) for r in range(self.dp)]
@@ -141,6 +142,49 @@ class EngineGroup(GroupCommands):
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        ready_timeout: float | None = None) -> AsyncIterator[StepOutput]:
         """Token deltas of one request, one StepOutput per engine step that produced tokens for it."""
+        sink = StreamSink()
+        rid, rank = await self._admit(prompt_ids, params, request_id, ready_timeout, sink)
+        finished = False
+        try:
+            await self.adds[rank].submit((rid, list(prompt_ids), dataclasses.asdict(params)))
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished and item.finish_reason and item.finish_reason.startswith("error"):
+                    finished = True
+                    raise ValueError(item.finish_reason[len("error: "):])
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._release(rid, rank, finished)
+
+    async def collect(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                      ready_timeout: float | None = None) -> Collector:
+        """One request run to its end without streaming (the rollout handle): its rows are appended as they arrive
+        and this returns once, when it finished."""
+        sink = Collector()
+        rid, rank = await self._admit(prompt_ids, params, request_id, ready_timeout, sink)
+        finished = False
+        try:
+            await self.adds[rank].submit((rid, list(prompt_ids), dataclasses.asdict(params)))
+            try:
+                await sink.done
+            finally:
+                finished = sink.done.done()
+            reason = sink.finish_reason
+            if reason and reason.startswith("error"):
+                raise ValueError(reason[len("error: "):])
+            return sink
+        finally:
+            self._release(rid, rank, finished)
+
+    async def _admit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
+                     ready_timeout: float | None, sink: Sink) -> tuple[str, int]:
+        """Validate a new request, pick its rank (least loaded) and route its rows to `sink`."""
         if self.state in ("stopped", "failed"):
             raise GroupUnavailable(f"the engine group is {self.state}: {self.last_failure or 'shut down'}")
         try:
@@ -155,29 +199,15 @@ class EngineGroup(GroupCommands):
         if rid in self.reqs:
             raise ValueError(f"request_id {rid!r} is already in flight")
         rank = min(range(self.dp), key=lambda r: self.load[r])
-        q: asyncio.Queue = asyncio.Queue()
-        self.reqs[rid] = (rank, q)
+        self.reqs[rid] = (rank, sink)
         self.load[rank] += 1
-        finished = False
-        try:
-            await self.adds[rank].submit((rid, list(prompt_ids), dataclasses.asdict(params)))
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                if item.finished and item.finish_reason and item.finish_reason.startswith("error"):
-                    finished = True
-                    raise ValueError(item.finish_reason[len("error: "):])
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if self.reqs.pop(rid, None) is not None:
-                self.load[rank] -= 1
-            if not finished and self.state == "ready":  # cancelled / client gone: free its KV on the rank
-                self.workers[rank].abort.remote(rid)
+        return rid, rank
+
+    def _release(self, rid: str, rank: int, finished: bool) -> None:
+        if self.reqs.pop(rid, None) is not None:
+            self.load[rank] -= 1
+        if not finished and self.state == "ready":  # cancelled / client gone: free its KV on the rank
+            self.workers[rank].abort.remote(rid)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self.reqs:
@@ -199,10 +229,10 @@ class EngineGroup(GroupCommands):
             if res["step"] != self.progress[rank][0]:
                 self.progress[rank] = (res["step"], time.monotonic())
             for msg in res["msgs"]:
-                for out in unpack_step(msg)[1]:
-                    entry = self.reqs.get(out.request_id)
+                for row in unpack_rows(msg)[1]:
+                    entry = self.reqs.get(row[0])
                     if entry is not None:
-                        entry[1].put_nowait(out)
+                        entry[1].put_row(row)
             if res["error"]:
                 await self._fail(epoch, res["error"])
                 return
@@ -231,8 +261,8 @@ class EngineGroup(GroupCommands):
         log.error("engine group failed; restarting all %d ranks\n%s", self.dp, self.last_failure)
         then = "the group is restarting" if self.restart_on_failure else "the group will be replaced"
         err = GroupFailed(f"engine group failed, request aborted; {then}. Cause: {reason}")
-        for _, q in list(self.reqs.values()):
-            q.put_nowait(err)
+        for _, sink in list(self.reqs.values()):
+            sink.fail(err)
         self.epoch += 1
         self._kill_workers()
         if self.weights_updated:  # a restart would reload the checkpoint: never serve other weights silently
