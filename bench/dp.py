@@ -52,15 +52,17 @@ def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int, device: str,
         params = {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}
         # warm-up at the measured batch shape (on GPUs this captures the CUDA graphs the run replays)
         ray.get([h.generate.remote(p, {**params, "max_tokens": 4}) for p in prompts])
-        before = ray.get(h.get_stats.remote())["ranks"]
-        seconds = []
+        first = ray.get(h.get_stats.remote())
+        before, seconds, split = first["ranks"], [], []
         for _ in range(repeats):
+            s0 = ray.get(h.get_stats.remote())
             t0 = time.perf_counter()
             if submit == "batch":
                 outs = ray.get(h.generate.remote(prompts, params))
             else:
                 outs = ray.get([h.generate.remote(p, params) for p in prompts])
             seconds.append(time.perf_counter() - t0)
+            split.append(run_split(s0, ray.get(h.get_stats.remote()), seconds[-1]))
         after = ray.get(h.get_stats.remote())["ranks"]
         # one lone request: every other rank runs dummy forwards alongside it
         ray.get(h.generate.remote(prompts[1], params))
@@ -107,10 +109,41 @@ def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int, device: str,
         "eager_steps_per_rank": round((steps - delta("graph_steps")) / dp / repeats, 1),
         "eager_step_ms": round(1e3 * (delta("step_s") - delta("graph_step_s")) / (steps - delta("graph_steps")), 3)
         if steps > delta("graph_steps") else None,
+        # per kind of step ("graph", "eager"), per rank and step: ms of each host phase (PhaseClock; wall - cpu:
+        # the engine thread blocked) over all repeats
+        "phases_ms": phase_ms(before, after),
+        # per repeat: wall, each rank's time inside steps and its process CPU, the group actor's CPU
+        "run_split": split,
         "lone_request_dummy_forwards": dummies,
         "dummy_forward_ms": round(1e3 * dummy_s / dummies, 3) if dummies else None,
         **({"profile": profiles} if profiles else {}),
     }
+
+
+def phase_ms(before: list[dict], after: list[dict]) -> dict:
+    out: dict = {}
+    for kind in ("graph", "eager"):
+        tot: dict[str, float] = {}
+        for a, b in zip(after, before):
+            pa, pb = a.get("phases", {}).get(kind, {}), b.get("phases", {}).get(kind, {})
+            for name, v in pa.items():
+                tot[name] = tot.get(name, 0.0) + v - pb.get(name, 0.0)
+        steps = tot.pop("steps", 0)
+        if steps:
+            out[kind] = {"steps_per_rank": round(steps / len(after), 1),
+                         **{name: round(1e3 * v / steps, 3) for name, v in sorted(tot.items())}}
+    return out
+
+
+def run_split(s0: dict, s1: dict, wall: float) -> dict:
+    def busy(a: dict, b: dict) -> float:
+        return sum(a["phases"].get(k, {}).get("wall", 0.0) - b["phases"].get(k, {}).get("wall", 0.0)
+                   for k in ("graph", "eager"))
+
+    return {"wall_s": round(wall, 3),
+            "rank_step_s": [round(busy(a, b), 3) for a, b in zip(s1["ranks"], s0["ranks"])],
+            "rank_cpu_s": [round(a["process_cpu_s"] - b["process_cpu_s"], 3) for a, b in zip(s1["ranks"], s0["ranks"])],
+            "group_cpu_s": round(s1["group_cpu_s"] - s0["group_cpu_s"], 3)}
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from mtp_ray.engine.block_manager import BlockManager
 from mtp_ray.engine.device_greedy import DeviceGreedy
 from mtp_ray.engine.inputs import build, build_uniform, dummy_inputs, is_uniform, target_pieces
 from mtp_ray.engine.outputs import OutputProcessor, StepOutput
+from mtp_ray.engine.phases import PhaseClock
 from mtp_ray.engine.request import Request, check_prompt
 from mtp_ray.engine.runner import ModelRunner
 from mtp_ray.engine.sampler import Row, logprob_info, reduce_rows, sample_row
@@ -61,6 +62,7 @@ class EngineCore:
                       "step_s": 0.0,  # wall time of the steps that ran a forward, host work included
                       "graph_step_s": 0.0,  # the part of step_s spent in steps that replayed a CUDA graph
                       "graph_wait_s": 0.0}  # the part of graph_step_s the host waited for the device's results
+        self.clock = PhaseClock()  # host time per phase of a step (get_stats "phases")
         self.out = OutputProcessor(self.scheduler, self.requests, self.eos_ids, self.max_model_len, self.stats)
         self.greedy = DeviceGreedy(self.runner, self.proposer, self.out, self.stats, cfg.scheduler.async_scheduling)
         if cfg.scheduler.max_num_batched_tokens < 1 + self.k:
@@ -104,7 +106,11 @@ class EngineCore:
     def step(self) -> list[StepOutput]:
         early, self.pending_outputs = self.pending_outputs, []
         steps, graphs, t0 = self.stats["steps"], self.stats["graph_steps"], time.perf_counter()
-        out = self._step()
+        self.clock.begin()
+        try:
+            out = self._step()
+        finally:
+            self.clock.close()
         if self.stats["steps"] > steps:
             dt = time.perf_counter() - t0
             self.stats["step_s"] += dt
@@ -113,19 +119,24 @@ class EngineCore:
 
     def _step(self) -> list[StepOutput]:
         done: list[StepOutput] = []  # outputs of the step that was in flight
+        clock = self.clock
         if self.greedy.inflight is not None and self.scheduler.may_preempt():
             done = self.greedy.resolve()
         sched = self.scheduler.schedule(self.sync.prefill_turn() if self.scheduler.split else None)
         q_len = 1 + self.k
         uniform = is_uniform(sched, q_len)
         local = self._local_meta(sched, uniform)
+        clock.lap("schedule")
         table = self.sync.target(local, self.runner.graph_sizes)
+        clock.lap("gather")
         if table is None:
             return done + self.greedy.resolve()  # no rank has work this step
+        clock.kind = "graph" if table.graph_size else "eager"
         if self.greedy.inflight is not None and not table.graph_size:  # an eager step reads its tokens on the host
             done += self.greedy.resolve()
             sched = [s for s in sched if not s.req.finished]  # ended at the step that was in flight
             uniform = uniform and bool(sched)
+            clock.lap("resolve")
         self.stats["steps"] += 1
         self.stats["uniform_steps"] += int(uniform)
         self.stats["graph_steps"] += int(bool(table.graph_size))
@@ -139,6 +150,7 @@ class EngineCore:
             inp = build_uniform(pieces, self.blocks, q_len)
         else:
             inp = build(pieces, self.blocks) if sched else dummy_inputs()
+        clock.lap("inputs")
         all_logits = None
         try:
             if table.graph_size:
@@ -147,14 +159,18 @@ class EngineCore:
                 hidden = self.runner.forward(inp)  # [T, H]
         finally:
             self.sync.done()
+        clock.lap("launch")
         done += self.greedy.resolve()  # the step before, while the device runs this one
+        clock.lap("resolve")
         if not sched:  # a dummy forward: keep the group in lock-step through the draft loop too
             self.proposer.propose([], table)
             return done
         # a finished request's row (it stopped at the step that was in flight) is computed and dropped
         fast = [s.req.finished or self._plain_greedy(s.req) for s in sched]
         if table.graph_size and (self.k == 0 or table.graph_drafts) and all(fast):
-            return done + self.greedy.step(sched, table)
+            done += self.greedy.step(sched, table)
+            clock.lap("commit")
+            return done
         rows = [r for rs in inp.logit_rows for r in rs]
         sl = None
         if rows:  # reduced on the device; only rows that sample or report top-n log-probs come to the host
@@ -175,7 +191,9 @@ class EngineCore:
                 outputs.append(out)
             if item is not None:
                 items.append(item)
+        clock.lap("commit")
         self.proposer.propose(items, table)
+        clock.lap("drafts")
         return done + outputs
 
     @staticmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import ray
 
@@ -108,6 +109,7 @@ class RolloutEngine:
     async def get_stats(self) -> dict:
         await self.start()
         return {"health": self.group.health(), "ranks": await self.group.rank_stats(),
+                "group_cpu_s": time.process_time(),  # this actor's process: request routing, output unpacking
                 "memory": await self.group.command("memory")}
 
     async def worker_handles(self) -> list:

@@ -145,6 +145,7 @@ class RankWorker:
         return {"rank": self.rank, **(core.stats if core else {}), **(core.sync.counters if core else {}),
                 **(core.sync.timers if core else {}),
                 "collectives": self.ctx.collectives if self.ctx else 0, "wave": self.wave,
+                "phases": core.clock.snapshot() if core else {}, "process_cpu_s": time.process_time(),
                 "last_meta": self.ctx.local.describe() if self.ctx else ""}
 
     def profile_steps(self, steps: int, timeout: float = 120.0, device: bool = False) -> dict:
@@ -181,13 +182,18 @@ class RankWorker:
                     p.start_wave.remote(start)
                 self.running = True
                 while True:
+                    t0 = time.perf_counter()
                     self._drain_inbox()
                     with self.cond:
                         core.meta_extra = {"next_cmd": self.cmds[0][0] if self.cmds else 0}
+                    t1 = time.perf_counter()
                     outs = self.profiler.run(core)
                     sync.step += 1
+                    t2 = time.perf_counter()
                     if outs:
                         self._publish(pack_step(sync.step, outs))
+                    core.clock.add("inbox", t1 - t0)
+                    core.clock.add("publish", time.perf_counter() - t2)
                     g = sync.step_table
                     if g is not None and g.command_ready:
                         self._run_command()
