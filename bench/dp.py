@@ -143,7 +143,16 @@ def run_split(s0: dict, s1: dict, wall: float) -> dict:
     return {"wall_s": round(wall, 3),
             "rank_step_s": [round(busy(a, b), 3) for a, b in zip(s1["ranks"], s0["ranks"])],
             "rank_cpu_s": [round(a["process_cpu_s"] - b["process_cpu_s"], 3) for a, b in zip(s1["ranks"], s0["ranks"])],
-            "group_cpu_s": round(s1["group_cpu_s"] - s0["group_cpu_s"], 3)}
+            "group_cpu_s": round(s1["group_cpu_s"] - s0["group_cpu_s"], 3),
+            # stalls inside the ranks during the run: Python GC pauses, Triton compiles (StallMonitor)
+            "rank_gc_s": [round(a - b, 4) for a, b in zip(stall(s1, "gc_s"), stall(s0, "gc_s"))],
+            "rank_triton_compiles": [a - b for a, b in zip(stall(s1, "triton_compiles"), stall(s0, "triton_compiles"))],
+            "rank_recent_compiles": stall(s1, "recent_compiles") if stall(s1, "triton_compiles") != stall(
+                s0, "triton_compiles") else []}
+
+
+def stall(s: dict, key: str) -> list:
+    return [r["stalls"][key] for r in s["ranks"]]
 
 
 def main() -> None:

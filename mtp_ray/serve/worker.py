@@ -9,6 +9,7 @@ wave that already ran is ignored, one for a wave not yet reached is kept until t
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -29,6 +30,7 @@ from mtp_ray.engine.runner import resolve_device, resolve_dtype
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.engine.sync import DPSync
 from mtp_ray.serve.protocol import pack_step
+from mtp_ray.serve.stalls import StallMonitor
 from mtp_ray.serve.step_profile import StepProfiler
 
 log = logging.getLogger("mtp_ray.rank")
@@ -53,6 +55,7 @@ class RankWorker:
         self.core: EngineCore | None = None
         self.ctx: DistContext | None = None
         self.profiler = StepProfiler()
+        self.stalls = StallMonitor()
 
     # ---- set-up ----
     def rendezvous_address(self) -> tuple[str, int]:
@@ -80,9 +83,12 @@ class RankWorker:
         sync = DPSync(self.ctx, draft_gathers=c.parallel.draft_gathers, group_turns=c.parallel.group_turns,
                       ll_max_tokens=bounded)
         self.core = EngineCore(c, expert_range, dispatch, sync)
+        self.stalls.install()
         self.ctx.barrier()
         self.core.warmup()
         self.ctx.barrier()
+        gc.collect()
+        gc.freeze()  # the model, caches and kernels stay out of every later collection (StallMonitor)
         threading.Thread(target=self._loop, name=f"rank{self.rank}-engine", daemon=True).start()
         return {"rank": self.rank, "pid": os.getpid(), "experts": expert_range, "device": str(device),
                 "max_model_len": self.core.max_model_len}
@@ -146,6 +152,7 @@ class RankWorker:
                 **(core.sync.timers if core else {}),
                 "collectives": self.ctx.collectives if self.ctx else 0, "wave": self.wave,
                 "phases": core.clock.snapshot() if core else {}, "process_cpu_s": time.process_time(),
+                "stalls": self.stalls.snapshot(),
                 "last_meta": self.ctx.local.describe() if self.ctx else ""}
 
     def profile_steps(self, steps: int, timeout: float = 120.0, device: bool = False) -> dict:
