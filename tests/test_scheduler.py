@@ -190,11 +190,11 @@ def test_uniform_inputs_are_views_of_one_packed_tensor():
 
     import torch
 
-    from mtp_ray.engine.inputs import build_uniform, target_pieces, uniform_layout
+    from mtp_ray.engine.inputs import build, build_uniform, target_pieces, uniform_layout
 
     s = make(k=2)
     for i in range(3):
-        s.add(req(i, 5 + i))
+        s.add(req(i, 3 + 4 * i))  # ragged block tables
     while any(r.num_computed < len(r.prompt_ids) for r in s.running) or len(s.running) < 3:
         run_step(s)
     for r in s.running:
@@ -216,6 +216,16 @@ def test_uniform_inputs_are_views_of_one_packed_tensor():
     assert inp.input_ids[: 3 * n].tolist() == [x for p in pieces for x in p.tokens]
     assert inp.input_ids[3 * n :].eq(0).all() and u.context_lens[n:].eq(0).all() and u.spec_slots[n:].eq(0).all()
     assert u.spec_slots[:n].tolist() == [p.spec_slots for p in pieces]
+    # live rows equal the general builder (the per-sequence reference); padded rows read positions 0..q-1
+    ref = build(pieces, s.blocks)
+    assert len({len(p.req.block_ids) for p in pieces}) > 1  # ragged tables: the scatter puts each row's own blocks
+    assert inp.positions[: 3 * n].tolist() == ref.positions.tolist()
+    assert inp.batch.slot_mapping[: 3 * n].tolist() == ref.batch.slot_mapping.tolist()
+    w = ref.batch.block_tables.shape[1]
+    assert torch.equal(inp.batch.block_tables[:n, :w], ref.batch.block_tables)
+    assert inp.batch.block_tables[:n, w:].eq(0).all() and inp.batch.block_tables[n:].eq(0).all()
+    assert inp.positions[3 * n :].tolist() == [0, 1, 2] * (4 - n) and u.state_slots[:n].tolist() == [
+        p.req.state_slots[0] for p in pieces]
     # an eager uniform batch (no size): no padding, tables as wide as the widest sequence
     eager = build_uniform(pieces, s.blocks, 3)
     width = max(len(p.req.block_ids) for p in pieces)

@@ -94,7 +94,7 @@ class DeviceGreedy:
             if req.finished:
                 continue
             row = res[inf.rows[id(req)]]
-            outputs.append(self.out.emit(req, [int(row[0])], [(row[1], {})]))
+            outputs.append(self.out.emit_one(req, int(row[0]), row[1]))
         return outputs
 
     def _wait(self, fetched: Fetched) -> list[list[float]]:

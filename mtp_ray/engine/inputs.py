@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
+from itertools import chain
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -11,6 +15,8 @@ from mtp_ray.engine.block_manager import BlockManager
 from mtp_ray.engine.request import Request
 from mtp_ray.engine.scheduler import Scheduled
 from mtp_ray.layers.context import ForwardBatch, UniformDecode
+
+T = TypeVar("T", torch.Tensor, np.ndarray)
 
 
 @dataclass
@@ -78,11 +84,12 @@ class UniformLayout:
     fields: dict[str, tuple[int, tuple[int, ...]]]  # name -> (offset, shape)
     total: int  # elements
 
-    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {name: flat[at : at + int(torch.Size(shape).numel())].view(shape)
-                for name, (at, shape) in self.fields.items()}
+    def views(self, flat: T) -> dict[str, T]:
+        """Each field as a view of flat (a torch tensor or a numpy array: both reshape a contiguous slice in place)."""
+        return {name: flat[at : at + math.prod(shape)].reshape(shape) for name, (at, shape) in self.fields.items()}
 
 
+@functools.lru_cache(maxsize=256)
 def uniform_layout(b: int, q_len: int, width: int, spec: bool) -> UniformLayout:
     """b sequences of q_len tokens: ids, pos, slots [b * q_len]; tables [b, width]; ctx, state [b]; spec
     [b, q_len] (snapshot slots of a verify batch) or empty."""
@@ -100,45 +107,49 @@ def build_uniform(pieces: list[Piece], blocks: BlockManager, q_len: int, size: i
                   width: int | None = None) -> StepInputs:
     """A uniform decode / verify batch (every piece has q_len tokens), padded to `size` sequences and block tables
     `width` wide. Padded rows feed token 0 at positions 0.. into reserved block 0 and state slot 0.
-    Built as one Python list and turned into one tensor (`StepInputs.packed`): this runs every decode step. With a
+    Written straight into one int64 array (`StepInputs.packed`) with a few vectorized numpy operations per step
+    rather than Python work per sequence: this runs every decode step, at up to max_num_seqs sequences. With a
     size (graph steps) and q_len > 1 the snapshot slots are always present (zeros on padded rows)."""
     graph = size is not None
-    size = len(pieces) if size is None else size
-    assert len(pieces) <= size and all(len(p.tokens) == q_len and p.start > 0 for p in pieces)
-    pad = size - len(pieces)
-    width = width or max((len(p.req.block_ids) for p in pieces), default=1)
-    ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
-    # the block tables dominate the packed size (size x width, width = blocks_per_seq on graph steps): a zeroed
-    # array with each live row written in place costs O(blocks in use), not O(size x width) Python ints
-    tables = np.zeros((size, width), dtype=np.int64)
-    for b, p in enumerate(pieces):
-        bt = p.req.block_ids
-        ids += p.tokens
-        ps = range(p.start, p.start + q_len)
-        pos += ps
-        slots += [blocks.slot_of(p.req, x) for x in ps]
-        tables[b, : len(bt)] = bt
-    ids += [0] * (pad * q_len)
-    pos += list(range(q_len)) * pad
-    slots += [0] * (pad * q_len)
-    ctx = [p.start for p in pieces] + [0] * pad
-    state = [p.req.state_slots[0] for p in pieces] + [0] * pad
+    n = len(pieces)
+    size = n if size is None else size
+    assert n <= size
+    nb = np.fromiter((len(p.req.block_ids) for p in pieces), np.int64, n)  # [n] blocks per sequence
+    width = width or max(int(nb.max(initial=1)), 1)
     has_spec = any(p.spec_slots for p in pieces) or (graph and q_len > 1)
-    spec: list[int] = []
-    if has_spec:
-        for p in pieces:
-            spec += p.spec_slots or [0] * q_len
-        spec += [0] * (pad * q_len)
-    rows = [list(range(b * q_len, (b + 1) * q_len)) if p.logits == "all" else [b * q_len + q_len - 1]
-            for b, p in enumerate(pieces)]
-    head, tail = np.array(ids + pos + slots, dtype=np.int64), np.array(ctx + state + spec, dtype=np.int64)
-    flat = torch.from_numpy(np.concatenate([head, tables.reshape(-1), tail]))
-    v = uniform_layout(size, q_len, width, has_spec).views(flat)
+    layout = uniform_layout(size, q_len, width, has_spec)
+    flat = np.zeros(layout.total, dtype=np.int64)
+    f = layout.views(flat)
+    m = n * q_len
+    f["pos"][m:] = np.tile(np.arange(q_len), size - n)  # padded rows: positions 0.., everything else 0
+    if n:
+        ids = np.fromiter(chain.from_iterable(p.tokens for p in pieces), np.int64, m)  # raises if a piece is short
+        start = np.fromiter((p.start for p in pieces), np.int64, n)  # [n]
+        assert (start > 0).all(), "a uniform batch decodes on top of a cached prefix"
+        total = int(nb.sum())
+        # block tables: every live row's block ids at (row, column) in one scatter
+        rows = np.repeat(np.arange(n), nb)
+        cols = np.arange(total) - np.repeat(np.cumsum(nb) - nb, nb)
+        f["tables"][rows, cols] = np.fromiter(chain.from_iterable(p.req.block_ids for p in pieces), np.int64, total)
+        pos = start[:, None] + np.arange(q_len)  # [n, q_len]
+        bs = blocks.block_size
+        assert (pos[:, -1] // bs < nb).all(), "a sequence's blocks do not cover its step"
+        f["slots"][:m] = (f["tables"][np.arange(n)[:, None], pos // bs] * bs + pos % bs).reshape(-1)
+        f["ids"][:m] = ids
+        f["pos"][:m] = pos.reshape(-1)
+        f["ctx"][:n] = start
+        f["state"][:n] = np.fromiter((p.req.state_slots[0] for p in pieces), np.int64, n)
+        if has_spec:
+            zeros = [0] * q_len
+            f["spec"][:n] = np.fromiter(chain.from_iterable(p.spec_slots or zeros for p in pieces), np.int64,
+                                        m).reshape(n, q_len)
+    rows_out = [list(range(b * q_len, (b + 1) * q_len)) if p.logits == "all" else [b * q_len + q_len - 1]
+                for b, p in enumerate(pieces)]
+    packed = torch.from_numpy(flat)
+    v = layout.views(packed)
     batch = ForwardBatch.decode(UniformDecode(q_len, v["ctx"], v["state"], v["spec"] if has_spec else None),
                                 v["tables"], v["slots"])
-    return StepInputs(v["ids"], v["pos"], batch, rows, flat)
+    return StepInputs(v["ids"], v["pos"], batch, rows_out, packed)
 
 
 def is_uniform(sched: list[Scheduled], q_len: int) -> bool:

@@ -43,6 +43,15 @@ class OutputProcessor:
         n = self._append(req, emitted, info)
         return self.output(req, emitted[:n], n)
 
+    def emit_one(self, req: Request, token: int, logprob: float) -> StepOutput:
+        """emit() of one plain-greedy token (no top log-probs): every async decode step, for every sequence."""
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        req.drafts = []
+        self._append(req, [token], [(logprob, {})])
+        return StepOutput(req.request_id, [token], [logprob], [{}], req.finished, req.finish_reason, req.stop_reason,
+                          len(req.prompt_ids), req.spec_stats() if req.finished else {})
+
     def commit_spec(self, req: Request, accepted: int, k: int) -> None:
         """GDN rollback: the state after token `accepted` of the verify becomes the sequence's state."""
         self.stats["verify_steps"] += 1

@@ -54,6 +54,10 @@ class Request:
         """all_ids[start:end] without building all_ids (this runs for every sequence every step). Positions of
         in-flight tokens read 0: their ids are on the device, where the step that feeds them takes them."""
         p, known = len(self.prompt_ids), self.num_known
+        if end == start + 1:  # one token (a decode step): the common case, kept short
+            if start >= known:  # in flight (its id is on the device), or past the end (an empty slice)
+                return [0] if start < known + self.num_inflight else []
+            return [self.output_ids[start - p]] if start >= p else [self.prompt_ids[start]]
         if self.num_inflight and end > known:
             pad = [0] * max(0, min(end, known + self.num_inflight) - max(start, known))
             return (self.tokens(start, known) if start < known else []) + pad
