@@ -107,6 +107,8 @@ def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int, device: str,
         # the part of a graph step the host waited for the device (device-greedy steps; the rest is host work)
         "graph_wait_ms": round(1e3 * delta("graph_wait_s") / delta("graph_steps"), 3) if delta("graph_steps") else None,
         "eager_steps_per_rank": round((steps - delta("graph_steps")) / dp / repeats, 1),
+        "eager_tokens_per_step": round(delta("eager_tokens") / (steps - delta("graph_steps")), 1)
+        if steps > delta("graph_steps") else None,
         "eager_step_ms": round(1e3 * (delta("step_s") - delta("graph_step_s")) / (steps - delta("graph_steps")), 3)
         if steps > delta("graph_steps") else None,
         # per kind of step ("graph", "eager"), per rank and step: ms of each host phase (PhaseClock; wall - cpu:

@@ -94,7 +94,7 @@ def test_paged_prefill_attention(dtype, tol, hq, hkv, d, gated):
 @needs_device
 @pytest.mark.parametrize("n", [1, 40])
 def test_paged_prefill_attention_dummy(n):
-    """A dummy forward (engine.inputs.dummy_inputs): one table entry, block 0, any number of tokens."""
+    """A dummy forward (engine.inputs.dummy_inputs): every table entry block 0, any number of tokens."""
     from mtp_ray.engine.inputs import dummy_inputs
     from mtp_ray.layers.attention import attn_meta
     from mtp_ray.layers.attention_prefill_triton import paged_prefill_attention

@@ -173,9 +173,10 @@ def target_pieces(sched: list[Scheduled]) -> list[Piece]:
 
 
 def dummy_inputs(num_tokens: int = 1) -> StepInputs:
-    """A padded forward for a rank with no work: reserved block 0 and state slot 0, KV writes dropped."""
+    """A padded forward for a rank with no work: reserved block 0 and state slot 0, KV writes dropped. The table
+    names block 0 once per token, enough for any block size."""
     batch = ForwardBatch(
-        query_lens=[num_tokens], context_lens=[0], block_tables=torch.zeros(1, 1, dtype=torch.long),
+        query_lens=[num_tokens], context_lens=[0], block_tables=torch.zeros(1, num_tokens, dtype=torch.long),
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long), state_slots=[0],
     )
     zeros = torch.zeros(num_tokens, dtype=torch.long)

@@ -58,7 +58,7 @@ class EngineCore:
         self._seeds = itertools.count(cfg.seed * 1_000_003 + 1)
         self.stats = {"steps": 0, "drafted": 0, "accepted": 0, "verify_steps": 0, "aborted": 0,
                       "device_greedy_steps": 0, "uniform_steps": 0, "async_steps": 0,
-                      "mixed_batch_steps": 0, "graph_steps": 0,
+                      "mixed_batch_steps": 0, "graph_steps": 0, "eager_tokens": 0,
                       "step_s": 0.0,  # wall time of the steps that ran a forward, host work included
                       "graph_step_s": 0.0,  # the part of step_s spent in steps that replayed a CUDA graph
                       "graph_wait_s": 0.0}  # the part of graph_step_s the host waited for the device's results
@@ -156,6 +156,7 @@ class EngineCore:
             if table.graph_size:
                 hidden, all_logits = self.runner.replay_target(inp, table.graph_size, self.greedy.src(sched))
             else:
+                self.stats["eager_tokens"] += inp.num_tokens
                 hidden = self.runner.forward(inp)  # [T, H]
         finally:
             self.sync.done()
@@ -208,14 +209,18 @@ class EngineCore:
         self.pending_outputs += self.greedy.resolve()
 
     def warmup(self) -> None:
-        """All ranks together: one eager dummy decode step with the k draft forwards, then (GPU) every CUDA graph
-        size is captured, largest first, on padded rows only, so that no capture stalls a serving step."""
-        self.sync.target(DPMeta(num_tokens=1, batch_size=1, is_decoding=1, is_dummy=0, has_unfinished=1))
-        try:
-            self.runner.forward(dummy_inputs())
-        finally:
-            self.sync.done()
-        self.proposer.propose([], None)
+        """All ranks together: eager dummy decode and prefill steps with the k draft forwards, then (GPU) every CUDA
+        graph size is captured, largest first, on padded rows only, so that no capture stalls a serving step."""
+        # an eager decode-shaped and a prefill-shaped forward (padded rows, KV writes dropped): the eager kernels
+        # (varlen attention, GDN chunk, the MoE paths) compile here rather than stalling the first requests
+        for n in (1, min(64, self.cfg.scheduler.max_num_batched_tokens)):
+            self.sync.target(DPMeta(num_tokens=n, batch_size=1, is_decoding=int(n == 1), is_dummy=0,
+                                    has_unfinished=1))
+            try:
+                self.runner.forward(dummy_inputs(n))
+            finally:
+                self.sync.done()
+            self.proposer.propose([], None)
         q_len = 1 + self.k
         for size in sorted(self.runner.graph_sizes, reverse=True):
             meta = DPMeta(num_tokens=size * q_len, batch_size=size, is_decoding=1, is_dummy=0, has_unfinished=1,

@@ -39,7 +39,7 @@ def _find_seq(cu_ptr, pid, num_seqs, TOK_M: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs", "width"])  # they change every step: no recompiles
 def _paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, o_ptr, g_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh, stride_gt, stride_gh,

@@ -63,7 +63,7 @@ def _attend(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr, kvh, d, d_ok, limit, lo, hi,
     return m_i, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # eager batches: the widest table changes every step
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, o_ptr, g_ptr, part_ptr, ml_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh, stride_gt, stride_gh,
