@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["M"])  # rows change every eager step: no recompile per batch size
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
     n = tl.program_id(0) * BN + tl.arange(0, BN)
