@@ -56,13 +56,13 @@ def run(dp: int, k: int, prompts: list[list[int]], max_tokens: int, device: str,
         before, seconds, split = first["ranks"], [], []
         for _ in range(repeats):
             s0 = ray.get(h.get_stats.remote())
-            t0 = time.perf_counter()
+            t0, m0 = time.perf_counter(), time.monotonic()
             if submit == "batch":
                 outs = ray.get(h.generate.remote(prompts, params))
             else:
                 outs = ray.get([h.generate.remote(p, params) for p in prompts])
             seconds.append(time.perf_counter() - t0)
-            split.append(run_split(s0, ray.get(h.get_stats.remote()), seconds[-1]))
+            split.append(run_split(s0, ray.get(h.get_stats.remote()), seconds[-1], m0))
         after = ray.get(h.get_stats.remote())["ranks"]
         # one lone request: every other rank runs dummy forwards alongside it
         ray.get(h.generate.remote(prompts[1], params))
@@ -137,12 +137,15 @@ def phase_ms(before: list[dict], after: list[dict]) -> dict:
     return out
 
 
-def run_split(s0: dict, s1: dict, wall: float) -> dict:
+def run_split(s0: dict, s1: dict, wall: float, m0: float) -> dict:
     def busy(a: dict, b: dict) -> float:
         return sum(a["phases"].get(k, {}).get("wall", 0.0) - b["phases"].get(k, {}).get("wall", 0.0)
                    for k in ("graph", "eager"))
 
     return {"wall_s": round(wall, 3),
+            # when the run's last request reached its rank, from the start (monotonic clocks of one machine): how
+            # long the requests took to arrive through the engine actor
+            "last_arrival_s": round(max(r["last_add_monotonic"] for r in s1["ranks"]) - m0, 3),
             "rank_step_s": [round(busy(a, b), 3) for a, b in zip(s1["ranks"], s0["ranks"])],
             "rank_cpu_s": [round(a["process_cpu_s"] - b["process_cpu_s"], 3) for a, b in zip(s1["ranks"], s0["ranks"])],
             "group_cpu_s": round(s1["group_cpu_s"] - s0["group_cpu_s"], 3),

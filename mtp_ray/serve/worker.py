@@ -56,6 +56,7 @@ class RankWorker:
         self.ctx: DistContext | None = None
         self.profiler = StepProfiler()
         self.stalls = StallMonitor()
+        self.last_add = 0.0
 
     # ---- set-up ----
     def rendezvous_address(self) -> tuple[str, int]:
@@ -101,6 +102,7 @@ class RankWorker:
         """Requests (id, prompt ids, sampling params as a dict), in arrival order: one actor call for a burst."""
         for request_id, prompt_ids, params in items:
             self.inbox.put(("add", request_id, prompt_ids, SamplingParams.from_dict(params)))
+        self.last_add = time.monotonic()  # when the latest request reached this rank (system-wide clock)
         self._want_wave(None)
 
     def abort(self, request_id: str) -> None:
@@ -152,7 +154,7 @@ class RankWorker:
                 **(core.sync.timers if core else {}),
                 "collectives": self.ctx.collectives if self.ctx else 0, "wave": self.wave,
                 "phases": core.clock.snapshot() if core else {}, "process_cpu_s": time.process_time(),
-                "stalls": self.stalls.snapshot(),
+                "stalls": self.stalls.snapshot(), "last_add_monotonic": self.last_add,
                 "last_meta": self.ctx.local.describe() if self.ctx else ""}
 
     def profile_steps(self, steps: int, timeout: float = 120.0, device: bool = False) -> dict:
