@@ -187,10 +187,11 @@ class EngineGroup(GroupCommands):
         """Validate a new request, pick its rank (least loaded) and route its rows to `sink`."""
         if self.state in ("stopped", "failed"):
             raise GroupUnavailable(f"the engine group is {self.state}: {self.last_failure or 'shut down'}")
-        try:
-            await asyncio.wait_for(self._ready.wait(), ready_timeout or self.cfg.timeouts.start_s)
-        except asyncio.TimeoutError as e:
-            raise GroupUnavailable(f"the engine group is not ready ({self.state})") from e
+        if not self._ready.is_set():  # (wait_for costs a task and a timer: not on every request of a ready group)
+            try:
+                await asyncio.wait_for(self._ready.wait(), ready_timeout or self.cfg.timeouts.start_s)
+            except asyncio.TimeoutError as e:
+                raise GroupUnavailable(f"the engine group is not ready ({self.state})") from e
         self.validate(prompt_ids, params)
         if self.sleeping and self.asleep_policy == "fail":
             raise GroupUnavailable("the engine is asleep (call wake_up first)")
