@@ -190,7 +190,7 @@ def test_uniform_inputs_are_views_of_one_packed_tensor():
 
     import torch
 
-    from mtp_ray.engine.inputs import build, build_uniform, target_pieces, uniform_layout
+    from mtp_ray.engine.inputs import build_uniform, target_pieces, uniform_layout
 
     s = make(k=2)
     for i in range(3):
@@ -216,14 +216,10 @@ def test_uniform_inputs_are_views_of_one_packed_tensor():
     assert inp.input_ids[: 3 * n].tolist() == [x for p in pieces for x in p.tokens]
     assert inp.input_ids[3 * n :].eq(0).all() and u.context_lens[n:].eq(0).all() and u.spec_slots[n:].eq(0).all()
     assert u.spec_slots[:n].tolist() == [p.spec_slots for p in pieces]
-    # live rows equal the general builder (the per-sequence reference); padded rows read positions 0..q-1
-    ref = build(pieces, s.blocks)
+    # live rows equal the per-sequence reference (BlockManager.slot_of); padded rows read positions 0..q-1
     assert len({len(p.req.block_ids) for p in pieces}) > 1  # ragged tables: the scatter puts each row's own blocks
-    assert inp.positions[: 3 * n].tolist() == ref.positions.tolist()
-    assert inp.batch.slot_mapping[: 3 * n].tolist() == ref.batch.slot_mapping.tolist()
-    w = ref.batch.block_tables.shape[1]
-    assert torch.equal(inp.batch.block_tables[:n, :w], ref.batch.block_tables)
-    assert inp.batch.block_tables[:n, w:].eq(0).all() and inp.batch.block_tables[n:].eq(0).all()
+    _check_rows(inp, pieces, s.blocks)
+    assert inp.batch.block_tables[n:].eq(0).all()
     assert inp.positions[3 * n :].tolist() == [0, 1, 2] * (4 - n) and u.state_slots[:n].tolist() == [
         p.req.state_slots[0] for p in pieces]
     # an eager uniform batch (no size): no padding, tables as wide as the widest sequence
@@ -233,6 +229,38 @@ def test_uniform_inputs_are_views_of_one_packed_tensor():
     # one-token decodes of a k = 0 engine carry no snapshot slots
     plain = build_uniform([dataclasses.replace(p, tokens=p.tokens[:1], spec_slots=None) for p in pieces], s.blocks, 1)
     assert plain.batch.uniform.spec_slots is None and plain.input_ids.tolist() == [p.tokens[0] for p in pieces]
+
+
+def _check_rows(inp, pieces, blocks) -> None:
+    """inp's live tokens and tables equal a per-token reference built from each piece."""
+    ids = [x for p in pieces for x in p.tokens]
+    pos = [x for p in pieces for x in range(p.start, p.start + len(p.tokens))]
+    slots = [blocks.slot_of(p.req, x) for p in pieces for x in range(p.start, p.start + len(p.tokens))]
+    t = len(ids)
+    assert inp.input_ids[:t].tolist() == ids and inp.positions[:t].tolist() == pos
+    assert inp.batch.slot_mapping[:t].tolist() == slots
+    for b, p in enumerate(pieces):
+        row = inp.batch.block_tables[b].tolist()
+        assert row[: len(p.req.block_ids)] == p.req.block_ids and not any(row[len(p.req.block_ids) :])
+
+
+def test_general_inputs_equal_a_per_token_reference():
+    """build (prefill chunks, decodes and verifies in one batch): tokens, positions, KV slots, ragged block tables,
+    logit rows and snapshot slots as a per-token construction gives them."""
+    from mtp_ray.engine.inputs import Piece, build
+
+    s = make(k=2, block_size=4)
+    reqs = [req(i, n) for i, n in enumerate([3, 9, 14])]
+    for r in reqs:
+        assert s.blocks.ensure(r, len(r.prompt_ids) + 3)
+    pieces = [Piece(reqs[0], 0, [1, 2, 3], "last"), Piece(reqs[1], 4, [5, 6, 7, 8], "none"),
+              Piece(reqs[2], 11, [12, 13, 14], "all", reqs[2].state_slots[1:4])]
+    inp = build(pieces, s.blocks)
+    _check_rows(inp, pieces, s.blocks)
+    assert inp.logit_rows == [[2], [], [7, 8, 9]]
+    assert inp.batch.query_lens == [3, 4, 3] and inp.batch.context_lens == [0, 4, 11]
+    assert inp.batch.spec_state_slots == [[], [], reqs[2].state_slots[1:4]]
+    assert inp.batch.state_slots == [r.state_slots[0] for r in reqs]
 
 
 def test_in_flight_tokens_count_but_read_as_placeholders():
