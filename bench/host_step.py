@@ -11,6 +11,7 @@ Writes JSON: per (k, batch) the host milliseconds per step and per sequence.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import time
@@ -38,6 +39,8 @@ def measure(k: int, batch: int, steps: int) -> dict:
     r.graphs = CudaGraphs(r.model, (batch,), r.k, r.blocks_per_seq, llm.config.cache.block_size, r.device)
     eng.scheduler.split = True  # as with graphs on a GPU
     eng.warmup()
+    gc.collect()
+    gc.freeze()  # as a rank does after warmup (serve/worker.py): collections skip the model and caches
     sp = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
     for i in range(batch):
         eng.add_request(f"r{i}", [(7 * i + j) % 2000 + 3 for j in range(32)], sp)
