@@ -103,6 +103,24 @@ def test_single_request_runs_dummy_forwards_on_idle_ranks(dp3_k3):
     assert dummies[0] < steps
 
 
+def test_stats_split_each_ranks_steps_into_host_phases_and_stalls(dp3_k3):
+    """get_stats, per rank: host time per phase of its steps (PhaseClock: the laps split each step's wall time), its
+    stalls (GC pauses, Triton compiles: none on the CPU) and when its latest request arrived."""
+    before = {r["rank"]: r for r in stats(dp3_k3)["ranks"]}
+    t0 = time.monotonic()
+    run(dp3_k3, PROMPTS[:3], [6, 6, 6])
+    after = {r["rank"]: r for r in stats(dp3_k3)["ranks"]}
+    for rank, a in after.items():
+        b, e = before[rank]["phases"].get("eager", {}), a["phases"]["eager"]  # CPU: every step is eager
+        d = {name: v - b.get(name, 0.0) for name, v in e.items()}
+        assert d["steps"] > 0 and {"schedule", "gather", "inputs", "launch", "commit", "publish"} <= set(e)
+        laps = sum(v for name, v in d.items() if name not in ("steps", "wall", "cpu", "inbox", "publish"))
+        assert 0 < laps <= d["wall"] + 1e-6 and d["cpu"] > 0
+        st = a["stalls"]
+        assert st["gc_s"] >= 0 and sum(st["gc_collections"]) >= 0 and st["triton_compiles"] == 0
+    assert max(a["last_add_monotonic"] for a in after.values()) >= t0
+
+
 def test_rank_profiles_its_next_steps_through_the_worker_handle(dp3_k3):
     """An operator's view of where a rank's step time goes: cProfile of the engine thread over its next N steps."""
     import ray

@@ -27,6 +27,13 @@ class StepOutput:
     num_prompt_tokens: int = 0
     spec: dict = field(default_factory=dict)
 
+    def then(self, later: StepOutput) -> StepOutput:
+        """This delta followed by a later one of the same request, as one (its end state is the later one's)."""
+        assert later.request_id == self.request_id and not self.finished
+        return StepOutput(self.request_id, self.new_token_ids + later.new_token_ids,
+                          self.new_logprobs + later.new_logprobs, self.new_top_logprobs + later.new_top_logprobs,
+                          later.finished, later.finish_reason, later.stop_reason, later.num_prompt_tokens, later.spec)
+
 
 class OutputProcessor:
     def __init__(self, scheduler: Scheduler, requests: dict[str, Request], eos_ids: tuple[int, ...],

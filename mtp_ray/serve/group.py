@@ -141,14 +141,23 @@ class EngineGroup(GroupCommands):
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        ready_timeout: float | None = None) -> AsyncIterator[StepOutput]:
-        """Token deltas of one request, one StepOutput per engine step that produced tokens for it."""
+        """Token deltas of one request: one StepOutput per engine step that produced tokens for it, or, when the
+        consumer falls behind (each delta a Serve stream item costs the replica CPU), everything that arrived since
+        its last one in one delta: under load the stream carries fewer, larger deltas instead of a backlog."""
         sink = StreamSink()
         rid, rank = await self._admit(prompt_ids, params, request_id, ready_timeout, sink)
         finished = False
+        later: StepOutput | BaseException | None = None  # taken from the queue while coalescing, not yet handled
         try:
             await self.adds[rank].submit((rid, list(prompt_ids), dataclasses.asdict(params)))
             while True:
-                item = await sink.queue.get()
+                item, later = (later, None) if later is not None else (await sink.queue.get(), None)
+                while isinstance(item, StepOutput) and not item.finished and not sink.queue.empty():
+                    nxt = sink.queue.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        later = nxt  # the deltas before it go out first
+                        break
+                    item = item.then(nxt)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
