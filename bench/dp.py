@@ -15,6 +15,10 @@ steps are device-bound as on a real model (the bundled tiny model's steps are ho
 On GPUs each rank gets its own GPU (STRICT_PACK), bf16, CUDA graphs on. --repeats N times the workload N times on
 the same group (after one warm-up) and reports every run and the median: one run of a few seconds is noisy.
 
+Per dp, besides throughput: `phases_ms` (per kind of step, the ranks' host time per phase: PhaseClock) and, per
+repeat, `run_split`: wall time, when the last request reached its rank, each rank's time inside steps and process
+CPU, the engine actor's CPU (the request intake), GC pauses and Triton compiles inside the ranks.
+
 Note: on a 2-core machine dp = 2 puts one rank on each core; the driver and Ray share them.
 """
 
