@@ -5,7 +5,6 @@ with a clear error and restarts every rank."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -149,7 +148,7 @@ class EngineGroup(GroupCommands):
         finished = False
         later: StepOutput | BaseException | None = None  # taken from the queue while coalescing, not yet handled
         try:
-            await self.adds[rank].submit((rid, list(prompt_ids), dataclasses.asdict(params)))
+            await self.adds[rank].submit((rid, list(prompt_ids), params.to_dict()))
             while True:
                 item, later = (later, None) if later is not None else (await sink.queue.get(), None)
                 while isinstance(item, StepOutput) and not item.finished and not sink.queue.empty():
@@ -179,7 +178,7 @@ class EngineGroup(GroupCommands):
         rid, rank = await self._admit(prompt_ids, params, request_id, ready_timeout, sink)
         finished = False
         try:
-            await self.adds[rank].submit((rid, list(prompt_ids), dataclasses.asdict(params)))
+            await self.adds[rank].submit((rid, list(prompt_ids), params.to_dict()))
             try:
                 await sink.done
             finally:

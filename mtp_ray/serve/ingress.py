@@ -104,7 +104,7 @@ class Ingress:
         """Runs one choice to its end; with a queue, puts a chunk per step that produced text or finished."""
         p = req.params
         params = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + c.index % p.n)
-        gen = self.group.options(stream=True).stream.remote(c.prompt, dataclasses.asdict(params), None)
+        gen = self.group.options(stream=True).stream.remote(c.prompt, params.to_dict(), None)
         t0 = last = time.monotonic()
         self.metrics.running += 1
         try:
