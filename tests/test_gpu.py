@@ -136,31 +136,42 @@ def _stopping_params(ref: list[list[int]]) -> list[dict]:
 
 
 @needs_gpu
-def test_async_scheduling_equals_sync():
-    """k = 0 graph steps launch before the previous step is committed (inputs from the device, results through
-    pinned buffers): same tokens and finish reasons as the synchronous engine, fp32."""
-    ref = greedy(LLM(device="cuda", dtype="float32", async_scheduling=False))
+@pytest.mark.parametrize("k", [0, 3])
+def test_async_scheduling_equals_sync(k):
+    """Graph steps launch before the previous step is committed (inputs from the device, results through pinned
+    buffers; k = 3: async verify steps, the next verify's inputs and GDN slots moved on the device): same tokens,
+    finish reasons and accepted drafts as the synchronous engine, fp32."""
+    kw = {"device": "cuda", "dtype": "float32", "num_speculative_tokens": k}
+    ref = greedy(LLM(**kw, async_scheduling=False))
     sp = [SamplingParams(**d) for d in _stopping_params(ref)]
-    sync = LLM(device="cuda", dtype="float32", async_scheduling=False).generate(PROMPTS, sp)
-    llm = LLM(device="cuda", dtype="float32")
+    sync_llm = LLM(**kw, async_scheduling=False)
+    sync = sync_llm.generate(PROMPTS, sp)
+    llm = LLM(**kw, async_verify=True)
     assert greedy(llm) == ref
+    before = llm.engine.stats["accepted"]
     fast = llm.generate(PROMPTS, sp)
     assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in fast] == [
         (o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in sync]
     assert llm.engine.stats["async_steps"] > 0 and llm.engine.greedy.inflight is None
+    # the drafts fed from the device are the ones the synchronous engine verified
+    assert llm.engine.stats["accepted"] - before == sync_llm.engine.stats["accepted"]
 
 
 @needs_2_gpus
-def test_dp2_async_scheduling_on_two_gpus_equals_dp1(ray_cluster):
-    """dp = 2 with async scheduling (k = 0, the default) equals a synchronous dp = 1 engine, fp32."""
+@pytest.mark.parametrize("k", [0, 2])
+def test_dp2_async_scheduling_on_two_gpus_equals_dp1(ray_cluster, k):
+    """dp = 2 with async scheduling (k = 0, the default; k = 2 with async verify) equals a synchronous dp = 1
+    engine, fp32."""
     from mtp_ray.rl.engine import launch_engine
     from tests.helpers import settled_stats
 
-    ref = greedy(LLM(device="cuda", dtype="float32", async_scheduling=False))
+    kw = {"device": "cuda", "dtype": "float32", "num_speculative_tokens": k}
+    ref = greedy(LLM(**kw, async_scheduling=False))
     sp = _stopping_params(ref)
-    want = [o.outputs[0].token_ids for o in LLM(device="cuda", dtype="float32", async_scheduling=False).generate(
+    want = [o.outputs[0].token_ids for o in LLM(**kw, async_scheduling=False).generate(
         PROMPTS, [SamplingParams(**d) for d in sp])]
-    h = launch_engine({"device": "cuda", "dtype": "float32",
+    h = launch_engine({"device": "cuda", "dtype": "float32", "spec": {"num_speculative_tokens": k},
+                       "scheduler": {"async_verify": True},
                        "parallel": {"dp": 2, "placement_strategy": "STRICT_PACK"}})
     try:
         res = ray_cluster.get(h.generate.remote(PROMPTS, {"temperature": 0, "max_tokens": 32, "ignore_eos": True}))

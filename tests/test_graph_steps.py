@@ -101,10 +101,11 @@ def test_async_scheduling_equals_sync(emulated_graphs):
         with_graphs(LLM(max_num_seqs=8, async_scheduling=False)), PROMPTS[:2], [first] * 2)
 
 
-def test_async_scheduling_abort_and_drain(emulated_graphs):
-    """A request aborted while its token is in flight ends with no more tokens; drain() commits what is in flight
-    (group commands run after it); nothing leaks."""
-    llm = with_graphs(LLM(max_num_seqs=8))
+@pytest.mark.parametrize("k", [0, 2])
+def test_async_scheduling_abort_and_drain(emulated_graphs, k):
+    """A request aborted while its token (k > 0: its verify) is in flight ends with no more tokens; drain() commits
+    what is in flight (group commands run after it); nothing leaks."""
+    llm = with_graphs(LLM(max_num_seqs=8, num_speculative_tokens=k, async_verify=True))
     e = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     for i, p in enumerate(PROMPTS):
@@ -132,9 +133,11 @@ def test_async_scheduling_abort_and_drain(emulated_graphs):
     assert e.blocks.num_free_blocks == e.blocks.num_blocks - 1
 
 
-def test_async_scheduling_with_min_tokens_and_late_joiners(emulated_graphs):
+@pytest.mark.parametrize("k", [0, 2])
+def test_async_scheduling_with_min_tokens_and_late_joiners(emulated_graphs, k):
     """Requests that turn plain greedy later (min_tokens reached), a request for log-probs and one that arrives
-    while a step is in flight: the same tokens as the synchronous engine, and steps did go async."""
+    while a step is in flight: the same tokens as the synchronous engine, and steps did go async (k > 0: async
+    verify steps)."""
     params = [SamplingParams(temperature=0, max_tokens=14, min_tokens=6, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=9, logprobs=1, ignore_eos=True)]
@@ -152,7 +155,41 @@ def test_async_scheduling_with_min_tokens_and_late_joiners(emulated_graphs):
                 late = True
         return got
 
-    ref = drive(with_graphs(LLM(max_num_seqs=8, async_scheduling=False)))
-    llm = with_graphs(LLM(max_num_seqs=8))
+    ref = drive(with_graphs(LLM(max_num_seqs=8, num_speculative_tokens=k, async_scheduling=False)))
+    llm = with_graphs(LLM(max_num_seqs=8, num_speculative_tokens=k, async_verify=True))
     assert drive(llm) == ref and len(ref) == 4
     assert llm.engine.stats["async_steps"] > 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_async_verify_equals_sync(emulated_graphs, k):
+    """Async verify steps (k > 0, scheduler.async_verify): a verify launches before the previous one is committed;
+    its tokens, positions, KV slots and GDN slots come from the device. Same tokens, finish reasons and log-probs as
+    the synchronous engine through stop tokens, max_tokens, max_model_len, a sampled request joining and preemption;
+    every block and state slot comes back."""
+    kw0 = {"num_speculative_tokens": k, "max_num_seqs": 8}
+    sync = with_graphs(LLM(**kw0, async_verify=True, async_scheduling=False))
+    ref_ids = [o.outputs[0].token_ids for o in sync.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16,
+                                                                                      ignore_eos=True))]
+    params = [SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[ids[3 + i]], logprobs=0)
+              for i, ids in enumerate(ref_ids)]
+    params[2] = SamplingParams(temperature=0, max_tokens=7 + 1, ignore_eos=True)
+    params[4] = SamplingParams(temperature=0.9, seed=3, max_tokens=3, ignore_eos=True)
+    for kw in ({}, {"max_model_len": 70}, {"num_blocks": 17 - k, "block_size": 8, "max_model_len": 80}):
+        sync = with_graphs(LLM(**kw0, async_scheduling=False, **kw))
+        ref = outputs(sync, PROMPTS, params)
+        llm = with_graphs(LLM(**kw0, async_verify=True, **kw))
+        assert outputs(llm, PROMPTS, params) == ref, kw
+        e = llm.engine
+        assert e.stats["async_steps"] > 0 and e.greedy.inflight is None
+        assert e.stats["accepted"] == sync.engine.stats["accepted"], kw  # the same drafts were verified
+        assert e.blocks.num_free_blocks == e.blocks.num_blocks - 1
+        assert len(e.blocks.free_slots) == e.runner.cache_shape.num_state_slots - 1
+        if "num_blocks" in kw:
+            assert e.scheduler.num_preemptions > 0
+    # the drafts fed from the device are the ones the synchronous engine verifies: the same acceptance
+    long = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * len(PROMPTS)
+    llm, ref = with_graphs(LLM(**kw0, async_verify=True)), with_graphs(LLM(**kw0, async_scheduling=False))
+    assert outputs(llm, PROMPTS, long) == outputs(ref, PROMPTS, long)
+    st = llm.engine.stats
+    assert st["async_steps"] > 0 and st["accepted"] == ref.engine.stats["accepted"] > 0

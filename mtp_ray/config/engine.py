@@ -33,6 +33,9 @@ class SchedulerConfig:
     # overlap the host's work for the next step with the device's current one (vLLM's async scheduling): CUDA-graph
     # decode steps whose rows are all plain greedy, without MTP (k = 0); outputs then stream one step later
     async_scheduling: bool = True
+    # the same for MTP verify steps (k > 0): the next verify's tokens, positions, KV slots and GDN slots are taken on
+    # the device from the step in flight. Off until checked on a GPU (CPU-checked with emulated graphs)
+    async_verify: bool = False
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs > 0, "scheduler.max_num_seqs", "must be > 0")

@@ -32,11 +32,20 @@ class InFlight:
 
 class DeviceGreedy:
     def __init__(self, runner: ModelRunner, proposer: MTPProposer, out: OutputProcessor, stats: dict,
-                 async_steps: bool):
+                 async_steps: bool, async_verify: bool = False):
         self.runner, self.proposer, self.out, self.stats = runner, proposer, out, stats
         self.k = runner.k
-        self.async_steps = async_steps and self.k == 0
+        self.async_steps = async_steps and (self.k == 0 or async_verify)
         self.inflight: InFlight | None = None
+
+    def can_follow(self, graph_size: int, graph_drafts: bool, fast: list[bool]) -> bool:
+        """Whether a step may launch on top of the one in flight. k = 0: any graph step (its rows take their token
+        from the device; the host path reads the argmax like the device path). k > 0: only a device-greedy step
+        (graphs for the target and the draft loop, every row plain greedy): the host path would need the drafts
+        and the acceptance of the step in flight."""
+        if not graph_size:
+            return False
+        return self.k == 0 or (graph_drafts and all(fast))
 
     def src(self, sched: list[Scheduled]) -> list[int] | None:
         """For a graph step launched while another is in flight: per row, the in-flight step's row holding its
@@ -58,8 +67,10 @@ class DeviceGreedy:
             assert self.inflight is None, "the step before is committed before this one is left in flight"
             live = [s.req for s in sched if not s.req.finished]
             for req in live:  # its KV is (being) written; its new token counts from now on
-                req.num_computed += 1
+                req.num_computed += 1  # k > 0: the first of its 1..k + 1 tokens; the rest when committed
                 req.num_inflight += 1
+                if self.k:  # the next verify's drafts are on the device: placeholders keep it costed as a verify
+                    req.drafts, req.draft_probs = [0] * self.k, None
             if live:
                 self.inflight = InFlight(live, {id(s.req): i for i, s in enumerate(sched)}, fetched)
             self.stats["async_steps"] += 1
@@ -88,13 +99,21 @@ class DeviceGreedy:
         if inf is None:
             return []
         res = self._wait(inf.results)
-        outputs = []
+        outputs, q = [], 1 + self.k
         for req in inf.reqs:
             req.num_inflight -= 1
             if req.finished:
                 continue
             row = res[inf.rows[id(req)]]
-            outputs.append(self.out.emit_one(req, int(row[0]), row[1]))
+            if not self.k:
+                outputs.append(self.out.emit_one(req, int(row[0]), row[1]))
+                continue
+            a = int(row[2 * q])  # accepted drafts; the device already rotated the GDN slots of the next step
+            self.out.commit_spec(req, a, self.k)
+            req.num_computed += a
+            outputs.append(self.out.emit(req, [int(t) for t in row[: a + 1]], [(lp, {}) for lp in row[q : q + a + 1]]))
+            if not req.finished:
+                req.drafts = [int(t) for t in row[2 * q + 1 :]]
         return outputs
 
     def _wait(self, fetched: Fetched) -> list[list[float]]:

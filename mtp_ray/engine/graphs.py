@@ -77,9 +77,11 @@ class CudaGraphs:
         self.inputs = z(self.layout(max_b).total)
         # draft loop inputs: the token after each verify row, and the last committed row of each sequence
         self.next_ids, self.last = z(max_b * self.q), z(max_b)
-        # k = 0: per row of the next replay, the row of the previous replay whose argmax is its input token (-1: the
-        # host's token); set by every replay
+        # per row of the next replay, its sequence's row in the previous replay when that step is still in flight (-1:
+        # the host's inputs are exact); set by every replay. k = 0: the token is that row's argmax; k > 0: see
+        # _feed_in_flight. The drafts the last draft loop left, kept across graph sizes for the next verify
         self.src = torch.full((max_b,), -1, dtype=torch.long, device=device)
+        self.drafts = z(max_b, max(self.k, 1))
         self.in_stage = Staging(self.layout(max_b).total + max_b, torch.long, device)
         self.out_stage = Staging(max_b * (2 * self.q + 1 + self.k), torch.float64, device)
         # size -> (graph, hidden [n, H], logits [n, V], greedy block [b, 2q (+ 1 accepted count when k)])
@@ -116,6 +118,8 @@ class CudaGraphs:
         if not self.k:  # rows whose token is the previous replay's argmax, still on the device (async scheduling)
             src = self.src[:b]
             inp = torch.where(src >= 0, self.next_ids[src.clamp(min=0)], inp)
+        else:
+            self._feed_in_flight(b, v)
         hidden = self.model(inp, v["pos"], self._batch(v))  # [n, H]
         logits = self.model.compute_logits(hidden)  # [n, V] fp32
         ids, lp = argmax_logprob(logits)  # [n] each
@@ -128,6 +132,33 @@ class CudaGraphs:
             self.next_ids[:n].copy_(ids)
             parts.append(self.last[:b, None].double())
         return hidden, logits, torch.cat(parts, 1)
+
+    def _feed_in_flight(self, b: int, v: dict[str, torch.Tensor]) -> None:
+        """Async verify (k > 0): a row with src >= 0 follows a verify of the previous replay that the host has not
+        committed. The host wrote its inputs as if that verify had accepted nothing (start one past the previous
+        start, GDN slots before their rotation); here they move by that row's accepted count a, in the static inputs
+        (the draft loop reads them too): tokens = the argmax of row a and the drafts the draft loop left, positions
+        and context + a, KV slots from the block table at those positions, and the GDN slots rotated as
+        OutputProcessor.commit_spec rotates them on the host one step later (state = snapshot a, whose slot takes
+        the old state slot)."""
+        q, bs = self.q, self.block_size
+        src = self.src[:b]
+        live = src >= 0  # [b]
+        s = src.clamp(min=0)
+        a = torch.where(live, self.last[s], 0)  # [b] accepted drafts of the row's verify in flight
+        ctx = v["ctx"] + a  # [b]
+        pos = ctx[:, None] + torch.arange(q, device=self.device)  # [b, q]
+        slots = v["tables"].gather(1, pos // bs) * bs + pos % bs  # [b, q]
+        ids = torch.cat([self.next_ids[s * q + a][:, None], self.drafts[s, : self.k]], 1)  # [b, q]
+        spec, state = v["spec"], v["state"]  # [b, q], [b]: the host's slots, before the rotation
+        new_state = spec.gather(1, a[:, None])[:, 0]
+        new_spec = torch.where(torch.arange(q, device=self.device)[None, :] == a[:, None], state[:, None], spec)
+        m = live[:, None]
+        for name, new in (("ids", ids), ("pos", pos), ("slots", slots), ("spec", new_spec)):
+            old = v[name].view(b, q)
+            old.copy_(torch.where(m, new, old))
+        v["ctx"].copy_(torch.where(live, ctx, v["ctx"]))
+        v["state"].copy_(torch.where(live, new_state, state))
 
     def _draft_fn(self, b: int, hidden: torch.Tensor, greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: the target graph's [b * q, H] output; greedy: its greedy block -> drafts [b, k], and the greedy
@@ -147,6 +178,7 @@ class CudaGraphs:
             h = m.mtp_forward(drafts[-1], h, pos, batch, j)
             drafts.append(m.compute_logits(h).argmax(-1))
         out = torch.stack(drafts, 1)
+        self.drafts[:b].copy_(out)  # what the next verify of these sequences feeds if this step is left in flight
         return out, torch.cat([greedy, out.double()], 1)
 
     def _capture(self, fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -164,7 +196,8 @@ class CudaGraphs:
     # ---- replay ----
     def run_target(self, inp: StepInputs, b: int, src: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the target graph of size b on inp (built with size b and this width) -> hidden, logits.
-        src (k = 0): per live row, the previous replay's row whose argmax is its token, or -1 (inp has it)."""
+        src: per live row, its sequence's row in the previous replay when that step is still in flight, or -1 (inp
+        is exact); k = 0 takes the token from there, k > 0 everything that step's acceptance moves (_feed_in_flight)."""
         u = inp.batch.uniform
         assert u is not None and u.context_lens.shape[0] == b and inp.batch.block_tables.shape[1] == self.width
         n, total = b * self.q, self.layout(b).total
@@ -180,7 +213,7 @@ class CudaGraphs:
             g, outs = self._capture(lambda: self._target_fn(b))
             self.target[b] = (g, *outs)
         assert inp.packed is not None and inp.packed.numel() == total, "graph inputs come packed (build_uniform)"
-        assert src is None or (not self.k and len(src) <= b)
+        assert src is None or len(src) <= b
         stage, ev = self.in_stage.next()
         stage[:total].copy_(inp.packed)
         stage[total : total + b].fill_(-1)

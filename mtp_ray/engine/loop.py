@@ -64,7 +64,8 @@ class EngineCore:
                       "graph_wait_s": 0.0}  # the part of graph_step_s the host waited for the device's results
         self.clock = PhaseClock()  # host time per phase of a step (get_stats "phases")
         self.out = OutputProcessor(self.scheduler, self.requests, self.eos_ids, self.max_model_len, self.stats)
-        self.greedy = DeviceGreedy(self.runner, self.proposer, self.out, self.stats, cfg.scheduler.async_scheduling)
+        self.greedy = DeviceGreedy(self.runner, self.proposer, self.out, self.stats, cfg.scheduler.async_scheduling,
+                                   cfg.scheduler.async_verify)
         if cfg.scheduler.max_num_batched_tokens < 1 + self.k:
             raise ValueError(f"scheduler.max_num_batched_tokens={cfg.scheduler.max_num_batched_tokens} cannot hold "
                              f"one verify step of 1 + k = {1 + self.k} tokens")
@@ -132,8 +133,9 @@ class EngineCore:
         if table is None:
             return done + self.greedy.resolve()  # no rank has work this step
         clock.kind = "graph" if table.graph_size else "eager"
-        if self.greedy.inflight is not None and not table.graph_size:  # an eager step reads its tokens on the host
-            done += self.greedy.resolve()
+        if self.greedy.inflight is not None and not self.greedy.can_follow(
+                table.graph_size, table.graph_drafts, [self._plain_greedy(s.req) for s in sched]):
+            done += self.greedy.resolve()  # an eager or host-path step reads its inputs on the host
             sched = [s for s in sched if not s.req.finished]  # ended at the step that was in flight
             uniform = uniform and bool(sched)
             clock.lap("resolve")

@@ -47,8 +47,10 @@ class ModelRunner:
         self.model_config: ModelConfig = self.model.config
         self.fuse_projections()
         self.slots_per_seq = 1 + (self.k + 1 if self.k else 0)
-        # blocks one sequence of max_model_len needs, with the MTP draft loop's lookahead and a spare
-        self.blocks_per_seq = (max_model_len + 2 * self.k + cfg.cache.block_size) // cfg.cache.block_size + 1
+        # blocks one sequence of max_model_len needs, with the MTP draft loop's lookahead and a spare (async verify:
+        # and the k tokens a verify in flight may still accept)
+        reach = max_model_len + 2 * self.k + (self.k if cfg.scheduler.async_verify else 0)
+        self.blocks_per_seq = (reach + cfg.cache.block_size) // cfg.cache.block_size + 1
         if self.device.type == "cuda":  # every position a sequence's block table spans
             bind_rope_tables(self.model, self.blocks_per_seq * cfg.cache.block_size, self.dtype, self.device)
         self.cache_shape = self._cache_shape()

@@ -100,7 +100,8 @@ class Scheduler:
             if n > budget or n == 0:
                 i += 1  # no room this step; it keeps its blocks and runs next step
                 continue
-            need = req.num_computed + n + self.lookahead
+            # a verify in flight (async) may still accept up to lookahead (= k) more tokens before this step's
+            need = req.num_computed + n + self.lookahead + (self.lookahead if req.num_inflight else 0)
             while (need > len(req.block_ids) * room or not req.state_slots) and not self.blocks.ensure(req, need):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -134,7 +135,8 @@ class Scheduler:
             nt = r.num_tokens
             if not 0 < r.num_computed == nt - 1:  # not a decode (Request.is_decode, inlined)
                 return True
-            need += max(0, blocks_for(nt + len(r.drafts) + self.lookahead) - len(r.block_ids))
+            reach = nt + len(r.drafts) + self.lookahead + (self.lookahead if r.num_inflight else 0)
+            need += max(0, blocks_for(reach) - len(r.block_ids))
         return need > self.blocks.num_free_blocks
 
     def _preempt(self, req: Request) -> None:
