@@ -1,6 +1,7 @@
 """Offline benchmark on the bundled model, side by side in one run:
 transformers `generate` (batch 1 and all prompts in one batch) vs mtp-ray, and mtp-ray with MTP k = 0..3
-(acceptance length, speed ratio), with CUDA graphs on and off on a GPU.
+(acceptance length, speed ratio), with CUDA graphs on and off on a GPU, and on a GPU also k = 1..3 with async
+verify steps (scheduler.async_verify).
 
     python bench/offline.py [--out bench/results/offline.json] [--max-tokens 64] [--prompts 8] [--threads 2]
                             [--device cpu|cuda] [--dtype float32|bfloat16] [--repeats 1]
@@ -63,8 +64,9 @@ def _sync(device: str) -> None:
 
 
 def run_ours(ps: list[list[int]], max_tokens: int, k: int, batch: bool, device: str, dtype: str,
-             graphs: bool = True, repeats: int = 1) -> dict:
-    llm = LLM(num_speculative_tokens=k, max_num_seqs=len(ps), device=device, dtype=dtype, cuda_graphs=graphs)
+             graphs: bool = True, repeats: int = 1, async_verify: bool = False) -> dict:
+    llm = LLM(num_speculative_tokens=k, max_num_seqs=len(ps), device=device, dtype=dtype, cuda_graphs=graphs,
+              async_verify=async_verify)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(ps[:1], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     if batch:
@@ -80,7 +82,8 @@ def run_ours(ps: list[list[int]], max_tokens: int, k: int, batch: bool, device: 
     st = {key: llm.engine.stats[key] - st0[key] for key in ("accepted", "verify_steps")}
     on_gpu = device.startswith("cuda")
     decode = None if batch else statistics.median(decode_rate(llm, ps, sp) for _ in range(repeats))
-    return {"k": k, "batch": len(ps) if batch else 1, "cuda_graphs": graphs and on_gpu, "tokens": n,
+    return {"k": k, "batch": len(ps) if batch else 1, "cuda_graphs": graphs and on_gpu,
+            "async_verify": async_verify and k > 0 and graphs and on_gpu, "tokens": n,
             "seconds": round(dt, 3), "tokens_per_s": round(n / dt, 1),
             "tokens_per_s_runs": [round(n / t, 1) for t in times], "decode_tokens_per_s": decode,
             "mean_acceptance_length": round(1 + st["accepted"] / st["verify_steps"], 3) if st["verify_steps"] else 1.0,
@@ -126,6 +129,9 @@ def main() -> None:
     if args.device.startswith("cuda"):
         rows += [run_ours(ps, args.max_tokens, k, b, args.device, args.dtype, graphs=False)
                  for k in (0, 3) for b in (False, True)]
+        # MTP with async verify steps (scheduler.async_verify), next to the synchronous rows above
+        rows += [run_ours(ps, args.max_tokens, k, False, args.device, args.dtype, repeats=rp, async_verify=True)
+                 for k in (1, 2, 3)]
     base1, dec1 = rows[0]["tokens_per_s"], rows[0]["decode_tokens_per_s"]
     for r in rows:
         ref = hf1 if r["batch"] == 1 else hfb
