@@ -38,7 +38,8 @@ def emulated_graphs(monkeypatch):
 
 def with_graphs(llm: LLM, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> LLM:
     r = llm.engine.runner
-    r.graphs = CudaGraphs(r.model, sizes, r.k, r.blocks_per_seq, llm.config.cache.block_size, r.device)
+    r.graphs = CudaGraphs(r.model, sizes, r.k, r.blocks_per_seq, llm.config.cache.block_size, r.device,
+                          async_verify=llm.config.scheduler.async_verify)
     llm.engine.scheduler.split = True  # as with graphs on a GPU: decode steps never mix with prefill
     llm.engine.warmup()
     return llm

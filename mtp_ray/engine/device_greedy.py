@@ -1,10 +1,11 @@
 """Graph steps whose rows are all plain greedy: acceptance on the device, one small device -> host copy per step.
 
 The target graph leaves each row's argmax and log-prob (and with k the accepted count) in a greedy block; the
-draft-loop graph follows straight away and appends the next drafts. Async scheduling (k = 0): the copy is started
-and the step is committed by the next one, after the next one is launched, so the host's work for step N + 1
-(schedule, DPMeta gather, inputs) overlaps the device's step N. A row of step N + 1 whose token is still on the
-device names its row of step N (`src`), and the target graph reads it from there.
+draft-loop graph follows straight away and appends the next drafts. Async scheduling (k = 0; k > 0 with
+scheduler.async_verify): the copy is started and the step is committed by the next one, after the next one is
+launched, so the host's work for step N + 1 (schedule, DPMeta gather, inputs) overlaps the device's step N. A row of
+step N + 1 whose inputs depend on step N names its row of step N (`src`): k = 0 reads its token from there; k > 0
+moves its whole verify by that row's accepted count (CudaGraphs._feed_in_flight).
 """
 
 from __future__ import annotations

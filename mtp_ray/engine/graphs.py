@@ -11,10 +11,11 @@ graph is captured when first used: every size at engine warmup, and again on fir
 the tensors the graphs point at). In a DP group every rank reaches a capture at the same step (the size is a function
 of the gathered table) and captures behind a barrier, so captures happen in the same order everywhere.
 
-Async scheduling (k = 0): inputs go through pinned staging buffers and results come back into pinned ones, both
+Async scheduling: inputs go through pinned staging buffers and results come back into pinned ones, both
 non-blocking and fenced by events, so the host can build step N + 1 while step N runs. A row of step N + 1 whose
-token is step N's argmax (still on the device) names its row of step N in `src`; the target graph reads the token
-from `next_ids`, where every k = 0 target graph leaves its argmax.
+inputs depend on step N (still on the device) names its row of step N in `src`. k = 0: the target graph reads the
+token from `next_ids`, where every k = 0 target graph leaves its argmax. k > 0 (async verify): the target graph
+first moves the row by step N's accepted count (`_feed_in_flight`).
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ class Staging:
 
 class CudaGraphs:
     def __init__(self, model: Qwen3_5MoeForCausalLM, sizes: tuple[int, ...], k: int, width: int, block_size: int,
-                 device: torch.device, barrier: Callable[[], None] | None = None):
+                 device: torch.device, barrier: Callable[[], None] | None = None, async_verify: bool = False):
         self.model, self.sizes, self.k, self.q = model, sizes, k, k + 1
+        self.feed = k > 0 and async_verify  # the k > 0 graphs take in-flight rows from the device (_feed_in_flight)
         self.width, self.block_size, self.device = width, block_size, device
         self.barrier = barrier or (lambda: None)
         max_b = max(sizes)
@@ -118,7 +120,7 @@ class CudaGraphs:
         if not self.k:  # rows whose token is the previous replay's argmax, still on the device (async scheduling)
             src = self.src[:b]
             inp = torch.where(src >= 0, self.next_ids[src.clamp(min=0)], inp)
-        else:
+        elif self.feed:
             self._feed_in_flight(b, v)
         hidden = self.model(inp, v["pos"], self._batch(v))  # [n, H]
         logits = self.model.compute_logits(hidden)  # [n, V] fp32
@@ -178,7 +180,8 @@ class CudaGraphs:
             h = m.mtp_forward(drafts[-1], h, pos, batch, j)
             drafts.append(m.compute_logits(h).argmax(-1))
         out = torch.stack(drafts, 1)
-        self.drafts[:b].copy_(out)  # what the next verify of these sequences feeds if this step is left in flight
+        if self.feed:
+            self.drafts[:b].copy_(out)  # what the next verify of these sequences feeds if this step is left in flight
         return out, torch.cat([greedy, out.double()], 1)
 
     def _capture(self, fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -213,7 +216,7 @@ class CudaGraphs:
             g, outs = self._capture(lambda: self._target_fn(b))
             self.target[b] = (g, *outs)
         assert inp.packed is not None and inp.packed.numel() == total, "graph inputs come packed (build_uniform)"
-        assert src is None or len(src) <= b
+        assert src is None or (len(src) <= b and (not self.k or self.feed or max(src, default=-1) < 0))
         stage, ev = self.in_stage.next()
         stage[:total].copy_(inp.packed)
         stage[total : total + b].fill_(-1)

@@ -1,10 +1,11 @@
 """EngineCore: one rank's engine. A step is schedule -> target forward -> sample / verify + commit -> MTP drafts.
 
-Async scheduling (`scheduler.async_scheduling`, CUDA-graph steps of plain-greedy rows with k = 0): a step's results
-stay on the device while the host schedules, gathers and launches the next step, whose rows take their input token
-from the device; the host then reads the earlier step's results (the device is already busy with the next one) and
-commits them. A request that stopped at the earlier step has also run in the later one: that row is dropped. Anything
-else (an eager step, sampling on the host, a preemption, a group command) first resolves what is in flight.
+Async scheduling (`scheduler.async_scheduling`, CUDA-graph steps of plain-greedy rows with k = 0, and with
+`scheduler.async_verify` device-greedy verify steps with k > 0): a step's results stay on the device while the host
+schedules, gathers and launches the next step, whose rows take their inputs from the device; the host then reads the
+earlier step's results (the device is already busy with the next one) and commits them. A request that stopped at
+the earlier step has also run in the later one: that row is dropped. Anything else (an eager step, sampling on the
+host, a preemption, a group command) first resolves what is in flight.
 """
 
 from __future__ import annotations

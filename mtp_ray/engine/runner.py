@@ -63,7 +63,7 @@ class ModelRunner:
         if self.device.type == "cuda" and cfg.graphs.enabled:
             sizes = cfg.graphs.batch_sizes(cfg.scheduler.max_num_seqs)
             self.graphs = CudaGraphs(self.model, sizes, self.k, self.blocks_per_seq, cfg.cache.block_size,
-                                     self.device, barrier)
+                                     self.device, barrier, cfg.scheduler.async_verify)
 
     @property
     def graph_sizes(self) -> tuple[int, ...]:
