@@ -84,6 +84,39 @@ def test_cuda_graphs_recaptured_after_sleep(ray_cluster):
         ray_cluster.get(h.shutdown.remote())
 
 
+@needs_gpu
+def test_no_triton_recompiles_for_new_batch_shapes(ray_cluster):
+    """Serving does not compile a Triton kernel per new batch shape (a compile stalls the whole group for ~1 s): after
+    one pass over mixed prompt lengths and arrival patterns, a second pass with other lengths and batch compositions
+    compiles nothing (the ranks' StallMonitor, through get_stats)."""
+    import random
+
+    from mtp_ray.rl.engine import launch_engine
+
+    def burst(seed: int) -> list:
+        rng = random.Random(seed)
+        refs = []
+        for _ in range(4):  # waves of different sizes: prefill steps of different token counts and widths
+            ps = [[rng.randrange(3, 2000) for _ in range(rng.randint(3, 300))] for _ in range(rng.randint(1, 24))]
+            refs += [h.generate.remote(p, {"temperature": 0, "max_tokens": rng.randint(2, 40), "ignore_eos": True})
+                     for p in ps]
+        return refs
+
+    def compiles() -> int:
+        return sum(r["stalls"]["triton_compiles"] for r in ray_cluster.get(h.get_stats.remote())["ranks"])
+
+    h = launch_engine({"device": "cuda", "dtype": "bfloat16", "spec": {"num_speculative_tokens": 2},
+                       "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 2048}})
+    try:
+        ray_cluster.get(burst(0))
+        before = compiles()
+        ray_cluster.get(burst(1))
+        ray_cluster.get(burst(2))
+        assert compiles() == before, ray_cluster.get(h.get_stats.remote())["ranks"][0]["stalls"]["recent_compiles"]
+    finally:
+        ray_cluster.get(h.shutdown.remote())
+
+
 @needs_2_gpus
 def test_dp2_on_two_gpus_equals_dp1(ray_cluster):
     from mtp_ray.rl.engine import launch_engine

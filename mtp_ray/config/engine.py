@@ -33,8 +33,8 @@ class SchedulerConfig:
     # overlap the host's work for the next step with the device's current one (vLLM's async scheduling): CUDA-graph
     # decode steps whose rows are all plain greedy, without MTP (k = 0); outputs then stream one step later
     async_scheduling: bool = True
-    # the same for MTP verify steps (k > 0): the next verify's tokens, positions, KV slots and GDN slots are taken on
-    # the device from the step in flight. Off until checked on a GPU (CPU-checked with emulated graphs)
+    # with async_scheduling, the same for MTP verify steps (k > 0): the next verify's tokens, positions, KV slots and
+    # GDN slots are taken on the device from the step in flight. Off until checked on a GPU (CPU-checked, emulated)
     async_verify: bool = False
 
     def __post_init__(self) -> None:

@@ -214,9 +214,10 @@ class EngineCore:
     def warmup(self) -> None:
         """All ranks together: eager dummy decode and prefill steps with the k draft forwards, then (GPU) every CUDA
         graph size is captured, largest first, on padded rows only, so that no capture stalls a serving step."""
-        # an eager decode-shaped and a prefill-shaped forward (padded rows, KV writes dropped): the eager kernels
-        # (varlen attention, GDN chunk, the MoE paths) compile here rather than stalling the first requests
-        for n in (1, min(64, self.cfg.scheduler.max_num_batched_tokens)):
+        # eager forwards of padded rows (KV writes dropped) at 1, 2, 16 and 64 tokens: the eager kernels and their
+        # size classes (the GEMV's M == 1 / % 16 / other, varlen attention, GDN chunk, the MoE paths) compile here
+        # rather than stalling the first requests that meet them
+        for n in sorted({min(n, self.cfg.scheduler.max_num_batched_tokens) for n in (1, 2, 16, 64)}):
             self.sync.target(DPMeta(num_tokens=n, batch_size=1, is_decoding=int(n == 1), is_dummy=0,
                                     has_unfinished=1))
             try:

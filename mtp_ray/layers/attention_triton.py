@@ -155,8 +155,9 @@ def paged_decode_attention(
     block_d = triton.next_power_of_2(d)
     block_m = max(16, triton.next_power_of_2(group * q_len))
     block_n = 64 if block_d <= 128 else 32
-    if splits is None:  # a static function of the batch shape, so a CUDA graph keeps its choice
-        splits = max(1, min(16, 128 // (bsz * hkv)))
+    if splits is None:  # a static function of the batch shape, so a CUDA graph keeps its choice; a power of two
+        fill = max(1, 128 // (bsz * hkv))  # (SPLITS is compiled in: five variants, all met by the graph warmup)
+        splits = min(16, 1 << (fill.bit_length() - 1))
     part = ml = out  # unused when splits == 1
     if splits > 1:
         part = torch.empty(bsz * hkv * splits * block_m * block_d, dtype=torch.float32, device=q.device)
