@@ -68,10 +68,17 @@ def test_graph_steps_equal_eager(emulated_graphs, k):
 
 
 def outputs(llm: LLM, prompts, params) -> list[tuple]:
-    """(token ids, finish reason, log-probs to 4 decimals: a step's padded batch size may differ, and with it the
-    last bits of an fp32 GEMM)."""
-    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, [round(x, 4) for x in o.outputs[0].logprobs or []])
+    """Per request (token ids, finish reason, log-probs)."""
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].logprobs or [])
             for o in llm.generate(prompts, params)]
+
+
+def same(got: list[tuple], ref: list[tuple]) -> bool:
+    """Same tokens and finish reasons; log-probs within 1e-4 (a step's padded batch size may differ, and with it
+    the last bits of an fp32 GEMM)."""
+    return len(got) == len(ref) and all(
+        g[:2] == r[:2] and len(g[2]) == len(r[2]) and all(abs(a - b) < 1e-4 for a, b in zip(g[2], r[2], strict=True))
+        for g, r in zip(got, ref, strict=True))
 
 
 def test_async_scheduling_equals_sync(emulated_graphs):
@@ -90,7 +97,7 @@ def test_async_scheduling_equals_sync(emulated_graphs):
     for kw in ({}, {"max_model_len": 70}, {"num_blocks": 16, "block_size": 8, "max_model_len": 80}):
         ref = outputs(with_graphs(LLM(max_num_seqs=8, async_scheduling=False, **kw)), PROMPTS, params)
         llm = with_graphs(LLM(max_num_seqs=8, **kw))
-        assert outputs(llm, PROMPTS, params) == ref, kw
+        assert same(outputs(llm, PROMPTS, params), ref), kw
         e = llm.engine
         assert e.stats["async_steps"] > 0 and e.greedy.inflight is None
         assert e.blocks.num_free_blocks == e.blocks.num_blocks - 1  # every block came back
@@ -98,8 +105,8 @@ def test_async_scheduling_equals_sync(emulated_graphs):
             assert e.scheduler.num_preemptions > 0
     # a stop token as a request's first generated token: its next row is already in flight, then dropped
     first = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[ref_ids[0][1]])
-    assert outputs(with_graphs(LLM(max_num_seqs=8)), PROMPTS[:2], [first] * 2) == outputs(
-        with_graphs(LLM(max_num_seqs=8, async_scheduling=False)), PROMPTS[:2], [first] * 2)
+    assert same(outputs(with_graphs(LLM(max_num_seqs=8)), PROMPTS[:2], [first] * 2), outputs(
+        with_graphs(LLM(max_num_seqs=8, async_scheduling=False)), PROMPTS[:2], [first] * 2))
 
 
 @pytest.mark.parametrize("k", [0, 2])
@@ -180,7 +187,7 @@ def test_async_verify_equals_sync(emulated_graphs, k):
         sync = with_graphs(LLM(**kw0, async_scheduling=False, **kw))
         ref = outputs(sync, PROMPTS, params)
         llm = with_graphs(LLM(**kw0, async_verify=True, **kw))
-        assert outputs(llm, PROMPTS, params) == ref, kw
+        assert same(outputs(llm, PROMPTS, params), ref), kw
         e = llm.engine
         assert e.stats["async_steps"] > 0 and e.greedy.inflight is None
         assert e.stats["accepted"] == sync.engine.stats["accepted"], kw  # the same drafts were verified
@@ -191,6 +198,6 @@ def test_async_verify_equals_sync(emulated_graphs, k):
     # the drafts fed from the device are the ones the synchronous engine verifies: the same acceptance
     long = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * len(PROMPTS)
     llm, ref = with_graphs(LLM(**kw0, async_verify=True)), with_graphs(LLM(**kw0, async_scheduling=False))
-    assert outputs(llm, PROMPTS, long) == outputs(ref, PROMPTS, long)
+    assert same(outputs(llm, PROMPTS, long), outputs(ref, PROMPTS, long))
     st = llm.engine.stats
     assert st["async_steps"] > 0 and st["accepted"] == ref.engine.stats["accepted"] > 0
