@@ -11,6 +11,7 @@ moves its whole verify by that row's accepted count (CudaGraphs._feed_in_flight)
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from mtp_ray.dist.dp_meta import Gathered
@@ -24,10 +25,10 @@ from mtp_ray.spec.proposer import MTPProposer
 
 @dataclass
 class InFlight:
-    """A device-greedy k = 0 graph step whose results are still on the device."""
+    """A device-greedy graph step whose results are still on the device."""
 
     reqs: list[Request]  # its live sequences
-    rows: dict[int, int]  # id(request) -> row (where that sequence's next input token is, on the device)
+    rows: dict[int, int]  # id(request) -> its row (where the next step's rows of that sequence take their inputs)
     results: Fetched
 
 
@@ -39,11 +40,11 @@ class DeviceGreedy:
         self.async_steps = async_steps and (self.k == 0 or async_verify)
         self.inflight: InFlight | None = None
 
-    def can_follow(self, graph_size: int, graph_drafts: bool, fast: list[bool]) -> bool:
+    def can_follow(self, graph_size: int, graph_drafts: bool, fast: Iterable[bool]) -> bool:
         """Whether a step may launch on top of the one in flight. k = 0: any graph step (its rows take their token
         from the device; the host path reads the argmax like the device path). k > 0: only a device-greedy step
-        (graphs for the target and the draft loop, every row plain greedy): the host path would need the drafts
-        and the acceptance of the step in flight."""
+        (graphs for the target and the draft loop, every row plain greedy: `fast`, read only then): the host path
+        would need the drafts and the acceptance of the step in flight."""
         if not graph_size:
             return False
         return self.k == 0 or (graph_drafts and all(fast))
@@ -77,21 +78,7 @@ class DeviceGreedy:
             self.stats["async_steps"] += 1
             return []
         res = self._wait(fetched)
-        q, outputs = 1 + self.k, []
-        for i, s in enumerate(sched):
-            req, row = s.req, res[i]
-            if req.finished:
-                continue
-            a = int(row[2 * q]) if self.k else 0  # accepted drafts
-            emitted = [int(t) for t in row[: a + 1]]
-            info = [(lp, {}) for lp in row[q : q + a + 1]]
-            if self.k:
-                self.out.commit_spec(req, a, self.k)
-            req.num_computed += a + 1
-            outputs.append(self.out.emit(req, emitted, info))
-            if self.k and not req.finished:
-                req.drafts = [int(t) for t in row[2 * q + 1 :]]
-        return outputs
+        return [self._commit(s.req, res[i], counted=0) for i, s in enumerate(sched) if not s.req.finished]
 
     def resolve(self) -> list[StepOutput]:
         """Commit the step in flight, if any (waits for its results): a request that stopped or was aborted since
@@ -100,22 +87,28 @@ class DeviceGreedy:
         if inf is None:
             return []
         res = self._wait(inf.results)
-        outputs, q = [], 1 + self.k
+        outputs = []
         for req in inf.reqs:
             req.num_inflight -= 1
-            if req.finished:
-                continue
-            row = res[inf.rows[id(req)]]
-            if not self.k:
-                outputs.append(self.out.emit_one(req, int(row[0]), row[1]))
-                continue
-            a = int(row[2 * q])  # accepted drafts; the device already rotated the GDN slots of the next step
-            self.out.commit_spec(req, a, self.k)
-            req.num_computed += a
-            outputs.append(self.out.emit(req, [int(t) for t in row[: a + 1]], [(lp, {}) for lp in row[q : q + a + 1]]))
             if not req.finished:
-                req.drafts = [int(t) for t in row[2 * q + 1 :]]
+                outputs.append(self._commit(req, res[inf.rows[id(req)]], counted=1))
         return outputs
+
+    def _commit(self, req: Request, row: list[float], counted: int) -> StepOutput:
+        """One sequence's row of the greedy block: its accepted drafts and the target's token after them (k = 0:
+        the one token), and the next drafts. counted: tokens already counted in num_computed when the step was left
+        in flight (with async verify, the device has already rotated the GDN slots of the step after it)."""
+        if not self.k:
+            req.num_computed += 1 - counted
+            return self.out.emit_one(req, int(row[0]), row[1])
+        q = 1 + self.k
+        a = int(row[2 * q])  # accepted drafts
+        self.out.commit_spec(req, a, self.k)
+        req.num_computed += a + 1 - counted
+        out = self.out.emit(req, [int(t) for t in row[: a + 1]], [(lp, {}) for lp in row[q : q + a + 1]])
+        if not req.finished:
+            req.drafts = [int(t) for t in row[2 * q + 1 :]]
+        return out
 
     def _wait(self, fetched: Fetched) -> list[list[float]]:
         t0 = time.perf_counter()

@@ -135,7 +135,7 @@ class EngineCore:
             return done + self.greedy.resolve()  # no rank has work this step
         clock.kind = "graph" if table.graph_size else "eager"
         if self.greedy.inflight is not None and not self.greedy.can_follow(
-                table.graph_size, table.graph_drafts, [self._plain_greedy(s.req) for s in sched]):
+                table.graph_size, table.graph_drafts, (self._plain_greedy(s.req) for s in sched)):
             done += self.greedy.resolve()  # an eager or host-path step reads its inputs on the host
             sched = [s for s in sched if not s.req.finished]  # ended at the step that was in flight
             uniform = uniform and bool(sched)
