@@ -55,6 +55,11 @@ class Scheduler:
         """A decode's tokens: the newest one, with its drafts when it has them (verify)."""
         return (1 + len(req.drafts), True) if req.drafts else (1, False)
 
+    def _need(self, req: Request, n: int) -> int:
+        """Tokens req's blocks must hold for a step of n new tokens: with the draft loop's lookahead, and with a
+        verify in flight (async) the up to lookahead (= k) drafts it may still accept before this step's tokens."""
+        return req.num_computed + n + self.lookahead * (2 if req.num_inflight else 1)
+
     def _cost(self, req: Request, budget: int) -> tuple[int, bool]:
         remaining = req.num_tokens - req.num_computed
         if remaining == 1:
@@ -100,8 +105,7 @@ class Scheduler:
             if n > budget or n == 0:
                 i += 1  # no room this step; it keeps its blocks and runs next step
                 continue
-            # a verify in flight (async) may still accept up to lookahead (= k) more tokens before this step's
-            need = req.num_computed + n + self.lookahead + (self.lookahead if req.num_inflight else 0)
+            need = self._need(req, n)
             while (need > len(req.block_ids) * room or not req.state_slots) and not self.blocks.ensure(req, need):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -117,7 +121,7 @@ class Scheduler:
         while prefills and self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not preempted:
             req = self.waiting[0]
             n, _ = self._cost(req, budget)
-            if not self.blocks.ensure(req, req.num_computed + n + self.lookahead):
+            if not self.blocks.ensure(req, self._need(req, n)):
                 break  # FCFS: nobody jumps the queue
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -132,11 +136,9 @@ class Scheduler:
         (a preempted request re-prefills its tokens, so they must be known)."""
         need, blocks_for = 0, self.blocks.blocks_for
         for r in self.running:
-            nt = r.num_tokens
-            if not 0 < r.num_computed == nt - 1:  # not a decode (Request.is_decode, inlined)
+            if not 0 < r.num_computed == r.num_tokens - 1:  # not a decode (Request.is_decode, inlined)
                 return True
-            reach = nt + len(r.drafts) + self.lookahead + (self.lookahead if r.num_inflight else 0)
-            need += max(0, blocks_for(reach) - len(r.block_ids))
+            need += max(0, blocks_for(self._need(r, self._decode_cost(r)[0])) - len(r.block_ids))
         return need > self.blocks.num_free_blocks
 
     def _preempt(self, req: Request) -> None:
