@@ -126,13 +126,11 @@ class CudaGraphs:
         logits = self.model.compute_logits(hidden)  # [n, V] fp32
         ids, lp = argmax_logprob(logits)  # [n] each
         parts = [ids.view(b, self.q).double(), lp.view(b, self.q).double()]
-        if not self.k:
-            self.next_ids[:n].copy_(ids)
-        else:
+        if self.k:
             match = ids.view(b, self.q)[:, : self.k] == v["ids"].view(b, self.q)[:, 1:]
             self.last[:b].copy_(match.long().cumprod(1).sum(1))
-            self.next_ids[:n].copy_(ids)
             parts.append(self.last[:b, None].double())
+        self.next_ids[:n].copy_(ids)
         return hidden, logits, torch.cat(parts, 1)
 
     def _feed_in_flight(self, b: int, v: dict[str, torch.Tensor]) -> None:
