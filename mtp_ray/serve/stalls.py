@@ -21,7 +21,6 @@ class StallMonitor:
         self.compile_s = 0.0
         self.recent_compiles: list[str] = []  # the last few kernels compiled (name, seconds)
         self._gc_t = self._compile_t = 0.0
-        self._triton = None
 
     def install(self) -> None:
         gc.callbacks.append(self._on_gc)
@@ -34,7 +33,6 @@ class StallMonitor:
             return
         if rt.jit_cache_hook is None and rt.jit_post_compile_hook is None:  # never displace someone else's hooks
             rt.jit_cache_hook, rt.jit_post_compile_hook = self._before_compile, self._after_compile
-            self._triton = rt
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -53,8 +51,7 @@ class StallMonitor:
         dt = time.perf_counter() - self._compile_t
         self.compiles += 1
         self.compile_s += dt
-        fn = kwargs.get("fn")
-        name = getattr(fn, "name", None) or getattr(getattr(fn, "fn", None), "__name__", "?")
+        name = getattr(kwargs.get("fn"), "name", "?")  # triton's JitFunctionInfo
         self.recent_compiles = [*self.recent_compiles[-7:], f"{name} {dt:.2f}s"]
         return False
 
