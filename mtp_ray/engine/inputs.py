@@ -57,7 +57,7 @@ def build(pieces: list[Piece], blocks: BlockManager) -> StepInputs:
     start = np.fromiter((p.start for p in pieces), np.int64, n)
     pos = np.arange(t) - first[seq] + start[seq]  # [T]
     nb = np.fromiter((len(p.req.block_ids) for p in pieces), np.int64, n)
-    tables = _tables(pieces, nb, max(int(nb.max(initial=1)), 1))
+    tables = _tables(pieces, nb, int(nb.max(initial=1)))
     slots = _slots(tables, seq, pos, nb, blocks.block_size)
     ids = np.fromiter(chain.from_iterable(p.tokens for p in pieces), np.int64, t)
     rows = []
@@ -134,7 +134,7 @@ def build_uniform(pieces: list[Piece], blocks: BlockManager, q_len: int, size: i
     size = n if size is None else size
     assert n <= size
     nb = np.fromiter((len(p.req.block_ids) for p in pieces), np.int64, n)  # [n] blocks per sequence
-    width = width or max(int(nb.max(initial=1)), 1)
+    width = width or int(nb.max(initial=1))
     has_spec = any(p.spec_slots for p in pieces) or (graph and q_len > 1)
     layout = uniform_layout(size, q_len, width, has_spec)
     flat = np.zeros(layout.total, dtype=np.int64)
