@@ -28,6 +28,12 @@ from mtp_ray.serve.worker import RankWorker
 log = logging.getLogger("mtp_ray.group")
 
 
+def _raise_if_error(finish_reason: str | None) -> None:
+    """A rank's error row (finish reason "error: ...") ends its request as a ValueError with the rank's message."""
+    if finish_reason and finish_reason.startswith("error"):
+        raise ValueError(finish_reason[len("error: "):])
+
+
 class GroupFailed(RuntimeError):
     """The group failed (a rank died, a collective timed out, a lock-step check fired); it is restarting."""
 
@@ -148,7 +154,6 @@ class EngineGroup(GroupCommands):
         finished = False
         later: StepOutput | BaseException | None = None  # taken from the queue while coalescing, not yet handled
         try:
-            await self.adds[rank].submit((rid, list(prompt_ids), params.to_dict()))
             while True:
                 item, later = (later, None) if later is not None else (await sink.queue.get(), None)
                 while isinstance(item, StepOutput) and not item.finished and not sink.queue.empty():
@@ -160,10 +165,9 @@ class EngineGroup(GroupCommands):
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                if item.finished and item.finish_reason and item.finish_reason.startswith("error"):
-                    finished = True
-                    raise ValueError(item.finish_reason[len("error: "):])
                 finished = item.finished
+                if finished:
+                    _raise_if_error(item.finish_reason)
                 yield item
                 if finished:
                     return
@@ -178,21 +182,18 @@ class EngineGroup(GroupCommands):
         rid, rank = await self._admit(prompt_ids, params, request_id, ready_timeout, sink)
         finished = False
         try:
-            await self.adds[rank].submit((rid, list(prompt_ids), params.to_dict()))
             try:
                 await sink.done
             finally:
                 finished = sink.done.done()
-            reason = sink.finish_reason
-            if reason and reason.startswith("error"):
-                raise ValueError(reason[len("error: "):])
+            _raise_if_error(sink.finish_reason)
             return sink
         finally:
             self._release(rid, rank, finished)
 
     async def _admit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
                      ready_timeout: float | None, sink: Sink) -> tuple[str, int]:
-        """Validate a new request, pick its rank (least loaded) and route its rows to `sink`."""
+        """Validate a new request, pick its rank (least loaded), route its rows to `sink` and send it there."""
         if self.state in ("stopped", "failed"):
             raise GroupUnavailable(f"the engine group is {self.state}: {self.last_failure or 'shut down'}")
         if not self._ready.is_set():  # (wait_for costs a task and a timer: not on every request of a ready group)
@@ -210,6 +211,11 @@ class EngineGroup(GroupCommands):
         rank = min(range(self.dp), key=lambda r: self.load[r])
         self.reqs[rid] = (rank, sink)
         self.load[rank] += 1
+        try:
+            await self.adds[rank].submit((rid, list(prompt_ids), params.to_dict()))
+        except BaseException:
+            self._release(rid, rank, finished=False)
+            raise
         return rid, rank
 
     def _release(self, rid: str, rank: int, finished: bool) -> None:
