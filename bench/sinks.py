@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import platform
+import sys
 import time
 from pathlib import Path
 
 from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.serve.protocol import pack_step, unpack_rows
 from mtp_ray.serve.sinks import Collector, StreamSink
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, write_json  # noqa: E402
 
 
 def messages(n: int, steps: int) -> list[bytes]:
@@ -65,11 +67,7 @@ def main() -> None:
         best = min(asyncio.run(route(kind, msgs, args.requests)) for _ in range(3))
         rows.append({"sink": kind, "ms_per_step": round(1e3 * best / args.steps, 3),
                      "us_per_output": round(1e6 * best / args.steps / args.requests, 2)})
-    result = {"machine": f"{platform.machine()} {platform.python_version()}", "requests": args.requests,
-              "steps": args.steps, "runs": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps(result, indent=1))
+    write_json({"machine": machine(), "requests": args.requests, "steps": args.steps, "runs": rows}, args.out)
 
 
 if __name__ == "__main__":
