@@ -176,7 +176,7 @@ def test_async_verify_equals_sync(emulated_graphs, k):
     the synchronous engine through stop tokens, max_tokens, max_model_len, a sampled request joining and preemption;
     every block and state slot comes back."""
     kw0 = {"num_speculative_tokens": k, "max_num_seqs": 8}
-    sync = with_graphs(LLM(**kw0, async_verify=True, async_scheduling=False))
+    sync = with_graphs(LLM(**kw0, async_scheduling=False))
     ref_ids = [o.outputs[0].token_ids for o in sync.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16,
                                                                                       ignore_eos=True))]
     params = [SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[ids[3 + i]], logprobs=0)
