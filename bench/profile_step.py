@@ -2,7 +2,7 @@
 kernels, for MTP k = 0 and k = 3 side by side; decode steps (CUDA-graph replays on a GPU) or prefill steps (eager).
 
     python bench/profile_step.py --device cuda --out bench/results/profile_step.json [--steps 40] [--batch 1]
-        [--model bundled|35b --layers 8] [--phase decode|prefill] [--k 0 3]
+        [--model bundled|35b --layers 8] [--phase decode|prefill] [--k 0 3] [--async-verify]
 
 --model 35b: random weights (load_format dummy) at the Qwen3.5-35B-A3B shapes cut to --layers layers, prompts of 32
 synthetic ids, a 4096-token step budget (bench/dp.py's serving set-up, without the group around it).
@@ -74,7 +74,7 @@ class Workload:
 
 def profile(k: int, args: argparse.Namespace, model_kw: dict) -> dict:
     llm = LLM(num_speculative_tokens=k, max_num_seqs=max(args.batch, 1), device=args.device, dtype=args.dtype,
-              **model_kw)
+              async_verify=args.async_verify, **model_kw)
     if llm.tokenizer is not None:
         ids = prompts(llm.tokenizer, args.batch)
     else:
@@ -111,7 +111,8 @@ def profile(k: int, args: argparse.Namespace, model_kw: dict) -> dict:
     kernels = sum(e.count for e in ev if getattr(e, "self_device_time_total", 0) > 0) / steps
     device_us = sum(getattr(e, "self_device_time_total", 0) for e in ev) / steps
     return {
-        "k": k, "phase": args.phase, "batch": args.batch, "step_wall_ms": round(1e3 * wall, 3),
+        "k": k, "async_verify": args.async_verify, "phase": args.phase, "batch": args.batch,
+        "step_wall_ms": round(1e3 * wall, 3),
         "tokens_per_step": round(toks, 3), "ms_per_token": round(1e3 * wall / toks, 3) if toks else None,
         "device_kernels_per_step": round(kernels, 1), "device_busy_ms_per_step": round(device_us / 1e3, 3),
         "host_python": host,
@@ -130,6 +131,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--phase", choices=["decode", "prefill"], default="decode")
     ap.add_argument("--k", type=int, nargs="+", default=[0, 3])
+    ap.add_argument("--async-verify", action="store_true", help="k > 0: async verify steps (scheduler.async_verify)")
     ap.add_argument("--model", choices=["bundled", "35b"], default="bundled")
     ap.add_argument("--layers", type=int, default=8, help="--model 35b: layers kept of the 40")
     ap.add_argument("--out", default="bench/results/profile_step.json")
