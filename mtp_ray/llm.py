@@ -40,7 +40,7 @@ def engine_config(model: str = BUNDLED_MODEL, *, num_speculative_tokens: int = 0
                   max_num_seqs: int = 32, max_num_batched_tokens: int = 512, prefill_chunk: int = 256,
                   max_model_len: int | None = None, tokenizer: str | None = None, cuda_graphs: bool = True,
                   graph_sizes: tuple[int, ...] | None = None, split_prefill: bool | None = None,
-                  async_scheduling: bool = True, async_verify: bool = False, load_format: str = "auto"
+                  async_scheduling: bool = True, async_verify: bool = True, load_format: str = "auto"
                   ) -> EngineConfig:
     """Flat keyword arguments (vLLM style) -> EngineConfig."""
     return EngineConfig(

@@ -20,7 +20,8 @@ for stage in "$@"; do
     offline) python3 bench/offline.py --device cuda --dtype bfloat16 --prompts 32 --repeats 3 --out "$OUT/offline_h200_bf16.json" 2>&1 | tail -16 ;;
     kernsweep) timeout 200 python3 bench/kernels.py --rows 1 --out "$OUT/kernels_h200.json" 2>&1 | tail -30 ;;
     profile) python3 bench/profile_step.py --device cuda --out "$OUT/profile_step_h200.json" 2>&1 | grep -v USDT | tail -50 ;;
-    profileav) python3 bench/profile_step.py --device cuda --async-verify --out "$OUT/profile_step_h200_async.json" 2>&1 | grep -v USDT | tail -50 ;;
+    profilesv) python3 bench/profile_step.py --device cuda --sync-verify --out "$OUT/profile_step_h200_sync.json" 2>&1 | grep "^k=" ;;
+    profreq) python3 bench/profile_step.py --device cuda --phase requests --steps 200 --out "$OUT/profile_step_h200_requests.json" 2>&1 | grep "^k=" ;;
     profile128) python3 bench/profile_step.py --device cuda --batch 128 --steps 20 --out "$OUT/profile_step_h200_b128.json" 2>&1 | grep -v USDT | tail -50 ;;
     prefill) python3 bench/prefill.py --layers 4 --out "$OUT/prefill_h200.json" 2>&1 | grep "^{'seq" ;;
     prof35p) python3 bench/profile_step.py --device cuda --model 35b --layers 8 --phase prefill --batch 256 --steps 6 --k 0 --out "$OUT/profile_35b_prefill.json" 2>&1 | grep -v USDT | tail -30 ;;
