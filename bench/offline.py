@@ -1,7 +1,7 @@
 """Offline benchmark on the bundled model, side by side in one run:
 transformers `generate` (batch 1 and all prompts in one batch) vs mtp-ray, and mtp-ray with MTP k = 0..3
-(acceptance length, speed ratio), with CUDA graphs on and off on a GPU, and on a GPU also k = 1..3 with async
-verify steps (scheduler.async_verify).
+(acceptance length, speed ratio); on a GPU also k = 1..3 with synchronous verify steps (scheduler.async_verify
+false) and k = 0 / 3 without CUDA graphs. The batch-1 rows run interleaved, request by request (run_batch1).
 
     python bench/offline.py [--out bench/results/offline.json] [--max-tokens 64] [--prompts 8] [--threads 2]
                             [--device cpu|cuda] [--dtype float32|bfloat16] [--repeats 1]
@@ -64,51 +64,77 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_ours(ps: list[list[int]], max_tokens: int, k: int, batch: bool, device: str, dtype: str,
-             graphs: bool = True, repeats: int = 1, async_verify: bool = False) -> dict:
-    llm = LLM(num_speculative_tokens=k, max_num_seqs=len(ps), device=device, dtype=dtype, cuda_graphs=graphs,
+def make_llm(k: int, n: int, device: str, dtype: str, graphs: bool = True, async_verify: bool = True) -> LLM:
+    """An engine for up to n sequences, warmed up (first-call compiles; graph capture of batch 1 and n)."""
+    llm = LLM(num_speculative_tokens=k, max_num_seqs=n, device=device, dtype=dtype, cuda_graphs=graphs,
               async_verify=async_verify)
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(ps[:1], SamplingParams(temperature=0, max_tokens=4))  # warm-up
-    if batch:
-        llm.generate(ps, SamplingParams(temperature=0, max_tokens=4))  # warm-up (graph capture of this size)
-    st0 = dict(llm.engine.stats)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        outs = llm.generate(ps, sp) if batch else [llm.generate([p], sp)[0] for p in ps]
-        times.append(time.perf_counter() - t0)
-    dt = statistics.median(times)
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    warm = SamplingParams(temperature=0, max_tokens=4)
+    llm.generate([[5, 6, 7]], warm)
+    llm.generate([[5, 6, 7]] * n, warm)
+    return llm
+
+
+def row(llm: LLM, batch: int, times: list[float], outs: list[list[int]], st0: dict, device: str) -> dict:
+    c = llm.config
     st = {key: llm.engine.stats[key] - st0[key] for key in ("accepted", "verify_steps", "steps", "graph_steps",
                                                             "graph_step_s", "async_steps")}
-    on_gpu = device.startswith("cuda")
-    decode = None if batch else statistics.median(decode_rate(llm, ps, sp) for _ in range(repeats))
-    return {"k": k, "batch": len(ps) if batch else 1, "cuda_graphs": graphs and on_gpu,
-            "async_verify": async_verify and k > 0 and graphs and on_gpu, "tokens": n,
-            "seconds": round(dt, 3), "tokens_per_s": round(n / dt, 1),
-            "tokens_per_s_runs": [round(n / t, 1) for t in times], "decode_tokens_per_s": decode,
+    dt, n = statistics.median(times), sum(len(o) for o in outs)
+    graphs = c.graphs.enabled and device.startswith("cuda")
+    k, av = c.spec.k, c.scheduler.async_verify
+    return {"k": k, "batch": batch, "cuda_graphs": graphs, "async_verify": av and k > 0 and graphs,
+            "tokens": n, "seconds": round(dt, 3), "tokens_per_s": round(n / dt, 1),
+            "tokens_per_s_runs": [round(n / t, 1) for t in times], "decode_tokens_per_s": None,
             "mean_acceptance_length": round(1 + st["accepted"] / st["verify_steps"], 3) if st["verify_steps"] else 1.0,
             # the timed runs: host wall time per CUDA-graph step (launch to commit) and the share of async steps
             "graph_step_ms": round(1e3 * st["graph_step_s"] / st["graph_steps"], 3) if st["graph_steps"] else None,
-            "async_step_share": round(st["async_steps"] / st["steps"], 3) if st["steps"] else 0.0,
-            "outputs": [o.outputs[0].token_ids for o in outs]}
+            "async_step_share": round(st["async_steps"] / st["steps"], 3) if st["steps"] else 0.0, "outputs": outs}
 
 
-def decode_rate(llm: LLM, ps: list[list[int]], sp: SamplingParams) -> float:
-    """Decode-only tokens/s at batch 1: each prompt generated to max_tokens and to one token, one request at a
-    time; the decode time is the difference. The prefill, the first token and the per-request costs cancel, and
-    so does where a step's tokens surface (async steps hand a step's tokens out one step later)."""
-    one = dataclasses.replace(sp, max_tokens=1)
-    tokens, t_full, t_one = 0, 0.0, 0.0
-    for p in ps:
+def run_batched(llm: LLM, ps: list[list[int]], max_tokens: int, device: str, repeats: int) -> dict:
+    """All prompts in one generate call."""
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    st0, times = dict(llm.engine.stats), []
+    for _ in range(repeats):
         t0 = time.perf_counter()
-        llm.generate([p], one)
-        t1 = time.perf_counter()
-        out = llm.generate([p], sp)[0]
-        t_full, t_one = t_full + time.perf_counter() - t1, t_one + t1 - t0
-        tokens += len(out.outputs[0].token_ids) - 1
-    return round(tokens / (t_full - t_one), 1)
+        outs = llm.generate(ps, sp)
+        times.append(time.perf_counter() - t0)
+    return row(llm, len(ps), times, [o.outputs[0].token_ids for o in outs], st0, device)
+
+
+def run_batch1(llms: list[LLM], ps: list[list[int]], max_tokens: int, device: str, repeats: int) -> list[dict]:
+    """One request at a time, every engine side by side: per prompt each engine in turn (the order rotating) runs
+    it to one token and to max_tokens, so a slow spell of the host hits every engine alike. Tokens/s: generated
+    tokens over the full runs' time. Decode tokens/s: tokens after the first over (full - one-token) time, so the
+    prefill, the first token and per-request costs cancel, and so does where a step's tokens surface (async steps
+    hand a step's tokens out one step later)."""
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    one = dataclasses.replace(sp, max_tokens=1)
+    m = len(llms)
+    st0 = [dict(llm.engine.stats) for llm in llms]  # the one-token runs add no verify steps
+    full = [[0.0] * repeats for _ in llms]
+    first = [[0.0] * repeats for _ in llms]
+    outs: list[list[list[int]]] = [[] for _ in llms]
+    for r in range(repeats):
+        for i, p in enumerate(ps):
+            for j in range(m):
+                e = (i + j + r) % m
+                t0 = time.perf_counter()
+                llms[e].generate([p], one)
+                t1 = time.perf_counter()
+                o = llms[e].generate([p], sp)[0]
+                t2 = time.perf_counter()
+                first[e][r] += t1 - t0
+                full[e][r] += t2 - t1
+                if r == 0:
+                    outs[e].append(o.outputs[0].token_ids)
+    rows = []
+    for e, llm in enumerate(llms):
+        res = row(llm, 1, full[e], outs[e], st0[e], device)
+        n = res["tokens"] - len(ps)
+        res["decode_tokens_per_s"] = round(statistics.median(n / (f - o) for f, o in zip(full[e], first[e],
+                                                                                          strict=True)), 1)
+        rows.append(res)
+    return rows
 
 
 def main() -> None:
@@ -128,15 +154,17 @@ def main() -> None:
     rp = args.repeats
     hf1 = run_hf(ps, args.max_tokens, args.device, tdtype, batch=False, repeats=rp)
     hfb = run_hf(ps, args.max_tokens, args.device, tdtype, batch=True, repeats=rp)
-    rows = [run_ours(ps, args.max_tokens, k, False, args.device, args.dtype, repeats=rp) for k in range(4)]
-    rows += [run_ours(ps, args.max_tokens, k, True, args.device, args.dtype, repeats=rp) for k in (0, 3)]
+    n = len(ps)
+    variants = [(k, True, True) for k in range(4)]  # (k, CUDA graphs, async verify): the defaults
+    if args.device.startswith("cuda"):  # synchronous verify steps, and no graphs at all
+        variants += [(k, True, False) for k in (1, 2, 3)] + [(0, False, True), (3, False, True)]
+    llms = [make_llm(k, n, args.device, args.dtype, g, a) for k, g, a in variants]
+    rows = run_batch1(llms, ps, args.max_tokens, args.device, rp)
+    rows += [run_batched(llms[k], ps, args.max_tokens, args.device, rp) for k in (0, 3)]
     if args.device.startswith("cuda"):
-        rows += [run_ours(ps, args.max_tokens, k, b, args.device, args.dtype, graphs=False)
-                 for k in (0, 3) for b in (False, True)]
-        # MTP with async verify steps (scheduler.async_verify), next to the synchronous rows above
-        rows += [run_ours(ps, args.max_tokens, k, False, args.device, args.dtype, repeats=rp, async_verify=True)
-                 for k in (1, 2, 3)]
-    base1, dec1 = rows[0]["tokens_per_s"], rows[0]["decode_tokens_per_s"]
+        rows += [run_batched(llms[-2 + i], ps, args.max_tokens, args.device, 1) for i in (0, 1)]
+    base1 = rows[0]["tokens_per_s"]
+    dec0 = {r["cuda_graphs"]: r["decode_tokens_per_s"] for r in rows if r["batch"] == 1 and r["k"] == 0}
     for r in rows:
         ref = hf1 if r["batch"] == 1 else hfb
         r["same_tokens_as_transformers"] = r.pop("outputs") == ref["outputs"]
@@ -145,8 +173,8 @@ def main() -> None:
         if r["batch"] == 1 and r["k"]:
             # the MTP target: decode speedup over k = 0 at least 0.8 x the mean acceptance length
             r["speedup_over_acceptance_length"] = round(r["speed_vs_k0_batch1"] / r["mean_acceptance_length"], 3)
-            if r["cuda_graphs"] == rows[0]["cuda_graphs"]:
-                r["decode_speedup_vs_k0"] = round(r["decode_tokens_per_s"] / dec1, 3)
+            if r["cuda_graphs"] in dec0:  # against k = 0 with the same graphs setting
+                r["decode_speedup_vs_k0"] = round(r["decode_tokens_per_s"] / dec0[r["cuda_graphs"]], 3)
                 r["decode_speedup_over_acceptance_length"] = round(r["decode_speedup_vs_k0"]
                                                                    / r["mean_acceptance_length"], 3)
     for h in (hf1, hfb):
