@@ -101,38 +101,51 @@ def run_batched(llm: LLM, ps: list[list[int]], max_tokens: int, device: str, rep
     return row(llm, len(ps), times, [o.outputs[0].token_ids for o in outs], st0, device)
 
 
+def timed(llm: LLM, rid: str, p: list[int], sp: SamplingParams) -> tuple[list[int], float, float]:
+    """One request through the engine's step loop -> (its tokens, seconds to its first token, seconds in all)."""
+    eng, toks, t_first = llm.engine, [], 0.0
+    t0 = time.perf_counter()
+    eng.add_request(rid, p, sp)
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.new_token_ids and not toks:
+                t_first = time.perf_counter() - t0
+            toks += o.new_token_ids
+    return toks, t_first, time.perf_counter() - t0
+
+
 def run_batch1(llms: list[LLM], ps: list[list[int]], max_tokens: int, device: str, repeats: int) -> list[dict]:
     """One request at a time, every engine side by side: per prompt each engine in turn (the order rotating) runs
-    it to one token and to max_tokens, so a slow spell of the host hits every engine alike. Tokens/s: generated
-    tokens over the full runs' time. Decode tokens/s: tokens after the first over (full - one-token) time, so the
-    prefill, the first token and per-request costs cancel, and so does where a step's tokens surface (async steps
-    hand a step's tokens out one step later)."""
+    it to one token and to max_tokens, so a slow spell of the host hits every engine alike. Per engine:
+    tokens/s: generated tokens over the full runs' time;
+    decode tok/s: tokens after the first over the time after the first token (vLLM's TPOT; an MTP engine drafts
+      after the prefill before it hands out the first token, so those drafts count in the time to the first token);
+    decode tok/s incl. first drafts: tokens after the first over (full run - one-token run), the one-token run
+      being prefill and first token without drafts: every cost that comes with generating more than one token."""
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     one = dataclasses.replace(sp, max_tokens=1)
-    m = len(llms)
+    m, n = len(llms), len(ps)
     st0 = [dict(llm.engine.stats) for llm in llms]  # the one-token runs add no verify steps
-    full = [[0.0] * repeats for _ in llms]
-    first = [[0.0] * repeats for _ in llms]
+    full, ttft, first = ([[0.0] * repeats for _ in llms] for _ in range(3))
     outs: list[list[list[int]]] = [[] for _ in llms]
     for r in range(repeats):
         for i, p in enumerate(ps):
             for j in range(m):
                 e = (i + j + r) % m
-                t0 = time.perf_counter()
-                llms[e].generate([p], one)
-                t1 = time.perf_counter()
-                o = llms[e].generate([p], sp)[0]
-                t2 = time.perf_counter()
-                first[e][r] += t1 - t0
-                full[e][r] += t2 - t1
+                first[e][r] += timed(llms[e], f"one-{r}-{i}", p, one)[2]
+                toks, t_first, t_all = timed(llms[e], f"full-{r}-{i}", p, sp)
+                ttft[e][r] += t_first
+                full[e][r] += t_all
                 if r == 0:
-                    outs[e].append(o.outputs[0].token_ids)
+                    outs[e].append(toks)
     rows = []
     for e, llm in enumerate(llms):
         res = row(llm, 1, full[e], outs[e], st0[e], device)
-        n = res["tokens"] - len(ps)
-        res["decode_tokens_per_s"] = round(statistics.median(n / (f - o) for f, o in zip(full[e], first[e],
-                                                                                          strict=True)), 1)
+        dec = res["tokens"] - n
+        res["decode_tokens_per_s"] = round(statistics.median(dec / (f - t) for f, t in zip(full[e], ttft[e])), 1)
+        res["decode_incl_first_drafts_tokens_per_s"] = round(
+            statistics.median(dec / (f - o) for f, o in zip(full[e], first[e])), 1)
+        res["ttft_ms"] = round(1e3 * statistics.median(ttft[e]) / n, 3)
         rows.append(res)
     return rows
 
@@ -177,6 +190,10 @@ def main() -> None:
                 r["decode_speedup_vs_k0"] = round(r["decode_tokens_per_s"] / dec0[r["cuda_graphs"]], 3)
                 r["decode_speedup_over_acceptance_length"] = round(r["decode_speedup_vs_k0"]
                                                                    / r["mean_acceptance_length"], 3)
+                d0 = next(x for x in rows if x["batch"] == 1 and x["k"] == 0 and x["cuda_graphs"] == r["cuda_graphs"])
+                r["decode_incl_first_drafts_speedup_over_acceptance_length"] = round(
+                    r["decode_incl_first_drafts_tokens_per_s"] / d0["decode_incl_first_drafts_tokens_per_s"]
+                    / r["mean_acceptance_length"], 3)
     for h in (hf1, hfb):
         h.pop("outputs")
     result = {
@@ -189,14 +206,16 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"transformers generate: batch 1 {hf1['tokens_per_s']} tok/s, batch {hfb['batch']} {hfb['tokens_per_s']}")
-    print("| engine | k | batch | graphs | tok/s | vs transformers | mean acc. len | speed vs k=0 | speed/acc. len | "
-          "decode tok/s | decode speedup / acc. len | same tokens as HF |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| k | batch | graphs | async verify | tok/s | vs transformers | mean acc. len | TTFT ms | decode tok/s | "
+          "decode speedup / acc. len | decode tok/s incl. first drafts | its speedup / acc. len | same tokens as HF |")
+    print("| --- " * 13 + "|")
     for r in rows:
-        print(f"| mtp-ray | {r['k']} | {r['batch']} | {r['cuda_graphs']} | {r['tokens_per_s']} | "
-              f"{r['speed_vs_transformers_same_batch']} | {r['mean_acceptance_length']} | {r['speed_vs_k0_batch1']} | "
-              f"{r.get('speedup_over_acceptance_length')} | {r['decode_tokens_per_s']} | "
-              f"{r.get('decode_speedup_over_acceptance_length')} | {r['same_tokens_as_transformers']} |")
+        print(f"| {r['k']} | {r['batch']} | {r['cuda_graphs']} | {r['async_verify']} | {r['tokens_per_s']} | "
+              f"{r['speed_vs_transformers_same_batch']} | {r['mean_acceptance_length']} | {r.get('ttft_ms')} | "
+              f"{r['decode_tokens_per_s']} | {r.get('decode_speedup_over_acceptance_length')} | "
+              f"{r.get('decode_incl_first_drafts_tokens_per_s')} | "
+              f"{r.get('decode_incl_first_drafts_speedup_over_acceptance_length')} | "
+              f"{r['same_tokens_as_transformers']} |")
 
 
 if __name__ == "__main__":
