@@ -17,7 +17,7 @@ for stage in "$@"; do
     e2e) python3 -m pytest -q -rs -p no:cacheprovider --durations=8 -m gpu tests/test_gpu.py tests/test_deepep.py 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;
     tests) python3 -m pytest -q -p no:cacheprovider --durations=12 -rs -m gpu tests/test_kernels.py tests/test_gdn_prefill.py tests/test_gpu.py tests/test_deepep.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     decode) python3 bench/decode.py --out "$OUT/decode_h200.json" 2>&1 | tail -12 ;;
-    offline) python3 bench/offline.py --device cuda --dtype bfloat16 --prompts 32 --repeats 3 --out "$OUT/offline_h200_bf16.json" 2>&1 | tail -16 ;;
+    offline) python3 bench/offline.py --device cuda --dtype bfloat16 --prompts 16 --repeats 3 --out "$OUT/offline_h200_bf16.json" 2>&1 | tail -16 ;;
     kernsweep) timeout 200 python3 bench/kernels.py --rows 1 --out "$OUT/kernels_h200.json" 2>&1 | tail -30 ;;
     profile) python3 bench/profile_step.py --device cuda --out "$OUT/profile_step_h200.json" 2>&1 | grep -v USDT | tail -50 ;;
     profilesv) python3 bench/profile_step.py --device cuda --sync-verify --out "$OUT/profile_step_h200_sync.json" 2>&1 | grep "^k=" ;;
