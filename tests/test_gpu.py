@@ -67,6 +67,25 @@ def test_cuda_graphs_fp32_mtp_exact_and_sampling_reproducible():
 
 
 @needs_gpu
+def test_drafts_after_prefill_graph_equal_eager_drafts():
+    """The drafts after a prefill from the draft-loop graph (MTP step 1 eager up to the last k + 1 rows): with
+    max_tokens = k + 2 each request is a prefill and one verify of exactly those drafts, so equal accepted counts
+    mean equal drafts; fp32, against an engine without graphs."""
+    kw = {"device": "cuda", "dtype": "float32", "num_speculative_tokens": 3}
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompts = PROMPTS[1:] + [list(range(600, 700))]  # longer than k + 1 tokens (the graph needs a row before them)
+    eager, llm = LLM(**kw, cuda_graphs=False), LLM(**kw)
+    before = [dict(e.engine.stats) for e in (eager, llm)]
+    for e in (eager, llm):
+        for p in prompts:  # one at a time: every prefill step has a captured graph size
+            e.generate([p], sp)
+    new = [{key: e.engine.stats[key] - b[key] for key in b} for e, b in zip((eager, llm), before, strict=True)]
+    assert new[1]["draft_graphs_after_eager"] == len(prompts) and new[0]["draft_graphs_after_eager"] == 0
+    assert new[1]["accepted"] == new[0]["accepted"] > 0
+    assert greedy(llm) == greedy(eager)
+
+
+@needs_gpu
 def test_cuda_graphs_recaptured_after_sleep(ray_cluster):
     """sleep frees the caches the graphs point at and drops the graphs; after wake_up new traffic recaptures and
     gives the same tokens (through the RL actor handle)."""

@@ -201,3 +201,31 @@ def test_async_verify_equals_sync(emulated_graphs, k):
     assert same(outputs(llm, PROMPTS, long), outputs(ref, PROMPTS, long))
     st = llm.engine.stats
     assert st["async_steps"] > 0 and st["accepted"] == ref.engine.stats["accepted"] > 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_drafts_after_prefill_run_as_graph(emulated_graphs, k):
+    """One rank with graphs: the drafts after a prefill come from the draft-loop graph (MTP step 1 eager up to the
+    last k + 1 rows, the graph from there), chunked prompts too. Same tokens and the same accepted drafts as the
+    eager engine; a step holding a prompt too short for it, or a sampled request, keeps the eager loop."""
+    prompts = [list(range(40, 100)), [300, 301, 302, 1000, 77, 78] * 5, [9] * 13, list(range(500, 537))]
+    greedy = [SamplingParams(temperature=0, max_tokens=10 + 2 * i, ignore_eos=True) for i in range(len(prompts))]
+    kw = {"num_speculative_tokens": k, "max_num_seqs": 8, "prefill_chunk": 24}  # 60 / 30 / 37 tokens: chunked
+    eager = LLM(**kw)
+    llm = with_graphs(LLM(**kw))
+    st = llm.engine.stats
+    assert run_on(llm, prompts, greedy) == run_on(eager, prompts, greedy)
+    assert st["draft_graphs_after_eager"] > 0
+    assert st["accepted"] == eager.engine.stats["accepted"] and st["drafted"] == eager.engine.stats["drafted"]
+    # a prompt of k + 1 tokens has no row before its last k + 1: its prefill step drafts eagerly
+    before = st["draft_graphs_after_eager"]
+    short = list(range(7, 8 + k))
+    assert run_on(llm, [short], greedy[:1]) == run_on(eager, [short], greedy[:1])
+    assert st["draft_graphs_after_eager"] == before
+    sampled = [SamplingParams(temperature=0.8, seed=5, max_tokens=8, ignore_eos=True)]
+    assert run_on(llm, prompts[:1], sampled) == run_on(eager, prompts[:1], sampled)
+    assert st["draft_graphs_after_eager"] == before
+
+
+def run_on(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

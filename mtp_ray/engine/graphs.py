@@ -240,6 +240,20 @@ class CudaGraphs:
             ev.record()
         return Fetched(host, ev)
 
+    def ready_size(self, n: int) -> int:
+        """The smallest size >= n whose target and draft-loop graphs are both captured (0: none)."""
+        return next((b for b in sorted(self.sizes) if b >= n and b in self.target and b in self.draft), 0)
+
+    def run_drafts_after_eager(self, inp: StepInputs, hidden: torch.Tensor, next_ids: torch.Tensor,
+                               last: torch.Tensor, b: int) -> torch.Tensor:
+        """The draft-loop graph after an eager target forward: the rows it starts from (inp: build_uniform of size
+        b; hidden [b * q, H]) go where the target graph of size b leaves them, then the loop runs as after a
+        verify -> drafts [b, k]. Nothing is in flight: an eager step resolves the step before it."""
+        assert b in self.target and b in self.draft and inp.packed is not None
+        self.inputs[: self.layout(b).total].copy_(inp.packed)
+        self.target[b][1].copy_(hidden)
+        return self.run_drafts(next_ids, last, b)
+
     def run_drafts(self, next_ids: torch.Tensor | None, last: torch.Tensor | None, b: int) -> torch.Tensor:
         """next_ids: [b * q] token after each verify row; last: [b] last committed row -> drafts [b, k] (device).
         None: the inputs are already in place (the target graph's device acceptance)."""

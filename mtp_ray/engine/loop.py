@@ -54,15 +54,15 @@ class EngineCore:
         split = cfg.scheduler.split_prefill
         split = bool(self.runner.graphs) if split is None else split  # auto: split when decode steps are graphs
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, lookahead=self.k, split=split)
-        self.proposer = MTPProposer(self.runner, self.blocks, self.k, self.sync)
         self.requests: dict[str, Request] = {}
         self._seeds = itertools.count(cfg.seed * 1_000_003 + 1)
         self.stats = {"steps": 0, "drafted": 0, "accepted": 0, "verify_steps": 0, "aborted": 0,
-                      "device_greedy_steps": 0, "uniform_steps": 0, "async_steps": 0,
+                      "device_greedy_steps": 0, "uniform_steps": 0, "async_steps": 0, "draft_graphs_after_eager": 0,
                       "mixed_batch_steps": 0, "graph_steps": 0, "eager_tokens": 0,
                       "step_s": 0.0,  # wall time of the steps that ran a forward, host work included
                       "graph_step_s": 0.0,  # the part of step_s spent in steps that replayed a CUDA graph
                       "graph_wait_s": 0.0}  # the part of graph_step_s the host waited for the device's results
+        self.proposer = MTPProposer(self.runner, self.blocks, self.k, self.sync, self.stats)
         self.clock = PhaseClock()  # host time per phase of a step (get_stats "phases")
         self.out = OutputProcessor(self.scheduler, self.requests, self.eos_ids, self.max_model_len, self.stats)
         self.greedy = DeviceGreedy(self.runner, self.proposer, self.out, self.stats, cfg.scheduler.async_scheduling,

@@ -194,6 +194,14 @@ class ModelRunner:
         return self.graphs.run_drafts(next_ids, last, size)
 
     @torch.inference_mode()
+    def replay_drafts_after_eager(self, inp: StepInputs, hidden: torch.Tensor, next_ids: torch.Tensor,
+                                  last: torch.Tensor, size: int) -> torch.Tensor:
+        """The draft-loop graph from rows of an eager forward (inp: build_uniform of `size`; hidden [size * q, H]
+        on the device) -> drafts [size, k] on the device."""
+        assert self.graphs is not None
+        return self.graphs.run_drafts_after_eager(inp, hidden, next_ids, last, size)
+
+    @torch.inference_mode()
     def fetch_greedy(self, size: int, with_drafts: bool) -> Fetched:
         """Start copying the last replays' greedy block to the host; `.wait()` returns it as rows of floats."""
         assert self.graphs is not None

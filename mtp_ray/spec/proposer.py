@@ -4,6 +4,10 @@ Step 1 runs over every position p the target just committed, with input (token[p
 KV cache for those positions and its last row gives draft 1. (A non-last prefill chunk's next token is the next
 prompt token, so no hidden state needs to carry over between chunks.) Step j > 1 feeds draft j-1 and the MTP's
 own hidden from step j-1 back in, one token per sequence at the next position.
+
+With CUDA graphs the loop is one graph after a graph target step (`propose_graph`), and, in an engine of one rank,
+also after an eager one such as a prefill (`propose_after_eager`): step 1 runs eagerly up to each sequence's last
+k + 1 rows and the graph takes it from there.
 """
 
 from __future__ import annotations
@@ -42,8 +46,8 @@ class DraftItem:
 
 
 class MTPProposer:
-    def __init__(self, runner: ModelRunner, blocks: BlockManager, k: int, sync: LocalSync | DPSync):
-        self.runner, self.blocks, self.k, self.sync = runner, blocks, k, sync
+    def __init__(self, runner: ModelRunner, blocks: BlockManager, k: int, sync: LocalSync | DPSync, stats: dict):
+        self.runner, self.blocks, self.k, self.sync, self.stats = runner, blocks, k, sync, stats
 
     def propose(self, items: list[DraftItem], table: Gathered | None) -> None:
         """Runs the k draft forwards. In lock-step (DP) mode all k run whatever this rank holds: a rank without
@@ -53,6 +57,8 @@ class MTPProposer:
             return
         if table is not None and table.graph_drafts:
             self.propose_graph(items, table)
+            return
+        if table is not None and self.propose_after_eager(items, table):
             return
         inp, hidden = self._first_inputs(items)
         live = [it for it in items if it.wants_drafts]
@@ -114,6 +120,53 @@ class MTPProposer:
         for it in items:
             it.req.drafts = drafts[it.index].tolist()
             it.req.draft_probs = None
+
+    def propose_after_eager(self, items: list[DraftItem], table: Gathered) -> bool:
+        """After an eager target forward (prefill pieces), in an engine of one rank with graphs: MTP step 1 runs
+        eagerly over every committed row except each drafting sequence's last q = k + 1, and the draft-loop graph
+        runs from those q rows as after a verify that accepted all its drafts (last = q - 1): one eager forward and
+        one replay instead of k eager forwards, which cost as much host time as a dozen graph steps. Same inputs,
+        same positions, same MTP KV writes; False (nothing run) when a sequence does not fit: a sampled one, fewer
+        than q committed rows, no rows before them, or no captured graph large enough. A DP group keeps the eager
+        loop: the graph runs the low-latency EP exchange, and a draft loop keeps its target step's EP mode (DESIGN
+        rule 4)."""
+        graphs, q = self.runner.graphs, self.k + 1
+        want = [it for it in items if it.wants_drafts]
+        if graphs is None or self.sync.lockstep or not want or any(
+                not it.req.params.greedy or it.n < q or it.start + it.n - q < 1 for it in want):
+            return False
+        b = graphs.ready_size(len(want))
+        if not b:
+            return False
+        heads = [(it, it.n - q if it.wants_drafts else it.n) for it in items]
+        heads = [(it, m) for it, m in heads if m > 0]
+        if heads:  # step 1 up to the last q rows: fills the MTP KV the graph's attention reads
+            inp = build([Piece(it.req, it.start, it.next_tokens()[:m], "none") for it, m in heads], self.blocks)
+            self.sync.draft(DPMeta(num_tokens=inp.num_tokens, batch_size=len(heads), is_dummy=0, forward_idx=1,
+                                   has_unfinished=1))
+            try:
+                self.runner.mtp_forward(inp, torch.cat([it.hidden[:m] for it, m in heads]), 0)
+            finally:
+                self.sync.done()
+        r = self.runner
+        tails = [Piece(it.req, it.start + it.n - q, it.req.tokens(it.start + it.n - q, it.start + it.n), "all")
+                 for it in want]
+        inp = build_uniform(tails, self.blocks, q, b, r.blocks_per_seq)
+        hidden = torch.zeros(b * q, r.model_config.hidden_size, dtype=r.dtype, device=r.device)  # [b * q, H]
+        hidden[: len(want) * q] = torch.cat([it.hidden[it.n - q : it.n] for it in want])
+        next_ids = torch.zeros(b * q, dtype=torch.long)  # the token after each of the q rows
+        next_ids[: len(want) * q] = torch.tensor([t for it in want for t in it.next_tokens()[it.n - q :]])
+        last = torch.full((b,), q - 1, dtype=torch.long)
+        self.sync.graph_drafts(table)
+        try:
+            drafts = r.replay_drafts_after_eager(inp, hidden, next_ids, last, b).cpu()  # [b, k]
+        finally:
+            self.sync.done()
+        for i, it in enumerate(want):
+            it.req.drafts = drafts[i].tolist()
+            it.req.draft_probs = None
+        self.stats["draft_graphs_after_eager"] += 1
+        return True
 
     def replay_graph(self, table: Gathered, next_ids: torch.Tensor | None = None, last: torch.Tensor | None = None
                      ) -> torch.Tensor:
