@@ -10,7 +10,6 @@ RankWorker. The gap is what the actor's other threads (Ray task execution, the p
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import threading
 import time
@@ -20,7 +19,7 @@ import ray
 
 BENCH = str(Path(__file__).resolve().parent)
 sys.path.insert(0, BENCH)
-from common import machine, write_json  # noqa: E402
+from common import machine, start_ray, write_json  # noqa: E402
 
 
 def measure(batch: int, steps: int, notify=None, device_ms: float = 0.0) -> dict:
@@ -110,9 +109,8 @@ def main() -> None:
                     help="a simulated device wait per graph step (sleep: the GIL is released, as in a CUDA sync)")
     ap.add_argument("--out", default="bench/results/actor_step.json")
     args = ap.parse_args()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     local = measure(args.batch, args.steps, lambda msg: None, args.device_ms)  # packs each step's outputs too
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_ray(2)
     idle = in_actor(args.batch, args.steps, False, args.device_ms)
     polled = in_actor(args.batch, args.steps, True, args.device_ms)
     out = {"machine": machine(), "batch": args.batch, "steps": args.steps,

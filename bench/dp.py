@@ -40,6 +40,7 @@ import ray
 from mtp_ray.rl.engine import launch_engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import start_ray  # noqa: E402
 from decode import hf_config  # noqa: E402
 
 
@@ -180,13 +181,12 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after the timing: cProfile each rank's engine thread over N steps of one more run")
     args = ap.parse_args()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if args.device == "cuda":
         import torch
 
-        ray.init(num_cpus=8, num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False)
+        start_ray(8, num_gpus=torch.cuda.device_count())
     else:
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        start_ray(8)
     prompts = [[(7 * i + j) % 2000 + 3 for j in range(32)] for i in range(args.requests)]
     model, name = {}, "bundled tiny-qwen35-mtp"
     if args.model == "35b":  # random weights at the Qwen3.5-35B-A3B shapes, cut to --layers (config.json only)

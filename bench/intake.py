@@ -10,7 +10,6 @@ own task cost; together they bound how many requests per second one engine actor
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -21,7 +20,7 @@ import ray
 from mtp_ray.rl.engine import launch_engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, write_json  # noqa: E402
+from common import machine, start_ray, write_json  # noqa: E402
 
 
 class Bare:
@@ -52,8 +51,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="bench/results/intake.json")
     args = ap.parse_args()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    start_ray(4)
     prompts = [[(7 * i + j) % 2000 + 3 for j in range(32)] for i in range(args.requests)]
     bare = ray.remote(Bare).options(num_cpus=0, max_concurrency=1000).remote()
     rows = {"bare_ray_actor": measure(bare, prompts, args.repeats)}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import queue
 import resource
 import statistics
@@ -23,7 +22,7 @@ import ray
 from mtp_ray.serve.batcher import CallBatcher
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, write_json  # noqa: E402
+from common import machine, start_ray, write_json  # noqa: E402
 
 
 class Rank:
@@ -63,8 +62,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="bench/results/submit.json")
     args = ap.parse_args()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_ray(2)
     rank = ray.remote(max_concurrency=16)(Rank).remote()
     group = ray.remote(Group).remote(rank)
     for batched in (False, True):  # warm-up

@@ -45,8 +45,8 @@ def with_graphs(llm: LLM, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> LLM:
     return llm
 
 
-def run(llm: LLM, params: list[SamplingParams]) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+def run(llm: LLM, params: list[SamplingParams], prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
 @pytest.mark.parametrize("k", [0, 1, 3])
@@ -214,18 +214,14 @@ def test_drafts_after_prefill_run_as_graph(emulated_graphs, k):
     eager = LLM(**kw)
     llm = with_graphs(LLM(**kw))
     st = llm.engine.stats
-    assert run_on(llm, prompts, greedy) == run_on(eager, prompts, greedy)
+    assert run(llm, greedy, prompts) == run(eager, greedy, prompts)
     assert st["draft_graphs_after_eager"] > 0
     assert st["accepted"] == eager.engine.stats["accepted"] and st["drafted"] == eager.engine.stats["drafted"]
     # a prompt of k + 1 tokens has no row before its last k + 1: its prefill step drafts eagerly
     before = st["draft_graphs_after_eager"]
     short = list(range(7, 8 + k))
-    assert run_on(llm, [short], greedy[:1]) == run_on(eager, [short], greedy[:1])
+    assert run(llm, greedy[:1], [short]) == run(eager, greedy[:1], [short])
     assert st["draft_graphs_after_eager"] == before
     sampled = [SamplingParams(temperature=0.8, seed=5, max_tokens=8, ignore_eos=True)]
-    assert run_on(llm, prompts[:1], sampled) == run_on(eager, prompts[:1], sampled)
+    assert run(llm, sampled, prompts[:1]) == run(eager, sampled, prompts[:1])
     assert st["draft_graphs_after_eager"] == before
-
-
-def run_on(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
