@@ -177,7 +177,7 @@ def main() -> None:
     if args.device.startswith("cuda"):
         rows += [run_batched(llms[-2 + i], ps, args.max_tokens, args.device, 1) for i in (0, 1)]
     base1 = rows[0]["tokens_per_s"]
-    dec0 = {r["cuda_graphs"]: r["decode_tokens_per_s"] for r in rows if r["batch"] == 1 and r["k"] == 0}
+    k0 = {r["cuda_graphs"]: r for r in rows if r["batch"] == 1 and r["k"] == 0}  # per graphs setting
     for r in rows:
         ref = hf1 if r["batch"] == 1 else hfb
         r["same_tokens_as_transformers"] = r.pop("outputs") == ref["outputs"]
@@ -186,11 +186,11 @@ def main() -> None:
         if r["batch"] == 1 and r["k"]:
             # the MTP target: decode speedup over k = 0 at least 0.8 x the mean acceptance length
             r["speedup_over_acceptance_length"] = round(r["speed_vs_k0_batch1"] / r["mean_acceptance_length"], 3)
-            if r["cuda_graphs"] in dec0:  # against k = 0 with the same graphs setting
-                r["decode_speedup_vs_k0"] = round(r["decode_tokens_per_s"] / dec0[r["cuda_graphs"]], 3)
+            d0 = k0.get(r["cuda_graphs"])  # against k = 0 with the same graphs setting
+            if d0 is not None:
+                r["decode_speedup_vs_k0"] = round(r["decode_tokens_per_s"] / d0["decode_tokens_per_s"], 3)
                 r["decode_speedup_over_acceptance_length"] = round(r["decode_speedup_vs_k0"]
                                                                    / r["mean_acceptance_length"], 3)
-                d0 = next(x for x in rows if x["batch"] == 1 and x["k"] == 0 and x["cuda_graphs"] == r["cuda_graphs"])
                 r["decode_incl_first_drafts_speedup_over_acceptance_length"] = round(
                     r["decode_incl_first_drafts_tokens_per_s"] / d0["decode_incl_first_drafts_tokens_per_s"]
                     / r["mean_acceptance_length"], 3)
