@@ -437,3 +437,62 @@ def test_gemv(dtype, tol, m, n, k):
     if m == 1 and dtype == torch.bfloat16:  # the one-row kernel at other tiles (the sweep's space) agrees too
         for tile in [("row", 2, 256, 2, 1), ("row", 16, 1024, 8, 3)]:
             assert _rel(gemv(x.to(DEVICE, dtype), w.to(DEVICE, dtype), tile).cpu(), x @ w.T) < tol
+
+
+@needs_device
+@pytest.mark.parametrize("b,k,width,bs", [(1, 3, 4, 16), (5, 1, 3, 4), (8, 2, 6, 8), (33, 3, 5, 16)])
+def test_feed_in_flight(b, k, width, bs):
+    """The fused async-verify feed moves exactly what the torch ops move: rows following an in-flight verify
+    (src >= 0) by its accepted count, the other rows left as the host wrote them."""
+    from mtp_ray.engine.graph_ops import feed_in_flight_torch
+    from mtp_ray.engine.graph_ops_triton import feed_in_flight as fused
+    from mtp_ray.engine.inputs import uniform_layout
+
+    q, max_b = k + 1, b + 3
+    g = torch.Generator().manual_seed(b * 100 + k)
+    layout = uniform_layout(b, q, width, spec=True)
+    flat = torch.randint(1, 1000, (layout.total,), generator=g)
+    v = layout.views(flat)
+    v["tables"].copy_(torch.randint(1, 50, (b, width), generator=g))
+    v["ctx"].copy_(torch.randint(1, width * bs - 2 * q, (b,), generator=g))  # room for q + k positions
+    src = torch.randint(-1, max_b, (b,), generator=g)
+    src[0] = 0  # at least one live row, one exact row
+    src[-1] = -1 if b > 1 else 0
+    last = torch.randint(0, k + 1, (max_b,), generator=g)
+    next_ids = torch.randint(0, 2048, (max_b * q,), generator=g)
+    drafts = torch.randint(0, 2048, (max_b, k), generator=g)
+    ref = flat.clone()
+    feed_in_flight_torch(layout.views(ref), src, last, next_ids, drafts, q, k, bs)
+    assert not torch.equal(ref, flat)
+    got = flat.to(DEVICE)
+    fused(layout.views(got), *(t.to(DEVICE) for t in (src, last, next_ids, drafts)), q, k, bs)
+    assert torch.equal(got.cpu(), ref)
+
+
+@needs_device
+@pytest.mark.parametrize("b,k,vocab", [(1, 3, 2048), (4, 0, 2048), (3, 2, 9000), (17, 1, 300), (2, 3, 70000)])
+def test_greedy_block(b, k, vocab):
+    """The fused argmax / log-prob / acceptance block equals the torch ops: ties broken to the first max (rounded
+    logits make ties, also across the kernel's vocabulary blocks), accepted counts from 0 to k."""
+    from mtp_ray.engine.graph_ops import greedy_block_torch
+    from mtp_ray.engine.graph_ops_triton import greedy_block as fused
+
+    q = k + 1
+    g = torch.Generator().manual_seed(b * vocab + k)
+    logits = (torch.randn(b * q, vocab, generator=g) * 4).round()  # few distinct values: ties
+    logits[0, vocab - 1] = logits[0, 0] = logits.max() + 1  # a tie between the first and the last block
+    ids = logits.argmax(-1)
+    inp = torch.randint(0, vocab, (b * q,), generator=g)
+    for r in range(b):  # sequence r's drafts match the argmax except draft r % (k + 1): it accepts r % (k + 1)
+        for j in range(k):
+            inp[r * q + j + 1] = ids[r * q + j] + (j == r % q)
+    last, nxt = torch.full((b + 2,), 7), torch.full((b * q + 3,), 7)
+    ref = greedy_block_torch(logits, inp, q, k, last, nxt)
+    if k:
+        assert ref[:, 2 * q].tolist() == [r % q for r in range(b)]
+    last_d, nxt_d = last.new_full((b + 2,), 7).to(DEVICE), nxt.new_full((b * q + 3,), 7).to(DEVICE)
+    got = fused(logits.to(DEVICE), inp.to(DEVICE), q, k, last_d, nxt_d).cpu()
+    assert got.shape == ref.shape and torch.equal(got[:, :q], ref[:, :q])
+    assert torch.equal(got[:, 2 * q :], ref[:, 2 * q :])
+    assert torch.allclose(got[:, q : 2 * q], ref[:, q : 2 * q], atol=1e-5)
+    assert torch.equal(last_d.cpu(), last) and torch.equal(nxt_d.cpu(), nxt)

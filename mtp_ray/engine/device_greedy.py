@@ -5,7 +5,7 @@ draft-loop graph follows straight away and appends the next drafts. Async schedu
 scheduler.async_verify): the copy is started and the step is committed by the next one, after the next one is
 launched, so the host's work for step N + 1 (schedule, DPMeta gather, inputs) overlaps the device's step N. A row of
 step N + 1 whose inputs depend on step N names its row of step N (`src`): k = 0 reads its token from there; k > 0
-moves its whole verify by that row's accepted count (CudaGraphs._feed_in_flight).
+moves its whole verify by that row's accepted count (engine/graph_ops.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Async scheduling: inputs go through pinned staging buffers and results come back
 non-blocking and fenced by events, so the host can build step N + 1 while step N runs. A row of step N + 1 whose
 inputs depend on step N (still on the device) names its row of step N in `src`. k = 0: the target graph reads the
 token from `next_ids`, where every k = 0 target graph leaves its argmax. k > 0 (async verify): the target graph
-first moves the row by step N's accepted count (`_feed_in_flight`).
+first moves the row by step N's accepted count (engine/graph_ops.py).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mtp_ray.engine.graph_ops import feed_in_flight, greedy_block
 from mtp_ray.engine.inputs import StepInputs, UniformLayout, uniform_layout
-from mtp_ray.engine.sampler import argmax_logprob
 from mtp_ray.layers.context import ForwardBatch, UniformDecode
 from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
 
@@ -70,7 +70,7 @@ class CudaGraphs:
     def __init__(self, model: Qwen3_5MoeForCausalLM, sizes: tuple[int, ...], k: int, width: int, block_size: int,
                  device: torch.device, barrier: Callable[[], None] | None = None, async_verify: bool = False):
         self.model, self.sizes, self.k, self.q = model, sizes, k, k + 1
-        self.feed = k > 0 and async_verify  # the k > 0 graphs take in-flight rows from the device (_feed_in_flight)
+        self.feed = k > 0 and async_verify  # the k > 0 graphs take in-flight rows from the device (graph_ops.py)
         self.width, self.block_size, self.device = width, block_size, device
         self.barrier = barrier or (lambda: None)
         max_b = max(sizes)
@@ -81,7 +81,7 @@ class CudaGraphs:
         self.next_ids, self.last = z(max_b * self.q), z(max_b)
         # per row of the next replay, its sequence's row in the previous replay when that step is still in flight (-1:
         # the host's inputs are exact); set by every replay. k = 0: the token is that row's argmax; k > 0: see
-        # _feed_in_flight. The drafts the last draft loop left, kept across graph sizes for the next verify
+        # graph_ops.py. The drafts the last draft loop left, kept across graph sizes for the next verify
         self.src = torch.full((max_b,), -1, dtype=torch.long, device=device)
         self.drafts = z(max_b, max(self.k, 1))
         self.in_stage = Staging(self.layout(max_b).total + max_b, torch.long, device)
@@ -115,50 +115,16 @@ class CudaGraphs:
         max on ties), and with k the accepted drafts: a sequence accepts while draft j (input j + 1 of its verify
         rows) equals the argmax of row j. The draft loop's inputs are set on the device too (the token after every
         row = its argmax; the last committed row = the accepted count); a host-path step overwrites them."""
-        v, n = self.views(b), b * self.q
+        v = self.views(b)
         inp = v["ids"]  # [n]
         if not self.k:  # rows whose token is the previous replay's argmax, still on the device (async scheduling)
             src = self.src[:b]
             inp = torch.where(src >= 0, self.next_ids[src.clamp(min=0)], inp)
-        elif self.feed:
-            self._feed_in_flight(b, v)
+        elif self.feed:  # rows following a verify still in flight move by its accepted count
+            feed_in_flight(v, self.src[:b], self.last, self.next_ids, self.drafts, self.q, self.k, self.block_size)
         hidden = self.model(inp, v["pos"], self._batch(v))  # [n, H]
         logits = self.model.compute_logits(hidden)  # [n, V] fp32
-        ids, lp = argmax_logprob(logits)  # [n] each
-        parts = [ids.view(b, self.q).double(), lp.view(b, self.q).double()]
-        if self.k:
-            match = ids.view(b, self.q)[:, : self.k] == v["ids"].view(b, self.q)[:, 1:]
-            self.last[:b].copy_(match.long().cumprod(1).sum(1))
-            parts.append(self.last[:b, None].double())
-        self.next_ids[:n].copy_(ids)
-        return hidden, logits, torch.cat(parts, 1)
-
-    def _feed_in_flight(self, b: int, v: dict[str, torch.Tensor]) -> None:
-        """Async verify (k > 0): a row with src >= 0 follows a verify of the previous replay that the host has not
-        committed. The host wrote its inputs as if that verify had accepted nothing (start one past the previous
-        start, GDN slots before their rotation); here they move by that row's accepted count a, in the static inputs
-        (the draft loop reads them too): tokens = the argmax of row a and the drafts the draft loop left, positions
-        and context + a, KV slots from the block table at those positions, and the GDN slots rotated as
-        OutputProcessor.commit_spec rotates them on the host one step later (state = snapshot a, whose slot takes
-        the old state slot)."""
-        q, bs = self.q, self.block_size
-        src = self.src[:b]
-        live = src >= 0  # [b]
-        s = src.clamp(min=0)
-        a = torch.where(live, self.last[s], 0)  # [b] accepted drafts of the row's verify in flight
-        ctx = v["ctx"] + a  # [b]
-        pos = ctx[:, None] + torch.arange(q, device=self.device)  # [b, q]
-        slots = v["tables"].gather(1, pos // bs) * bs + pos % bs  # [b, q]
-        ids = torch.cat([self.next_ids[s * q + a][:, None], self.drafts[s, : self.k]], 1)  # [b, q]
-        spec, state = v["spec"], v["state"]  # [b, q], [b]: the host's slots, before the rotation
-        new_state = spec.gather(1, a[:, None])[:, 0]
-        new_spec = torch.where(torch.arange(q, device=self.device)[None, :] == a[:, None], state[:, None], spec)
-        m = live[:, None]
-        for name, new in (("ids", ids), ("pos", pos), ("slots", slots), ("spec", new_spec)):
-            old = v[name].view(b, q)
-            old.copy_(torch.where(m, new, old))
-        v["ctx"].copy_(torch.where(live, ctx, v["ctx"]))
-        v["state"].copy_(torch.where(live, new_state, state))
+        return hidden, logits, greedy_block(logits, v["ids"], self.q, self.k, self.last, self.next_ids)
 
     def _draft_fn(self, b: int, hidden: torch.Tensor, greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: the target graph's [b * q, H] output; greedy: its greedy block -> drafts [b, k], and the greedy
@@ -198,7 +164,7 @@ class CudaGraphs:
     def run_target(self, inp: StepInputs, b: int, src: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the target graph of size b on inp (built with size b and this width) -> hidden, logits.
         src: per live row, its sequence's row in the previous replay when that step is still in flight, or -1 (inp
-        is exact); k = 0 takes the token from there, k > 0 everything that step's acceptance moves (_feed_in_flight)."""
+        is exact); k = 0 takes the token from there, k > 0 everything that step's acceptance moves (graph_ops.py)."""
         u = inp.batch.uniform
         assert u is not None and u.context_lens.shape[0] == b and inp.batch.block_tables.shape[1] == self.width
         n, total = b * self.q, self.layout(b).total
