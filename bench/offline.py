@@ -3,8 +3,12 @@ transformers `generate` (batch 1 and all prompts in one batch) vs mtp-ray, and m
 (acceptance length, speed ratio); on a GPU also k = 1..3 with synchronous verify steps (scheduler.async_verify
 false) and k = 0 / 3 without CUDA graphs. The batch-1 rows run interleaved, request by request (run_batch1).
 
-    python bench/offline.py [--out bench/results/offline.json] [--max-tokens 64] [--prompts 8] [--threads 2]
-                            [--device cpu|cuda] [--dtype float32|bfloat16] [--repeats 1]
+    python bench/offline.py [--out bench/results/offline.json] [--max-tokens 64] [--prompts 8] [--batch 32]
+                            [--threads 2] [--device cpu|cuda] [--dtype float32|bfloat16] [--repeats 1]
+                            [--no-transformers]
+
+--prompts: the batch-1 rows' requests; --batch: the batched rows' batch size (its first prompts are the batch-1
+ones). --no-transformers: mtp-ray rows only (a long --max-tokens reading of the MTP speedup).
 
 Greedy decoding, fp32 on the CPU by default. Tokens/s counts generated tokens over wall time (prefill included);
 with --repeats N every timed row runs N times and reports the median (and every run's figure).
@@ -155,6 +159,8 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/offline.json")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=32, help="batch size of the batched rows")
+    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers generate rows")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
@@ -162,27 +168,30 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tok = LLM(max_num_seqs=1, device="cpu").tokenizer
-    ps = prompts(tok, args.prompts)
+    ps, pb = prompts(tok, args.prompts), prompts(tok, args.batch)
     tdtype = getattr(torch, args.dtype)
     rp = args.repeats
-    hf1 = run_hf(ps, args.max_tokens, args.device, tdtype, batch=False, repeats=rp)
-    hfb = run_hf(ps, args.max_tokens, args.device, tdtype, batch=True, repeats=rp)
-    n = len(ps)
+    hf1 = hfb = None
+    if not args.no_transformers:
+        hf1 = run_hf(ps, args.max_tokens, args.device, tdtype, batch=False, repeats=rp)
+        hfb = run_hf(pb, args.max_tokens, args.device, tdtype, batch=True, repeats=rp)
+    n = max(len(ps), len(pb))
     variants = [(k, True, True) for k in range(4)]  # (k, CUDA graphs, async verify): the defaults
     if args.device.startswith("cuda"):  # synchronous verify steps, and no graphs at all
         variants += [(k, True, False) for k in (1, 2, 3)] + [(0, False, True), (3, False, True)]
     llms = [make_llm(k, n, args.device, args.dtype, g, a) for k, g, a in variants]
     rows = run_batch1(llms, ps, args.max_tokens, args.device, rp)
-    rows += [run_batched(llms[k], ps, args.max_tokens, args.device, rp) for k in (0, 3)]
+    rows += [run_batched(llms[k], pb, args.max_tokens, args.device, rp) for k in (0, 3)]
     if args.device.startswith("cuda"):
-        rows += [run_batched(llms[-2 + i], ps, args.max_tokens, args.device, 1) for i in (0, 1)]
+        rows += [run_batched(llms[-2 + i], pb, args.max_tokens, args.device, 1) for i in (0, 1)]
     base1 = rows[0]["tokens_per_s"]
     k0 = {r["cuda_graphs"]: r for r in rows if r["batch"] == 1 and r["k"] == 0}  # per graphs setting
     for r in rows:
         ref = hf1 if r["batch"] == 1 else hfb
-        r["same_tokens_as_transformers"] = r.pop("outputs") == ref["outputs"]
+        outs = r.pop("outputs")
+        r["same_tokens_as_transformers"] = outs == ref["outputs"] if ref else None
         r["speed_vs_k0_batch1"] = round(r["tokens_per_s"] / base1, 3) if r["batch"] == 1 else None
-        r["speed_vs_transformers_same_batch"] = round(r["tokens_per_s"] / ref["tokens_per_s"], 3)
+        r["speed_vs_transformers_same_batch"] = round(r["tokens_per_s"] / ref["tokens_per_s"], 3) if ref else None
         if r["batch"] == 1 and r["k"]:
             # the MTP target: decode speedup over k = 0 at least 0.8 x the mean acceptance length
             r["speedup_over_acceptance_length"] = round(r["speed_vs_k0_batch1"] / r["mean_acceptance_length"], 3)
@@ -195,17 +204,20 @@ def main() -> None:
                     r["decode_incl_first_drafts_tokens_per_s"] / d0["decode_incl_first_drafts_tokens_per_s"]
                     / r["mean_acceptance_length"], 3)
     for h in (hf1, hfb):
-        h.pop("outputs")
+        if h:
+            h.pop("outputs")
     result = {
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}"
                    + (f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""),
         "model": f"bundled tiny-qwen35-mtp ({args.dtype}, {args.device})", "prompts": args.prompts,
-        "prompt_tokens": 48, "max_tokens": args.max_tokens, "repeats": rp,
-        "transformers_generate": [hf1, hfb], "mtp_ray": rows,
+        "batch": args.batch, "prompt_tokens": 48, "max_tokens": args.max_tokens, "repeats": rp,
+        "transformers_generate": [h for h in (hf1, hfb) if h], "mtp_ray": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"transformers generate: batch 1 {hf1['tokens_per_s']} tok/s, batch {hfb['batch']} {hfb['tokens_per_s']}")
+    if hf1 and hfb:
+        print(f"transformers generate: batch 1 {hf1['tokens_per_s']} tok/s, batch {hfb['batch']} "
+              f"{hfb['tokens_per_s']}")
     print("| k | batch | graphs | async verify | tok/s | vs transformers | mean acc. len | TTFT ms | decode tok/s | "
           "decode speedup / acc. len | decode tok/s incl. first drafts | its speedup / acc. len | same tokens as HF |")
     print("| --- " * 13 + "|")
