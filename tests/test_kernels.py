@@ -470,7 +470,8 @@ def test_feed_in_flight(b, k, width, bs):
 
 
 @needs_device
-@pytest.mark.parametrize("b,k,vocab", [(1, 3, 2048), (4, 0, 2048), (3, 2, 9000), (17, 1, 300), (2, 3, 70000)])
+@pytest.mark.parametrize("b,k,vocab", [(1, 3, 2048), (4, 0, 2048), (3, 2, 9000), (17, 1, 300), (2, 3, 70000),
+                                         (1, 3, 248320)])
 def test_greedy_block(b, k, vocab):
     """The fused argmax / log-prob / acceptance block equals the torch ops: ties broken to the first max (rounded
     logits make ties, also across the kernel's vocabulary blocks), accepted counts from 0 to k."""

@@ -48,35 +48,40 @@ def feed_in_flight(v: dict[str, torch.Tensor], src: torch.Tensor, last: torch.Te
 
 
 @triton.jit
-def _argmax_lp_kernel(x_ptr, ids_ptr, lp_ptr, n_cols, stride, BLOCK: tl.constexpr):
-    """One row: argmax (first max on ties) and its log-prob -log(sum exp(x - max)), in one pass over the row."""
+def _argmax_part_kernel(x_ptr, pmax_ptr, pidx_ptr, psum_ptr, n_cols, stride, n_parts, BLOCK: tl.constexpr):
+    """Program (row, part): max, first argmax and sum exp(x - max) over one BLOCK of the row's logits. Rows of a
+    large vocabulary are split over many programs: one program per row would read a 248k-vocabulary row (1 MB)
+    block after block from one SM at batch 1."""
     r = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BLOCK)
-    best = tl.full((), float("-inf"), tl.float32)
-    idx = tl.zeros((), tl.int64)
-    total = tl.zeros((), tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        x = tl.load(x_ptr + r * stride + start + c, mask=start + c < n_cols, other=float("-inf"))
-        bm = tl.max(x, 0)
-        bi = tl.argmax(x, 0, tie_break_left=True)
-        new = tl.maximum(best, bm)
-        total = total * tl.exp(best - new) + tl.sum(tl.exp(x - new), 0)
-        idx = tl.where(bm > best, start + bi.to(tl.int64), idx)  # strictly greater: an earlier block keeps a tie
-        best = new
-    tl.store(ids_ptr + r, idx)
-    tl.store(lp_ptr + r, -tl.log(total))
+    p = tl.program_id(1)
+    c = p * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + r * stride + c, mask=c < n_cols, other=float("-inf"))
+    best = tl.max(x, 0)
+    tl.store(pmax_ptr + r * n_parts + p, best)
+    tl.store(pidx_ptr + r * n_parts + p, p * BLOCK + tl.argmax(x, 0, tie_break_left=True).to(tl.int64))
+    tl.store(psum_ptr + r * n_parts + p, tl.sum(tl.exp(x - best), 0))
 
 
 @triton.jit
-def _greedy_block_kernel(ids_ptr, lp_ptr, inp_ptr, block_ptr, last_ptr, next_ptr, Q: tl.constexpr,
-                         K: tl.constexpr, QP: tl.constexpr):
+def _greedy_block_kernel(pmax_ptr, pidx_ptr, psum_ptr, n_parts, inp_ptr, block_ptr, last_ptr, next_ptr,
+                         Q: tl.constexpr, K: tl.constexpr, QP: tl.constexpr, PP: tl.constexpr):
+    """Program r (a sequence): its q rows' parts -> argmax (the first part holding the row's max: first max on
+    ties) and log-prob -log(sum exp(x - max)); with k the accepted drafts; written as the greedy block row."""
     r = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, QP)
     m = j < Q
+    parts = tl.arange(0, PP)
+    at = (r * Q + j)[:, None] * n_parts + parts[None, :]  # [QP, PP]
+    pm2 = m[:, None] & (parts[None, :] < n_parts)
+    pmax = tl.load(pmax_ptr + at, mask=pm2, other=float("-inf"))
+    best = tl.where(m, tl.max(pmax, 1), 0.0)  # [QP] (padded rows 0: no inf - inf)
+    first = tl.min(tl.where(pmax == best[:, None], parts[None, :], PP), 1)  # [QP] the first part at the max
+    ids = tl.sum(tl.where(parts[None, :] == first[:, None], tl.load(pidx_ptr + at, mask=pm2, other=0), 0), 1)
+    scale = tl.where(pm2, tl.exp(pmax - best[:, None]), 0.0)
+    total = tl.where(m, tl.sum(tl.load(psum_ptr + at, mask=pm2, other=0.0) * scale, 1), 1.0)  # [QP]
     cols = 2 * Q + (K > 0)
-    ids = tl.load(ids_ptr + r * Q + j, mask=m, other=0)
     tl.store(block_ptr + r * cols + j, ids.to(tl.float64), mask=m)
-    tl.store(block_ptr + r * cols + Q + j, tl.load(lp_ptr + r * Q + j, mask=m, other=0.0).to(tl.float64), mask=m)
+    tl.store(block_ptr + r * cols + Q + j, (-tl.log(total)).to(tl.float64), mask=m)
     tl.store(next_ptr + r * Q + j, ids, mask=m)
     if K > 0:
         drafted = tl.load(inp_ptr + r * Q + j + 1, mask=j < K, other=0)  # draft j is input j + 1
@@ -91,11 +96,14 @@ def greedy_block(logits: torch.Tensor, inp_ids: torch.Tensor, q: int, k: int, la
     n, vocab = logits.shape
     b = n // q
     assert logits.stride(1) == 1 and inp_ids.is_contiguous() and logits.dtype == torch.float32
-    ids = torch.empty(n, dtype=torch.long, device=logits.device)
-    lp = torch.empty(n, dtype=torch.float32, device=logits.device)
     block = min(triton.next_power_of_2(vocab), 4096)
-    _argmax_lp_kernel[(n,)](logits, ids, lp, vocab, logits.stride(0), BLOCK=block, num_warps=8 if block >= 2048 else 4)
-    out = torch.empty(b, 2 * q + int(k > 0), dtype=torch.float64, device=logits.device)
-    _greedy_block_kernel[(b,)](ids, lp, inp_ids, out, last, next_ids, Q=q, K=k, QP=triton.next_power_of_2(q),
-                               num_warps=1)
+    parts = triton.cdiv(vocab, block)
+    dev = logits.device
+    pmax, psum = (torch.empty(n, parts, dtype=torch.float32, device=dev) for _ in range(2))
+    pidx = torch.empty(n, parts, dtype=torch.long, device=dev)
+    _argmax_part_kernel[(n, parts)](logits, pmax, pidx, psum, vocab, logits.stride(0), parts, BLOCK=block,
+                                    num_warps=8 if block >= 2048 else 4)
+    out = torch.empty(b, 2 * q + int(k > 0), dtype=torch.float64, device=dev)
+    _greedy_block_kernel[(b,)](pmax, pidx, psum, parts, inp_ids, out, last, next_ids, Q=q, K=k,
+                               QP=triton.next_power_of_2(q), PP=triton.next_power_of_2(parts), num_warps=1)
     return out
