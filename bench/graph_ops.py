@@ -22,7 +22,7 @@ import mtp_ray.engine.graph_ops_triton as fused_ops
 from mtp_ray import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offline import make_llm, prompts  # noqa: E402
+from offline import make_llm, prompts, timed  # noqa: E402
 
 
 def engines(n: int) -> dict[str, LLM]:
@@ -69,15 +69,9 @@ def main() -> None:
         for i, p in enumerate(ps):
             for j in range(len(names)):  # every engine in turn, the order rotating
                 n = names[(i + j + r) % len(names)]
-                eng, toks, t_first = llms[n].engine, [], 0.0
-                eng.add_request(f"{r}-{i}", p, sp)
-                while eng.has_unfinished():
-                    for o in eng.step():
-                        if o.new_token_ids and not toks:
-                            t_first = time.perf_counter()
-                        toks += o.new_token_ids
+                toks, t_first, t_all = timed(llms[n], f"{r}-{i}", p, sp)
                 dec[n][0] += len(toks) - 1
-                dec[n][1] += time.perf_counter() - t_first
+                dec[n][1] += t_all - t_first
                 if r == 0:
                     outs[n].append(toks)
     res: dict = {"device": torch.cuda.get_device_name(), "prompts": args.prompts, "max_tokens": args.max_tokens,
