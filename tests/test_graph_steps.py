@@ -6,6 +6,7 @@ engine token for token (fp32), without a GPU. Only the capture itself is left to
 from __future__ import annotations
 
 import pytest
+import torch
 
 from mtp_ray import LLM, SamplingParams
 from mtp_ray.engine.graphs import CudaGraphs
@@ -225,3 +226,29 @@ def test_drafts_after_prefill_run_as_graph(emulated_graphs, k):
     sampled = [SamplingParams(temperature=0.8, seed=5, max_tokens=8, ignore_eos=True)]
     assert run(llm, sampled, prompts[:1]) == run(eager, sampled, prompts[:1])
     assert st["draft_graphs_after_eager"] == before
+
+
+def test_drafts_after_prefill_graph_in_a_group_of_one(emulated_graphs):
+    """A serving group of one rank (DPSync, world 1: the deployment on one GPU) has no EP exchange, so it drafts
+    after a prefill from the draft-loop graph as the offline engine does; same tokens and accepted drafts as eager.
+    A group of more ranks keeps the eager loop (DESIGN rule 4)."""
+    from mtp_ray.config.model import ModelConfig
+    from mtp_ray.dist.context import DistContext
+    from mtp_ray.engine.loop import EngineCore
+    from mtp_ray.engine.sync import DPSync
+
+    prompts = [list(range(40, 100)), [300, 301, 302, 1000, 77, 78] * 5]
+    greedy = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True) for _ in prompts]
+    kw = {"num_speculative_tokens": 3, "max_num_seqs": 8}
+    eager = LLM(**kw)
+    llm = LLM(**kw)
+    experts = ModelConfig.from_pretrained(llm.config.model).num_experts
+    sync = DPSync(DistContext(0, 1, experts, torch.device("cpu"), 60.0))
+    assert sync.single_rank and sync.lockstep
+    llm.engine = EngineCore(llm.config, sync=sync)
+    with_graphs(llm)
+    st = llm.engine.stats
+    assert run(llm, greedy, prompts) == run(eager, greedy, prompts)
+    assert st["draft_graphs_after_eager"] > 0
+    assert st["accepted"] == eager.engine.stats["accepted"] and st["drafted"] == eager.engine.stats["drafted"]
+    assert not DPSync(DistContext(0, 2, experts, torch.device("cpu"), 60.0)).single_rank

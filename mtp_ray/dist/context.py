@@ -88,6 +88,8 @@ class DistContext:
             self.on_forward(table)
 
     def barrier(self) -> None:
+        if self.world == 1:  # nobody to wait for (as gather: a group of one runs no collective)
+            return
         import torch.distributed as dist
 
         dist.barrier(group=self.cpu_group)

@@ -20,6 +20,7 @@ from mtp_ray.dist.dp_meta import DPMeta, Gathered, draft_tables, pinned_ll_max_t
 
 class LocalSync:
     lockstep = False
+    single_rank = True  # no peer: nothing collective in any forward
 
     def __init__(self) -> None:
         self.wave = 0
@@ -69,6 +70,11 @@ class DPSync:
         self.timers = {"gather_s": 0.0, "forward_s": 0.0, "dummy_forward_s": 0.0}
         self._t0 = 0.0
         self._dummy = False
+
+    @property
+    def single_rank(self) -> bool:
+        """A group of one: no EP exchange (local dispatch), so no forward's EP mode has to match a peer's."""
+        return self.ctx.world == 1
 
     def prefill_turn(self) -> bool | None:
         """The split-scheduling turn of the coming step, the same on every rank: from the last gathered table."""
