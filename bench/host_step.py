@@ -36,7 +36,8 @@ def _capture(self: CudaGraphs, fn):  # stands in for CudaGraphs._capture: run on
 def measure(k: int, batch: int, steps: int) -> dict:
     llm = LLM(num_speculative_tokens=k, max_num_seqs=batch, device="cpu", dtype="float32")
     eng, r = llm.engine, llm.engine.runner
-    r.graphs = CudaGraphs(r.model, (batch,), r.k, r.blocks_per_seq, llm.config.cache.block_size, r.device)
+    r.graphs = CudaGraphs(r.model, (batch,), r.k, r.blocks_per_seq, llm.config.cache.block_size, r.device,
+                          async_verify=llm.config.scheduler.async_verify)
     eng.scheduler.split = True  # as with graphs on a GPU
     eng.warmup()
     gc.collect()
