@@ -126,9 +126,9 @@ class MTPProposer:
         or a DP group of one: serving on one GPU): MTP step 1 runs eagerly over every committed row except each
         drafting sequence's last q = k + 1, and the draft-loop graph runs from those q rows as after a verify that
         accepted all its drafts (last = q - 1): one eager forward and one replay instead of k eager forwards, which
-        cost as much host time as a dozen graph steps. Same inputs,
-        same positions, same MTP KV writes; False (nothing run) when a sequence does not fit: a sampled one, fewer
-        than q committed rows, no rows before them, or no captured graph large enough. A DP group of more ranks
+        cost as much host time as a dozen graph steps. Same inputs, same positions, same MTP KV writes; False
+        (nothing run) when a sequence does not fit: a sampled one, fewer than q committed rows, no rows before them,
+        or no captured graph large enough. A DP group of more ranks
         keeps the eager loop: the graph runs the low-latency EP exchange, and a draft loop keeps its target step's EP
         mode (DESIGN rule 4); a group of one has no EP exchange."""
         graphs, q = self.runner.graphs, self.k + 1
