@@ -134,7 +134,9 @@ class CudaGraphs:
         h = m.mtp_forward(self.next_ids[:n], hidden, v["pos"], self._batch(v), 0)  # [n, H]
         last = self.last[:b]
         h = h[torch.arange(b, device=self.device) * self.q + last]  # [b, H] at the last committed position
-        drafts = [m.compute_logits(h).argmax(-1)]
+        # the argmax of the model-dtype logits: the fp32 cast compute_logits adds is exact and keeps the order (same
+        # ids, first max on ties) but writes [b, V] fp32 per draft step (~1.5 MB a row at a 248k vocabulary)
+        drafts = [m.lm_head(h).argmax(-1)]
         base = v["ctx"] + last  # position of the last committed token
         tables = v["tables"]
         for j in range(1, self.k):
@@ -142,7 +144,7 @@ class CudaGraphs:
             slot = tables.gather(1, (pos // self.block_size)[:, None])[:, 0] * self.block_size + pos % self.block_size
             batch = ForwardBatch.decode(UniformDecode(1, pos, v["state"]), tables, slot)
             h = m.mtp_forward(drafts[-1], h, pos, batch, j)
-            drafts.append(m.compute_logits(h).argmax(-1))
+            drafts.append(m.lm_head(h).argmax(-1))
         out = torch.stack(drafts, 1)
         if self.feed:
             self.drafts[:b].copy_(out)  # what the next verify of these sequences feeds if this step is left in flight
