@@ -296,3 +296,45 @@ def test_may_preempt_only_when_blocks_may_run_out():
     s.running.append(c)  # a running prefill may need any number of blocks
     s.blocks.free_blocks.append(4)
     assert s.may_preempt()
+
+
+def test_append_equals_a_per_token_reference():
+    """OutputProcessor._append (one scan, lists extended) keeps the tokens, finish reason and stop reason a
+    token-by-token loop gives: EOS / stop ids (stop wins over a length limit at the same token), max_tokens and the
+    model context, ignore_eos, empty deltas."""
+    from mtp_ray.engine.outputs import OutputProcessor
+
+    def reference(prompt, out, toks, eos, stop_ids, ignore_eos, max_tokens, max_len):
+        out = list(out)
+        for i, t in enumerate(toks):
+            out.append(t)
+            if (t in eos and not ignore_eos) or t in stop_ids:
+                return i + 1, "stop", t
+            if (max_tokens is not None and len(out) >= max_tokens) or len(prompt) + len(out) >= max_len:
+                return i + 1, "length", None
+        return len(toks), None, None
+
+    rng = random.Random(7)
+    for case in range(3000):
+        prompt = [5] * rng.randint(1, 6)
+        out = [rng.randint(1, 9) for _ in range(rng.randint(0, 6))]
+        toks = [rng.randint(0, 9) for _ in range(rng.randint(0, 5))]
+        eos = (0,)
+        stop_ids = rng.choice([[], [3], [3, 7]])
+        ignore_eos = rng.random() < 0.3
+        max_tokens = rng.choice([None, len(out) + rng.randint(1, 6)])
+        max_len = len(prompt) + len(out) + rng.randint(1, 7)
+        params = SamplingParams(max_tokens=max_tokens, stop_token_ids=stop_ids, ignore_eos=ignore_eos)
+        req = Request(f"r{case}", prompt, params, output_ids=list(out), output_logprobs=[0.0] * len(out),
+                      top_logprobs=[{}] * len(out))
+        sched = make()
+        sched.add(req)
+        proc = OutputProcessor(sched, {req.request_id: req}, eos, max_len, {})
+        kept = proc._append(req, toks, [(-float(t), {t: -1.0}) for t in toks])
+        want, reason, stop_reason = reference(prompt, out, toks, eos, stop_ids, ignore_eos, max_tokens, max_len)
+        assert kept == want, case
+        assert req.output_ids == out + toks[:want]
+        assert req.output_logprobs[len(out) :] == [-float(t) for t in toks[:want]]
+        assert req.top_logprobs[len(out) :] == [{t: -1.0} for t in toks[:want]]
+        assert req.finish_reason == reason and req.stop_reason == stop_reason, case
+        assert req.finished == (reason is not None)
