@@ -128,9 +128,9 @@ class MTPProposer:
         accepted all its drafts (last = q - 1): one eager forward and one replay instead of k eager forwards, which
         cost as much host time as a dozen graph steps. Same inputs, same positions, same MTP KV writes; False
         (nothing run) when a sequence does not fit: a sampled one, fewer than q committed rows, no rows before them,
-        or no captured graph large enough. A DP group of more ranks
-        keeps the eager loop: the graph runs the low-latency EP exchange, and a draft loop keeps its target step's EP
-        mode (DESIGN rule 4); a group of one has no EP exchange."""
+        or no captured graph large enough. A DP group of more ranks keeps the eager loop: the graph runs the
+        low-latency EP exchange, and a draft loop keeps its target step's EP mode (DESIGN rule 4); a group of one has
+        no EP exchange."""
         graphs, q = self.runner.graphs, self.k + 1
         want = [it for it in items if it.wants_drafts]
         if graphs is None or not self.sync.single_rank or not want or any(
@@ -139,10 +139,11 @@ class MTPProposer:
         b = graphs.ready_size(len(want))
         if not b:
             return False
+        nxt = {id(it): it.next_tokens() for it in items}  # step 1's inputs, split between the eager part and the graph
         heads = [(it, it.n - q if it.wants_drafts else it.n) for it in items]
         heads = [(it, m) for it, m in heads if m > 0]
         if heads:  # step 1 up to the last q rows: fills the MTP KV the graph's attention reads
-            inp = build([Piece(it.req, it.start, it.next_tokens()[:m], "none") for it, m in heads], self.blocks)
+            inp = build([Piece(it.req, it.start, nxt[id(it)][:m], "none") for it, m in heads], self.blocks)
             self.sync.draft(DPMeta(num_tokens=inp.num_tokens, batch_size=len(heads), is_dummy=0, forward_idx=1,
                                    has_unfinished=1))
             try:
@@ -156,7 +157,7 @@ class MTPProposer:
         hidden = torch.zeros(b * q, r.model_config.hidden_size, dtype=r.dtype, device=r.device)  # [b * q, H]
         hidden[: len(want) * q] = torch.cat([it.hidden[it.n - q : it.n] for it in want])
         next_ids = torch.zeros(b * q, dtype=torch.long)  # the token after each of the q rows
-        next_ids[: len(want) * q] = torch.tensor([t for it in want for t in it.next_tokens()[it.n - q :]])
+        next_ids[: len(want) * q] = torch.tensor([t for it in want for t in nxt[id(it)][it.n - q :]])
         last = torch.full((b,), q - 1, dtype=torch.long)
         self.sync.graph_drafts(table)
         try:
