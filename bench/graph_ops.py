@@ -9,7 +9,6 @@ wait for the device); the same tokens either way.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -22,6 +21,7 @@ import mtp_ray.engine.graph_ops_triton as fused_ops
 from mtp_ray import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_json  # noqa: E402
 from offline import make_llm, prompts, timed  # noqa: E402
 
 
@@ -94,9 +94,7 @@ def main() -> None:
             b["decode_tokens_per_s"] / a["decode_tokens_per_s"] / b["mean_acceptance_length"], 3)
     res["same_tokens"] = {"k0": outs["k0_torch"] == outs["k0_fused"], "k3": outs["k3_torch"] == outs["k3_fused"],
                           "k3_vs_k0": outs["k3_fused"] == outs["k0_fused"]}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
-    print(json.dumps(res))
+    write_json(res, args.out)
 
 
 if __name__ == "__main__":
