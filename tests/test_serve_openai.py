@@ -218,6 +218,8 @@ def test_client_disconnect_aborts_the_request(server):
         time.sleep(0.2)
     h = requests.get(f"{BASE}/health").json()
     assert aborted() == before + 1, f"no abort {time.time() - gone:.1f} s after the client went away: {h}"
+    h = requests.get(f"{BASE}/health").json()  # the abort's trail: sent by the group, received by a rank
+    assert sum(h["abort_calls"]) >= 1 and sum(r["aborts"].get("received", 0) for r in h["ranks"]) >= 1, h
     while time.time() < deadline + 10:
         h = requests.get(f"{BASE}/health").json()
         if h["in_flight"] == 0 and all(r["num_running"] == 0 for r in h["ranks"]):

@@ -63,6 +63,7 @@ class EngineGroup(GroupCommands):
         self.workers: list = []
         self.reqs: dict[str, tuple[int, Sink]] = {}
         self.load = [0] * self.dp
+        self.abort_calls = [0] * self.dp  # aborts sent per rank (cancelled streams, abort()): health shows them
         # new requests per rank: one add_many call for all that arrive while the previous one is in flight
         self.adds = [CallBatcher(lambda items, r=r: self.workers[r].add_many.remote(items)) for r in range(self.dp)]
         self.progress = [(0, time.monotonic())] * self.dp  # (step, when it last advanced) per rank
@@ -223,10 +224,13 @@ class EngineGroup(GroupCommands):
             self.load[rank] -= 1
         if not finished and self.state == "ready":  # cancelled / client gone: free its KV on the rank
             self.workers[rank].abort.remote(rid)
+            self.abort_calls[rank] += 1
 
     async def abort(self, request_id: str) -> None:
         if request_id in self.reqs:
-            await self.workers[self.reqs[request_id][0]].abort.remote(request_id)
+            rank = self.reqs[request_id][0]
+            self.abort_calls[rank] += 1
+            await self.workers[rank].abort.remote(request_id)
 
     # ---- outputs, health, faults ----
     async def _poll(self, epoch: int, rank: int) -> None:
@@ -311,10 +315,12 @@ class EngineGroup(GroupCommands):
                 "sleeping": self.sleeping,
                 "in_flight": len(self.reqs), "load": list(self.load), "last_failure": self.last_failure,
                 "add_calls": [b.calls for b in self.adds],  # actor calls that carried new requests, per rank
+                "abort_calls": list(self.abort_calls),
                 "max_model_len": self.max_model_len,
                 "ranks": [{"step": p.get("step", 0), "wave": p.get("wave", 0), "counters": p.get("counters", {}),
                            "collectives": p.get("collectives", 0), "num_running": p.get("num_running", 0),
-                           "num_waiting": p.get("num_waiting", 0), "spec": p.get("spec", {})}
+                           "num_waiting": p.get("num_waiting", 0), "spec": p.get("spec", {}),
+                           "aborts": p.get("aborts", {})}
                           for p in self.last_poll]}
 
     async def rank_stats(self) -> list[dict]:

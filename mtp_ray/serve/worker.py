@@ -57,6 +57,8 @@ class RankWorker:
         self.profiler = StepProfiler()
         self.stalls = StallMonitor()
         self.last_add = 0.0
+        # aborts this rank received, and those naming no request it holds (already finished, or never added)
+        self.aborts = {"received": 0, "unknown": 0}
 
     # ---- set-up ----
     def rendezvous_address(self) -> tuple[str, int]:
@@ -106,6 +108,7 @@ class RankWorker:
         self._want_wave(None)
 
     def abort(self, request_id: str) -> None:
+        self.aborts["received"] += 1
         self.inbox.put(("abort", request_id))
         self._want_wave(None)
 
@@ -145,7 +148,7 @@ class RankWorker:
                 "step": sync.step if sync else 0, "counters": dict(sync.counters) if sync else {},
                 "num_running": len(self.core.scheduler.running) if self.core else 0,
                 "num_waiting": len(self.core.scheduler.waiting) + self.inbox.qsize() if self.core else 0,
-                "spec": dict(self.core.stats) if self.core else {},
+                "spec": dict(self.core.stats) if self.core else {}, "aborts": dict(self.aborts),
                 "collectives": self.ctx.collectives if self.ctx else 0}
 
     def stats(self) -> dict:
@@ -254,6 +257,8 @@ class RankWorker:
                 out = self.core.abort_request(item[1])
                 if out is not None:
                     self._publish(pack_step(self.core.sync.step, [out]))
+                else:
+                    self.aborts["unknown"] += 1
 
     def _publish(self, msg: bytes) -> None:
         with self.cond:
