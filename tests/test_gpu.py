@@ -89,17 +89,19 @@ def test_drafts_after_prefill_graph_equal_eager_drafts():
 def test_cuda_graphs_recaptured_after_sleep(ray_cluster):
     """sleep frees the caches the graphs point at and drops the graphs; after wake_up new traffic recaptures and
     gives the same tokens (through the RL actor handle). The group has one rank: its drafts after a prefill come
-    from the draft-loop graph (no EP exchange to keep in step)."""
+    from the draft-loop graph (no EP exchange to keep in step), here every prompt being longer than k + 1 tokens
+    (the graph decodes on top of a cached row)."""
     from mtp_ray.rl.engine import launch_engine
 
     h = launch_engine({"device": "cuda", "dtype": "bfloat16", "spec": {"num_speculative_tokens": 3}})
     params = {"temperature": 0, "max_tokens": 32, "ignore_eos": True}
+    prompts = PROMPTS[1:]  # PROMPTS[0] has k + 1 tokens: a step holding it drafts eagerly
     try:
-        first = ray_cluster.get(h.generate.remote(PROMPTS, params))
+        first = ray_cluster.get(h.generate.remote(prompts, params))
         assert ray_cluster.get(h.get_stats.remote())["ranks"][0]["draft_graphs_after_eager"] > 0
         ray_cluster.get(h.sleep.remote(1))
         ray_cluster.get(h.wake_up.remote())
-        second = ray_cluster.get(h.generate.remote(PROMPTS, params))
+        second = ray_cluster.get(h.generate.remote(prompts, params))
         assert [r["token_ids"] for r in second] == [r["token_ids"] for r in first]
     finally:
         ray_cluster.get(h.shutdown.remote())
