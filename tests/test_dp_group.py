@@ -290,3 +290,41 @@ def test_command_queued_during_a_waves_last_step_still_runs():
     finally:
         w.shutdown()
         w.ctx.shutdown()
+
+
+def test_abort_that_overtakes_its_add_drops_the_request():
+    """The rank actor runs calls on several threads in no set order, so a request cancelled while its add was in
+    flight can have its abort run first. The add that follows is dropped (an aborted output goes out) rather than
+    decoding to max_tokens with nobody reading; an abort of a live request still ends it."""
+    import threading
+
+    from mtp_ray.config.engine import EngineConfig
+    from mtp_ray.dist.context import free_port
+    from mtp_ray.serve.protocol import unpack_rows
+    from mtp_ray.serve.worker import RankWorker
+
+    def finished(deadline: float) -> dict[str, str]:
+        out: dict[str, str] = {}
+        while time.monotonic() < deadline and len(out) < 2:
+            for msg in w.poll(0.2)["msgs"]:
+                out.update({row[0]: row[5] for row in unpack_rows(msg)[1] if row[4]})
+        return out
+
+    w = RankWorker(EngineConfig.from_dict(cfg(1, 0)), 0, 1)
+    w.init("127.0.0.1", free_port(), [None])
+    try:
+        w.abort("early")
+        w.add("early", [5, 6, 7], {"temperature": 0, "max_tokens": 500, "ignore_eos": True})
+        w.add("live", [8, 9, 10], {"temperature": 0, "max_tokens": 500, "ignore_eos": True})
+        while w.core.stats["steps"] < 3:
+            time.sleep(0.01)
+        w.abort("live")
+        assert finished(time.monotonic() + 30) == {"early": "abort", "live": "abort"}
+        assert w.aborts == {"received": 2, "unknown": 1} and not w.early_aborts
+        assert w.core.stats["aborted"] == 1 and not w.core.has_unfinished()
+    finally:
+        w.shutdown()
+        for t in threading.enumerate():  # the engine thread ends its wave and exits before the collectives go
+            if t.name == "rank0-engine":
+                t.join(30)
+        w.ctx.shutdown()

@@ -9,6 +9,7 @@ import ray
 
 from mtp_ray.config.engine import EngineConfig
 from mtp_ray.engine.sampling_params import SamplingParams
+from mtp_ray.serve.batcher import detached
 from mtp_ray.serve.group import EngineGroup
 
 STOP_REASON = {"stop": "completed", "length": "length", "abort": "aborted"}
@@ -22,7 +23,7 @@ class RolloutEngine:
 
     async def start(self) -> dict:
         if self._started is None:
-            self._started = asyncio.get_running_loop().create_task(self.group.start())
+            self._started = detached(self.group.start())  # its pollers outlive the first caller's request
         await self._started
         return self.group.health()
 

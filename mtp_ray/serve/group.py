@@ -19,7 +19,7 @@ from mtp_ray.config.model import ModelConfig
 from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.request import check_prompt
 from mtp_ray.engine.sampling_params import SamplingParams
-from mtp_ray.serve.batcher import CallBatcher
+from mtp_ray.serve.batcher import CallBatcher, detached
 from mtp_ray.serve.group_commands import GroupCommands
 from mtp_ray.serve.protocol import unpack_rows
 from mtp_ray.serve.sinks import Collector, Sink, StreamSink
@@ -64,6 +64,7 @@ class EngineGroup(GroupCommands):
         self.reqs: dict[str, tuple[int, Sink]] = {}
         self.load = [0] * self.dp
         self.abort_calls = [0] * self.dp  # aborts sent per rank (cancelled streams, abort()): health shows them
+        self.abort_errors = [0] * self.dp  # ... and those whose call failed
         # new requests per rank: one add_many call for all that arrive while the previous one is in flight
         self.adds = [CallBatcher(lambda items, r=r: self.workers[r].add_many.remote(items)) for r in range(self.dp)]
         self.progress = [(0, time.monotonic())] * self.dp  # (step, when it last advanced) per rank
@@ -90,7 +91,7 @@ class EngineGroup(GroupCommands):
             self.pg = placement_group(rank_bundles(self.cfg), strategy=self.cfg.parallel.placement_strategy)
         await asyncio.wait_for(self.pg.ready(), self.cfg.timeouts.start_s)
         await self._spawn()
-        self._tasks.append(asyncio.get_running_loop().create_task(self._watchdog()))
+        self._tasks.append(detached(self._watchdog()))
 
     async def _spawn(self) -> None:
         self.state = "starting"
@@ -118,8 +119,7 @@ class EngineGroup(GroupCommands):
         now = time.monotonic()
         self.progress = [(0, now)] * self.dp
         self.load = [0] * self.dp
-        loop = asyncio.get_running_loop()
-        self._tasks += [loop.create_task(self._poll(self.epoch, r)) for r in range(self.dp)]
+        self._tasks += [detached(self._poll(self.epoch, r)) for r in range(self.dp)]
         self.state = "ready"
         self._ready.set()
         log.info("group ready (epoch %d): %s", self.epoch, infos)
@@ -223,8 +223,15 @@ class EngineGroup(GroupCommands):
         if self.reqs.pop(rid, None) is not None:
             self.load[rank] -= 1
         if not finished and self.state == "ready":  # cancelled / client gone: free its KV on the rank
-            self.workers[rank].abort.remote(rid)
             self.abort_calls[rank] += 1
+            detached(self._send_abort(self.workers[rank], rank, rid))  # not a child of the request being cancelled
+
+    async def _send_abort(self, worker, rank: int, rid: str) -> None:
+        try:
+            await worker.abort.remote(rid)
+        except Exception as e:  # the rank died (the restart drops its requests anyway) or the call was cancelled
+            self.abort_errors[rank] += 1
+            log.warning("abort of %s on rank %d failed: %s: %s", rid, rank, type(e).__name__, e)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self.reqs:
@@ -315,7 +322,7 @@ class EngineGroup(GroupCommands):
                 "sleeping": self.sleeping,
                 "in_flight": len(self.reqs), "load": list(self.load), "last_failure": self.last_failure,
                 "add_calls": [b.calls for b in self.adds],  # actor calls that carried new requests, per rank
-                "abort_calls": list(self.abort_calls),
+                "abort_calls": list(self.abort_calls), "abort_errors": list(self.abort_errors),
                 "max_model_len": self.max_model_len,
                 "ranks": [{"step": p.get("step", 0), "wave": p.get("wave", 0), "counters": p.get("counters", {}),
                            "collectives": p.get("collectives", 0), "num_running": p.get("num_running", 0),

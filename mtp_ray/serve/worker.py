@@ -59,6 +59,9 @@ class RankWorker:
         self.last_add = 0.0
         # aborts this rank received, and those naming no request it holds (already finished, or never added)
         self.aborts = {"received": 0, "unknown": 0}
+        # ids of those unknown aborts, newest last: a request cancelled while its add was in flight may have its abort
+        # run first (this actor runs calls on several threads, in no set order); its add is then dropped here
+        self.early_aborts: dict[str, None] = {}
 
     # ---- set-up ----
     def rendezvous_address(self) -> tuple[str, int]:
@@ -249,6 +252,10 @@ class RankWorker:
                 return
             if item[0] == "add":
                 _, rid, ids, params = item
+                if rid in self.early_aborts:  # aborted before it arrived
+                    del self.early_aborts[rid]
+                    self._publish(pack_step(self.core.sync.step, [StepOutput(rid, [], [], [], True, "abort")]))
+                    continue
                 try:
                     self.core.add_request(rid, ids, params)
                 except ValueError as e:  # validated by the group already; never take the rank down
@@ -259,6 +266,9 @@ class RankWorker:
                     self._publish(pack_step(self.core.sync.step, [out]))
                 else:
                     self.aborts["unknown"] += 1
+                    self.early_aborts[item[1]] = None
+                    if len(self.early_aborts) > 4096:  # mostly requests that had finished: keep the newest only
+                        del self.early_aborts[next(iter(self.early_aborts))]
 
     def _publish(self, msg: bytes) -> None:
         with self.cond:
