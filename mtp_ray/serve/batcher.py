@@ -21,7 +21,13 @@ def detached(coro: Coroutine) -> asyncio.Task:
     when a client goes away or a stop string ends a stream) cancels its children that have not run yet: the abort the
     request's own clean-up sends to its rank (lost so in ~1 of 12 disconnects: the rank decoded on to max_tokens), or
     a batched call carrying other requests. Ray keeps that context in a contextvar; a fresh Context has none."""
-    return contextvars.Context().run(asyncio.get_running_loop().create_task, coro)
+    task = contextvars.Context().run(asyncio.get_running_loop().create_task, coro)
+    _LIVE.add(task)  # the loop holds tasks weakly: a fire-and-forget one could be collected before it ran
+    task.add_done_callback(_LIVE.discard)
+    return task
+
+
+_LIVE: set[asyncio.Task] = set()
 
 
 class CallBatcher:
