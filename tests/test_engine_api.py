@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from mtp_ray import LLM, SamplingParams
 from mtp_ray.engine.sampling_params import SamplingParams as SP
@@ -185,12 +186,13 @@ def test_mixed_request_kinds_in_one_step_equal_each_alone(k):
     requests that sample, report top log-probs or reshape logits: with all kinds sharing steps (and the plain
     greedy ones between them), every request gets exactly what it gets alone."""
     llm = LLM(num_speculative_tokens=k)
-    prompts = [[5, 17, 200, 31], list(range(40, 90)), [9] * 13, [300, 301, 302], list(range(7, 30))]
+    prompts = [[5, 17, 200, 31], list(range(40, 90)), [9] * 13, [300, 301, 302], [77, 78] * 9, list(range(7, 30))]
     base = {"max_tokens": 12, "ignore_eos": True}
     params = [SamplingParams(temperature=0, **base),
               SamplingParams(temperature=0.8, seed=11, **base),
               SamplingParams(temperature=0, logprobs=2, **base),
               SamplingParams(temperature=0, repetition_penalty=1.3, **base),
+              SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.5, **base),
               SamplingParams(temperature=0, **base)]
     together = llm.generate(prompts, params)
     for p, sp, t in zip(prompts, params, together, strict=True):
@@ -202,3 +204,33 @@ def test_mixed_request_kinds_in_one_step_equal_each_alone(k):
         assert [list(d.values()) for d in got] == [pytest.approx(list(d.values()), abs=1e-5)
                                                    for d in alone.top_logprobs]
         assert bool(got and got[0]) == bool(sp.logprobs)  # top-n only where asked for
+
+
+def test_presence_and_frequency_penalties():
+    """OpenAI's presence / frequency penalties over the output tokens (the prompt's do not count): the processed
+    logits against a direct computation, and through the engine: greedy MTP (k = 3, the verify rows carry the drafts
+    before them) gives exactly the k = 0 tokens; a strong frequency penalty changes a repetitive greedy output and
+    repeats less; out-of-range values are a ValueError naming the field."""
+    from mtp_ray.engine.sampler import Row, process
+
+    logits = torch.randn(50, dtype=torch.float32)
+    row = Row(SamplingParams(presence_penalty=0.7, frequency_penalty=0.4), [3, 3, 9, 4, 4, 4, 9, 1], 5, ())
+    want = logits.clone()
+    for t, n in {4: 3, 9: 1, 1: 1}.items():  # the last 5 tokens are the output; 3 is only in the prompt
+        want[t] -= 0.7 + 0.4 * n
+    assert torch.allclose(process(logits, row), want)
+    assert torch.equal(process(logits, Row(row.params, [3, 3], 0, ())), logits)
+
+    prompts = [[5, 17, 200, 31], [9] * 13, [77, 78] * 9]
+    pen = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, presence_penalty=0.5, frequency_penalty=1.0)
+    k0 = [o.outputs[0].token_ids for o in LLM(num_speculative_tokens=0).generate(prompts, pen)]
+    k3 = LLM(num_speculative_tokens=3)
+    assert [o.outputs[0].token_ids for o in k3.generate(prompts, pen)] == k0
+    plain = [o.outputs[0].token_ids
+             for o in k3.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))]
+    assert plain != k0
+    repeats = [sum(len(t) - len(set(t)) for t in outs) for outs in (plain, k0)]
+    assert repeats[1] < repeats[0], repeats
+    for name in ("presence_penalty", "frequency_penalty"):
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**{name: 2.5})

@@ -69,6 +69,22 @@ def test_completions_greedy_equal_offline(client, offline):
     assert out.choices[0].text == ref[0].outputs[0].text
 
 
+def test_presence_and_frequency_penalties_equal_offline(client, offline):
+    """OpenAI's own penalty fields through the official client (chat and completions) give the offline engine's
+    tokens with the same penalties, and differ from the unpenalized output."""
+    pen = {"presence_penalty": 0.6, "frequency_penalty": 1.2}
+    ref = offline.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, **pen))
+    plain = offline.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    assert [r.outputs[0].token_ids for r in ref] != [r.outputs[0].token_ids for r in plain]
+    for p, r in zip(PROMPTS[:2], ref, strict=True):
+        out = client.completions.create(model=MODEL, prompt=p, max_tokens=32, temperature=0,
+                                        extra_body={"ignore_eos": True}, **pen)
+        assert out.choices[0].text == r.outputs[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                          max_tokens=8, temperature=0, **pen)
+    assert chat.choices[0].message.content is not None and chat.usage.completion_tokens >= 1
+
+
 def test_completions_streaming_equals_non_streaming(client):
     full = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0)
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0,
@@ -141,6 +157,9 @@ def post(path: str, body) -> requests.Response:
     ("/v1/completions", {"model": MODEL, "prompt": "x " * 3000, "max_tokens": 1}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "frequency_penalty": "high"}, 400, "frequency_penalty"),
     ("/v1/completions", {"model": MODEL, "prompt": [10**7]}, 400, None),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, 400, "messages"),

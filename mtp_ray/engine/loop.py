@@ -204,7 +204,7 @@ class EngineCore:
     def _plain_greedy(req: Request) -> bool:
         """Greedy on the raw logits (nothing reshapes them) and no top-n log-probs: the device argmax decides."""
         p = req.params
-        return p.greedy and p.repetition_penalty == 1.0 and not p.logprobs and len(req.output_ids) >= p.min_tokens
+        return p.greedy and not p.penalized and not p.logprobs and len(req.output_ids) >= p.min_tokens
 
     def drain(self) -> None:
         """Before anything that must see every token committed (group commands): the results in flight go out with
@@ -315,5 +315,5 @@ class EngineCore:
     def _row(self, req: Request, extra: list[int], num_output: int) -> Row:
         p = req.params
         stop = (() if p.ignore_eos else self.eos_ids) + tuple(p.stop_token_ids)
-        history = req.all_ids + extra if p.repetition_penalty != 1.0 else []
+        history = req.all_ids + extra if p.penalized else []
         return Row(p, history, num_output, stop)

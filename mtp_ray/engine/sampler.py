@@ -1,8 +1,9 @@
 """Logit processing and sampling, one row per (request, position).
 
-A row's target distribution: repetition penalty over its history, min_tokens masking of stop tokens, temperature,
-top-k, top-p, min-p. Greedy rows take the argmax of the processed logits. Logprobs are reported from the raw model
-distribution (log_softmax of the logits), as vLLM does by default.
+A row's target distribution: repetition penalty over its history, presence / frequency penalties over its output
+tokens, min_tokens masking of stop tokens, temperature, top-k, top-p, min-p. Greedy rows take the argmax of the
+processed logits. Logprobs are reported from the raw model distribution (log_softmax of the logits), as vLLM does
+by default.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from mtp_ray.engine.sampling_params import SamplingParams
 @dataclass
 class Row:
     params: SamplingParams
-    history: list[int]  # prompt + output (+ drafts before this position) for the repetition penalty
+    history: list[int]  # prompt + output (+ drafts before this position) for the penalties; [] without them
     num_output: int  # output tokens before this position (min_tokens)
     stop_ids: tuple[int, ...]  # eos (unless ignore_eos) + stop_token_ids
 
@@ -30,6 +31,11 @@ def process(logits: torch.Tensor, row: Row) -> torch.Tensor:
         vals = logits[idx]
         logits = logits.clone()
         logits[idx] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and row.num_output:
+        out = torch.tensor(row.history[len(row.history) - row.num_output:], dtype=torch.long)  # this row's outputs
+        ids, counts = out.unique(return_counts=True)
+        logits = logits.clone()
+        logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
     if row.num_output < p.min_tokens and row.stop_ids:
         logits = logits.clone()
         logits[list(row.stop_ids)] = float("-inf")

@@ -20,7 +20,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # n top logprobs per generated token (the sampled token's is always returned)
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = 1.0  # over the prompt and the output (vLLM / HF)
+    presence_penalty: float = 0.0  # OpenAI's, over the output: minus this once per token that occurred
+    frequency_penalty: float = 0.0  # ... minus this per occurrence
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -32,6 +34,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Any logit penalty that depends on the tokens so far (the raw argmax is not the greedy token then)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SamplingParams:
@@ -78,3 +85,6 @@ class SamplingParams:
              f"must be an integer in 0..20, got {self.logprobs!r}")
         need(is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
              f"must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            need(is_num(v) and -2 <= v <= 2, name, f"must be in [-2, 2], got {v!r}")

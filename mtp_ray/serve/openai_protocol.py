@@ -27,6 +27,7 @@ SAMPLING_FIELDS: dict[str, tuple[str, tuple]] = {
     "temperature": ("temperature", (int, float)), "top_p": ("top_p", (int, float)), "top_k": ("top_k", (int,)),
     "min_p": ("min_p", (int, float)), "seed": ("seed", (int,)), "n": ("n", (int,)),
     "repetition_penalty": ("repetition_penalty", (int, float)), "stop_token_ids": ("stop_token_ids", (list,)),
+    "presence_penalty": ("presence_penalty", (int, float)), "frequency_penalty": ("frequency_penalty", (int, float)),
     "ignore_eos": ("ignore_eos", (bool,)), "min_tokens": ("min_tokens", (int,)),
     "skip_special_tokens": ("skip_special_tokens", (bool,)),
     "include_stop_str_in_output": ("include_stop_str_in_output", (bool,)),
@@ -70,9 +71,6 @@ def sampling_params(body: dict, max_tokens_key: str, logprobs: int | None) -> Sa
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise bad("'stop' must be a string or a list of strings", "stop")
         kw["stop"] = [s for s in stop if s]
-    for key in ("frequency_penalty", "presence_penalty"):
-        if body.get(key) not in (None, 0, 0.0):
-            raise bad(f"'{key}' is not supported (use repetition_penalty)", key)
     if body.get("echo"):
         raise bad("'echo' is not supported", "echo")
     if logprobs is not None:
