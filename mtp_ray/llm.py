@@ -105,6 +105,7 @@ class LLM:
         for (_, ids), sp in zip(encoded, plist, strict=False):
             sp.validate()
             check_prompt(ids, vocab, self.engine.max_model_len)
+            sp.check_vocab(vocab)
             if sp.stop and self.tokenizer is None:
                 raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
         results: dict[str, RequestOutput] = {}

@@ -234,3 +234,25 @@ def test_presence_and_frequency_penalties():
     for name in ("presence_penalty", "frequency_penalty"):
         with pytest.raises(ValueError, match=name):
             SamplingParams(**{name: 2.5})
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_logit_bias_and_token_ids_past_the_vocabulary(k):
+    """logit_bias (OpenAI's) moves the greedy and the sampled token; a token id past the vocabulary in logit_bias or
+    stop_token_ids is a ValueError naming the field before anything runs (it used to fail the step: IndexError in
+    the min_tokens mask), and the engine keeps serving."""
+    llm = LLM(num_speculative_tokens=k)
+    prompts = [[5, 17, 200, 31], list(range(40, 90))]
+    for temp in (0, 0.9):
+        sp = SamplingParams(temperature=temp, seed=3, max_tokens=10, ignore_eos=True, logit_bias={300: 100})
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == [[300] * 10] * 2
+    mild = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logit_bias={300: 3.0, 17: -5.0})
+    ref = [o.outputs[0].token_ids for o in LLM(num_speculative_tokens=0).generate(prompts, mild)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, mild)] == ref  # exact under MTP too
+    vocab = llm.engine.runner.model_config.vocab_size
+    for kw in ({"stop_token_ids": [vocab], "min_tokens": 2}, {"logit_bias": {vocab + 5: 1.0}}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, **kw))
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={3: 200})
+    assert len(llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].token_ids) == 3

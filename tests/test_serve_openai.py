@@ -85,6 +85,23 @@ def test_presence_and_frequency_penalties_equal_offline(client, offline):
     assert chat.choices[0].message.content is not None and chat.usage.completion_tokens >= 1
 
 
+def test_logit_bias_and_tools_through_the_client(client):
+    """logit_bias from the official client forces a token; tools are rendered into the prompt with tool_choice
+    'none' (tool calling itself is a 400: see the bad-input cases)."""
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                    logit_bias={"300": 100})
+    tok = requests.post(f"{BASE}/tokenize", json={"model": MODEL, "prompt": out.choices[0].text}).json()["tokens"]
+    assert tok == [300] * 6
+    tools = [{"type": "function", "function": {"name": "get_time", "description": "the time",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "time?"}],
+                                          max_tokens=4, temperature=0, tools=tools, tool_choice="none")
+    assert chat.choices[0].message.content is not None and chat.usage.completion_tokens == 4
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "time?"}],
+                                           max_tokens=4, temperature=0)
+    assert chat.usage.prompt_tokens >= plain.usage.prompt_tokens
+
+
 def test_completions_streaming_equals_non_streaming(client):
     full = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0)
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0,
@@ -158,6 +175,16 @@ def post(path: str, body) -> requests.Response:
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"9999999": 1}}, 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [9999999], "min_tokens": 2}, 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "frequency_penalty": "high"}, 400, "frequency_penalty"),
     ("/v1/completions", {"model": MODEL, "prompt": [10**7]}, 400, None),

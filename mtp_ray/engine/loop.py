@@ -82,6 +82,7 @@ class EngineCore:
         if self.runner.asleep:
             raise ValueError("the engine is asleep: call wake_up() first")
         check_prompt(prompt_ids, self.runner.model_config.vocab_size, self.max_model_len)
+        params.check_vocab(self.runner.model_config.vocab_size)
         gen = torch.Generator().manual_seed(params.seed if params.seed is not None else next(self._seeds))
         req = Request(request_id, list(prompt_ids), params, arrival=time.monotonic(), generator=gen)
         self.requests[request_id] = req
@@ -204,7 +205,7 @@ class EngineCore:
     def _plain_greedy(req: Request) -> bool:
         """Greedy on the raw logits (nothing reshapes them) and no top-n log-probs: the device argmax decides."""
         p = req.params
-        return p.greedy and not p.penalized and not p.logprobs and len(req.output_ids) >= p.min_tokens
+        return p.greedy and not p.reshapes_logits and not p.logprobs and len(req.output_ids) >= p.min_tokens
 
     def drain(self) -> None:
         """Before anything that must see every token committed (group commands): the results in flight go out with

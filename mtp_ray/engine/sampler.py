@@ -1,9 +1,9 @@
 """Logit processing and sampling, one row per (request, position).
 
 A row's target distribution: repetition penalty over its history, presence / frequency penalties over its output
-tokens, min_tokens masking of stop tokens, temperature, top-k, top-p, min-p. Greedy rows take the argmax of the
-processed logits. Logprobs are reported from the raw model distribution (log_softmax of the logits), as vLLM does
-by default.
+tokens, the logit bias, min_tokens masking of stop tokens, temperature, top-k, top-p, min-p. Greedy rows take the
+argmax of the processed logits. Logprobs are reported from the raw model distribution (log_softmax of the logits),
+as vLLM does by default.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ def process(logits: torch.Tensor, row: Row) -> torch.Tensor:
         ids, counts = out.unique(return_counts=True)
         logits = logits.clone()
         logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+    if p.logit_bias:
+        logits = logits.clone()
+        logits[list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
     if row.num_output < p.min_tokens and row.stop_ids:
         logits = logits.clone()
         logits[list(row.stop_ids)] = float("-inf")

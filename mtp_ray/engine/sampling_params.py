@@ -23,6 +23,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # over the prompt and the output (vLLM / HF)
     presence_penalty: float = 0.0  # OpenAI's, over the output: minus this once per token that occurred
     frequency_penalty: float = 0.0  # ... minus this per occurrence
+    logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> added to its logit, in [-100, 100]
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -39,6 +40,17 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Any logit penalty that depends on the tokens so far (the raw argmax is not the greedy token then)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def reshapes_logits(self) -> bool:
+        """The greedy token is not the raw argmax: penalties or a logit bias."""
+        return self.penalized or bool(self.logit_bias)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids named by the parameters exist (an id past the vocabulary would fail the step that uses it)."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ())):
+            if any(t >= vocab_size for t in ids):
+                raise ValueError(f"{name} token ids must be in [0, {vocab_size})")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SamplingParams:
@@ -88,3 +100,7 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             need(is_num(v) and -2 <= v <= 2, name, f"must be in [-2, 2], got {v!r}")
+        bias = self.logit_bias
+        need(bias is None or (isinstance(bias, dict) and all(is_int(t) and t >= 0 and is_num(v) and -100 <= v <= 100
+                                                             for t, v in bias.items())),
+             "logit_bias", f"must map token ids to numbers in [-100, 100], got {bias!r}")

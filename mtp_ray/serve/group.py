@@ -144,6 +144,7 @@ class EngineGroup(GroupCommands):
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         params.validate()
         check_prompt(prompt_ids, self.model_config.vocab_size, self.max_model_len)
+        params.check_vocab(self.model_config.vocab_size)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        ready_timeout: float | None = None) -> AsyncIterator[StepOutput]:

@@ -73,6 +73,12 @@ def sampling_params(body: dict, max_tokens_key: str, logprobs: int | None) -> Sa
         kw["stop"] = [s for s in stop if s]
     if body.get("echo"):
         raise bad("'echo' is not supported", "echo")
+    bias = body.get("logit_bias")
+    if bias is not None:  # JSON keys are strings: {"token id": bias}
+        if not isinstance(bias, dict) or not all(isinstance(k, str) and k.strip().isdigit() for k in bias):
+            raise bad("'logit_bias' must map token ids (as strings) to numbers in [-100, 100]", "logit_bias")
+        kw["logit_bias"] = {int(k): v for k, v in bias.items()}
+    _refuse_unsupported(body)
     if logprobs is not None:
         kw["logprobs"] = logprobs
     try:
@@ -80,6 +86,22 @@ def sampling_params(body: dict, max_tokens_key: str, logprobs: int | None) -> Sa
     except ValueError as e:
         field_name = str(e).split()[0]
         raise bad(str(e), field_name) from e
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """OpenAI fields this server cannot honour are a 400, never silently ignored (that would change the output)."""
+    if body.get("suffix"):
+        raise bad("'suffix' is not supported", "suffix")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of not in (1, body.get("n") or 1):
+        raise bad("'best_of' other than n is not supported", "best_of")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise bad("'response_format': structured output is not supported (only {\"type\": \"text\"})",
+                  "response_format")
+    if body.get("tools") and body.get("tool_choice", "auto") != "none":
+        raise bad("tool calling is not supported: with 'tools', set tool_choice to 'none' (the tools are then "
+                  "rendered into the prompt by the chat template and the reply is plain text)", "tool_choice")
 
 
 def _stream_opts(body: dict) -> tuple[bool, bool]:
@@ -142,8 +164,11 @@ def parse_chat(body: dict, tokenizer) -> ParsedRequest:
         if not isinstance(c, str):
             raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
         clean.append({"role": m["role"], "content": c})
+    tools = body.get("tools") or None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise bad("'tools' must be a list of objects", "tools")
     try:
-        text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(clean, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # a template that rejects the roles / order
         raise bad(f"chat template failed: {e}", "messages") from e
     ids = tokenizer.encode(text, add_special_tokens=False)
