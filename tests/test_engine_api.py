@@ -256,3 +256,22 @@ def test_logit_bias_and_token_ids_past_the_vocabulary(k):
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={3: 200})
     assert len(llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_extreme_sampling_values_never_fail_a_step(k):
+    """Valid but extreme parameters (a temperature far below 1e-5, penalties that overflow fp32) produce tokens and
+    never fail the step (a failed step takes a serving group down); a temperature below 1e-5 is greedy (vLLM's
+    rule); values that cannot work (an infinite penalty, a seed past 64 bits) are a ValueError naming the field."""
+    llm = LLM(num_speculative_tokens=k)
+    p = [[5, 6, 7], list(range(40, 60))]
+    greedy = [o.outputs[0].token_ids for o in llm.generate(p, SamplingParams(temperature=0, max_tokens=8))]
+    assert [o.outputs[0].token_ids for o in llm.generate(p, SamplingParams(temperature=1e-44, max_tokens=8))] == greedy
+    for kw in ({"repetition_penalty": 1e-300, "temperature": 0.5}, {"repetition_penalty": 1e300, "temperature": 0.5},
+               {"temperature": 1e-4, "top_k": 3, "top_p": 0.5, "min_p": 0.2, "logit_bias": {1: 100, 2: 100}},
+               {"frequency_penalty": 2, "presence_penalty": -2, "temperature": 0.01, "seed": -5}):
+        outs = llm.generate(p, SamplingParams(max_tokens=8, ignore_eos=True, **kw))
+        assert all(len(o.outputs[0].token_ids) == 8 for o in outs), kw
+    for kw in ({"repetition_penalty": float("inf")}, {"seed": 2**64}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            SamplingParams(**kw)

@@ -45,9 +45,16 @@ def process(logits: torch.Tensor, row: Row) -> torch.Tensor:
     return logits
 
 
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature, safe to softmax: extreme but valid settings (a tiny temperature, a huge penalty) can
+    overflow, so +inf becomes the largest finite value (the distribution's limit: the argmax) and nan is never drawn;
+    a step must never fail on one request's parameters."""
+    return torch.nan_to_num(logits / temperature, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+
+
 def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Processed logits [V] -> the distribution to sample from (temperature > 0)."""
-    x = logits / params.temperature
+    x = tempered(logits, params.temperature)
     if params.top_k > 0 and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -9,7 +9,7 @@ from typing import Any
 @dataclass
 class SamplingParams:
     n: int = 1
-    temperature: float = 1.0  # 0: greedy
+    temperature: float = 1.0  # 0 (or below 1e-5): greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: off
     min_p: float = 0.0
@@ -34,7 +34,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < 1e-5  # vLLM's rule: below this, sampling is the argmax up to float overflow
 
     @property
     def penalized(self) -> bool:
@@ -83,7 +83,8 @@ class SamplingParams:
         need(is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k",
              f"must be -1 or >= 0, got {self.top_k!r}")
         need(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
-        need(self.seed is None or is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        need(self.seed is None or (is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
+             f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
         need(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
              f"must be an integer >= 1, got {self.max_tokens!r}")
         need(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens!r}")
@@ -95,7 +96,7 @@ class SamplingParams:
         need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
         need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
              f"must be an integer in 0..20, got {self.logprobs!r}")
-        need(is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+        need(is_num(self.repetition_penalty) and 0 < self.repetition_penalty < float("inf"), "repetition_penalty",
              f"must be > 0, got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)

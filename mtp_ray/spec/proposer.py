@@ -21,7 +21,7 @@ from mtp_ray.engine.block_manager import BlockManager
 from mtp_ray.engine.inputs import Piece, StepInputs, build, build_uniform, dummy_inputs
 from mtp_ray.engine.request import Request
 from mtp_ray.engine.runner import ModelRunner
-from mtp_ray.engine.sampler import draw
+from mtp_ray.engine.sampler import draw, tempered
 from mtp_ray.engine.sync import DPSync, LocalSync
 
 
@@ -197,6 +197,6 @@ class MTPProposer:
             if p.greedy:
                 drafts[b].append(greedy[b])
                 continue
-            q = torch.softmax(host[b] / p.temperature, dim=-1)
+            q = torch.softmax(tempered(host[b], p.temperature), dim=-1)
             drafts[b].append(draw(q, it.req.generator))
             probs[b].append(q)
