@@ -275,3 +275,12 @@ def test_extreme_sampling_values_never_fail_a_step(k):
     for kw in ({"repetition_penalty": float("inf")}, {"seed": 2**64}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             SamplingParams(**kw)
+
+
+def test_top_logprobs_past_a_small_vocabulary():
+    """top_n above the vocabulary size (a small random model, logprobs = 20) returns the whole vocabulary."""
+    from mtp_ray.engine.sampler import logprob_info
+
+    lp = torch.log_softmax(torch.randn(7), -1)
+    got, top = logprob_info(lp, 3, 20)
+    assert got == float(lp[3]) and sorted(top) == list(range(7))

@@ -115,6 +115,6 @@ def logprob_info(lp: torch.Tensor, token: int, top_n: int | None) -> tuple[float
     logprob of `token` and the top_n alternatives {token: logprob}."""
     top: dict[int, float] = {}
     if top_n:
-        v, i = torch.topk(lp, top_n)
+        v, i = torch.topk(lp, min(top_n, lp.numel()))  # a vocabulary smaller than top_n: all of it
         top = {int(t): float(x) for t, x in zip(i.tolist(), v.tolist(), strict=False)}
     return float(lp[token]), top
