@@ -203,6 +203,46 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(server, path, body
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
+FUZZ_VALUES = {
+    "max_tokens": [1, 3, 0, -2, None, "4", 2.5, 10**9], "temperature": [0, 0.7, 1e-30, 5.0, -1, "hot", None, 1e308],
+    "top_p": [0.1, 1, 0, 1.5, None], "top_k": [0, -1, 3, 10**6, -7, 1.5], "min_p": [0, 0.5, 1, 2],
+    "seed": [0, -5, 2**63, 2**70, "s"], "n": [1, 2, 0], "stop": ["x", ["a", ""], [1], "", None],
+    "logprobs": [0, 5, 20, 21, True, -1], "presence_penalty": [0, 2, -2, 2.1], "frequency_penalty": [1.5, "x"],
+    "repetition_penalty": [1.2, 1e-300, 0, 1e300], "logit_bias": [{"5": 100}, {"5": -100, "6": 7}, {"x": 1}, [1]],
+    "stop_token_ids": [[0], [10**9], [-1], "1"], "min_tokens": [0, 2, 100, -1], "ignore_eos": [True, "yes"],
+    "stream": [True, False, "no"], "stream_options": [{"include_usage": True}, 5], "echo": [False, True],
+    "prompt": ["def f(", ["a", "b"], [1, 2, 3], [[4, 5], "c"], [], [10**9], "", 7, [True]],
+}
+
+
+def test_random_requests_get_200_or_400_and_never_take_the_group_down(server):
+    """Seeded random mixes of valid and invalid values of every completion field: each answer is a 200 (the stream
+    well formed) or a 400 naming the problem, and the group never restarts (a request whose parameters failed a
+    step would take it down: a stop token id past the vocabulary with min_tokens once did)."""
+    import random
+
+    rng = random.Random(7)
+    before = requests.get(f"{BASE}/health").json()
+    codes = {200: 0, 400: 0}
+    for _ in range(80):
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 3}
+        for key in rng.sample(sorted(FUZZ_VALUES), rng.randint(1, 4)):
+            body[key] = rng.choice(FUZZ_VALUES[key])
+        body = {k: v for k, v in body.items() if v is not None}
+        r = post("/v1/completions", body)
+        assert r.status_code in (200, 400), (body, r.status_code, r.text)
+        codes[r.status_code] += 1
+        if r.status_code == 400:
+            assert r.json()["error"]["message"], body
+        elif body.get("stream") is True:
+            assert r.text.rstrip().endswith("data: [DONE]"), (body, r.text[-300:])
+        else:
+            assert r.json()["usage"]["completion_tokens"] >= 1, body
+    after = requests.get(f"{BASE}/health").json()
+    assert after["healthy"] and after["restarts"] == before["restarts"], after
+    assert codes[200] >= 10 and codes[400] >= 10, codes  # both kinds were exercised
+
+
 def test_64_concurrent_streams_complete(server):
     from openai import AsyncOpenAI
 
