@@ -213,23 +213,35 @@ FUZZ_VALUES = {
     "stream": [True, False, "no"], "stream_options": [{"include_usage": True}, 5], "echo": [False, True],
     "prompt": ["def f(", ["a", "b"], [1, 2, 3], [[4, 5], "c"], [], [10**9], "", 7, [True]],
 }
+CHAT_FUZZ_VALUES = {
+    "messages": [[{"role": "user", "content": "hi"}], [{"role": "system", "content": "s"}, {"role": "user",
+                 "content": [{"type": "text", "text": "a"}]}], [{"role": "user", "content": None}], [],
+                 [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "hi", [{"x": 1}]],
+    "max_completion_tokens": [2, 0, "2"], "logprobs": [True, False, 3], "top_logprobs": [0, 5, 21, -1],
+    "tools": [[{"type": "function", "function": {"name": "f"}}], "t"], "tool_choice": ["none", "auto"],
+    "response_format": [{"type": "text"}, {"type": "json_object"}], "n": [1, 3, -1], "seed": [1, 2**64],
+    "stream": [True, False], "temperature": [0, 0.9, None], "stop": ["\n", ["a", "b"]],
+}
 
 
 def test_random_requests_get_200_or_400_and_never_take_the_group_down(server):
-    """Seeded random mixes of valid and invalid values of every completion field: each answer is a 200 (the stream
-    well formed) or a 400 naming the problem, and the group never restarts (a request whose parameters failed a
-    step would take it down: a stop token id past the vocabulary with min_tokens once did)."""
+    """Seeded random mixes of valid and invalid values of every completion and chat field: each answer is a 200 (the
+    stream well formed) or a 400 naming the problem, and the group never restarts (a request whose parameters
+    failed a step would take it down: a stop token id past the vocabulary with min_tokens once did)."""
     import random
 
     rng = random.Random(7)
     before = requests.get(f"{BASE}/health").json()
     codes = {200: 0, 400: 0}
-    for _ in range(80):
-        body = {"model": MODEL, "prompt": "x", "max_tokens": 3}
-        for key in rng.sample(sorted(FUZZ_VALUES), rng.randint(1, 4)):
-            body[key] = rng.choice(FUZZ_VALUES[key])
+    for i in range(120):
+        chat = i >= 80
+        values = CHAT_FUZZ_VALUES if chat else FUZZ_VALUES
+        body = {"model": MODEL, "max_tokens": 3, **({"messages": [{"role": "user", "content": "x"}]} if chat
+                                                     else {"prompt": "x"})}
+        for key in rng.sample(sorted(values), rng.randint(1, 4)):
+            body[key] = rng.choice(values[key])
         body = {k: v for k, v in body.items() if v is not None}
-        r = post("/v1/completions", body)
+        r = post("/v1/chat/completions" if chat else "/v1/completions", body)
         assert r.status_code in (200, 400), (body, r.status_code, r.text)
         codes[r.status_code] += 1
         if r.status_code == 400:
