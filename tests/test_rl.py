@@ -229,3 +229,28 @@ def test_requests_while_asleep_wait_or_fail_by_policy(ray_cluster, engine, refs)
     assert not ready  # never runs on freed memory: it waits for wake_up
     ray.get(engine.wake_up.remote())
     assert [r["token_ids"] for r in ray.get(waiting, timeout=120)] == refs["orig"][0]
+
+
+def test_cancelled_rollout_requests_are_aborted_on_their_ranks(ray_cluster, engine):
+    """ray.cancel on a generate call (a rollout worker dropping a request) aborts it on its rank: ten long requests
+    cancelled mid-decode all end there, nothing keeps running and the engine serves on. (The cancelled call's
+    awaited future reads as done, which once passed for a finished request: no abort was sent at all.)"""
+    ray = ray_cluster
+
+    def ranks() -> list[dict]:
+        return ray.get(engine.get_stats.remote())["ranks"]
+
+    before = sum(r["aborted"] for r in ranks())
+    long = {"temperature": 0, "max_tokens": 1900, "ignore_eos": True}
+    refs = [engine.generate.remote([5 + i, 6, 7], long) for i in range(10)]
+    deadline = time.time() + 60
+    while sum(r["steps"] for r in ranks()) < 20 and time.time() < deadline:
+        time.sleep(0.05)
+    for r in refs:
+        ray.cancel(r)
+    while sum(r["aborted"] for r in ranks()) < before + 10 and time.time() < deadline:
+        time.sleep(0.1)
+    h = ray.get(engine.health.remote())
+    assert sum(r["aborted"] for r in ranks()) == before + 10 and sum(h["abort_errors"]) == 0, h
+    assert h["in_flight"] == 0
+    assert len(ray.get(engine.generate.remote([5, 6, 7], GREEDY), timeout=60)["token_ids"]) == 16

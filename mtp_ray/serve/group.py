@@ -186,8 +186,8 @@ class EngineGroup(GroupCommands):
         try:
             try:
                 await sink.done
-            finally:
-                finished = sink.done.done()
+            finally:  # a cancelled caller cancels the future it awaited: done() then, but the request is not
+                finished = sink.done.done() and not sink.done.cancelled()
             _raise_if_error(sink.finish_reason)
             return sink
         finally:
