@@ -254,3 +254,20 @@ def test_cancelled_rollout_requests_are_aborted_on_their_ranks(ray_cluster, engi
     assert sum(r["aborted"] for r in ranks()) == before + 10 and sum(h["abort_errors"]) == 0, h
     assert h["in_flight"] == 0
     assert len(ray.get(engine.generate.remote([5, 6, 7], GREEDY), timeout=60)["token_ids"]) == 16
+
+
+def test_cancelled_group_command_still_runs_on_every_rank(ray_cluster, engine, refs):
+    """A caller that cancels sleep() stops waiting, but the command runs to its end on every rank (all or nothing:
+    a cancel that reached only some ranks' calls would leave the others waiting for peers in lock-step), the
+    group's state follows it, and wake_up / generate work after it."""
+    ray = ray_cluster
+    for delay in (0.0, 0.05, 0.2):
+        ref = engine.sleep.remote(1)
+        time.sleep(delay)
+        ray.cancel(ref)
+        deadline = time.time() + 60
+        while not ray.get(engine.health.remote())["sleeping"] and time.time() < deadline:
+            time.sleep(0.05)
+        assert ray.get(engine.health.remote())["sleeping"] == 1
+        ray.get(engine.wake_up.remote(), timeout=60)
+        assert gen(ray, engine) == refs["orig"]

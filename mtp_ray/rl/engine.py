@@ -46,10 +46,7 @@ class RolloutEngine:
 
     # ---- RL control (verl / OpenRLHF / SGLang names) ----
     async def abort_all_requests(self) -> int:
-        g = self.group
-        for rid, (rank, _) in list(g.reqs.items()):
-            g.workers[rank].abort.remote(rid)
-        return len(g.reqs)
+        return self.group.abort_all()
 
     async def pause_generation(self, mode: str = "abort") -> None:
         """New requests wait until resume_generation(); in-flight ones are aborted ('abort') or finish ('wait')."""
@@ -90,10 +87,9 @@ class RolloutEngine:
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
                                               group_name: str = "weight_update") -> list[dict]:
-        res = await self.group.command("update_weights_from_distributed", list(names), [str(d) for d in dtypes],
-                                       [list(s) for s in shapes], group_name, wait_in_flight=True)
-        self.group.weights_updated = True
-        return res
+        return await self.group.command("update_weights_from_distributed", list(names), [str(d) for d in dtypes],
+                                        [list(s) for s in shapes], group_name, wait_in_flight=True,
+                                        then=self.group._weights_updated)
 
     async def reset_prefix_cache(self) -> bool:
         await self.start()

@@ -4,6 +4,9 @@ step (mtp_ray/rl/commands.py), one at a time; new requests are held while a comm
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+
+from mtp_ray.serve.batcher import detached
 
 
 class GroupCommands:
@@ -17,8 +20,15 @@ class GroupCommands:
         if not self.sleeping:
             self._accepting.set()
 
-    async def command(self, name: str, *args, wait_in_flight: bool = False) -> list:
-        """Run a command on every rank (in lock-step there); returns the per-rank results."""
+    async def command(self, name: str, *args, wait_in_flight: bool = False,
+                      then: Callable[[], None] | None = None) -> list:
+        """Run a command on every rank (in lock-step there), then `then` (the group's own state); returns the
+        per-rank results. All or nothing even when the caller is cancelled: the command runs in a task of its own
+        (the caller's cancel is recursive in Ray and could drop the call to some ranks only, which would then wait
+        for peers that never run it) and the caller only stops waiting for it."""
+        return await asyncio.shield(detached(self._command(name, args, wait_in_flight, then)))
+
+    async def _command(self, name: str, args: tuple, wait_in_flight: bool, then: Callable[[], None] | None) -> list:
         if self.state != "ready":
             await asyncio.wait_for(self._ready.wait(), self.cfg.timeouts.start_s)
         async with self._cmd_lock:
@@ -37,24 +47,29 @@ class GroupCommands:
                 cause = e.cause if hasattr(e, "cause") and e.cause is not None else e
                 msg = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
                 raise (ValueError if isinstance(cause, ValueError) else RuntimeError)(f"{name} on rank {r}: {msg}")
+        if then is not None:
+            then()
         return list(res)
 
     async def sleep(self, level: int = 1, in_flight: str = "abort") -> list:
         if in_flight not in ("abort", "wait"):
             raise ValueError("in_flight must be 'abort' or 'wait'")
-        res = await self.command("sleep", level, in_flight, wait_in_flight=in_flight == "wait")
-        self.sleeping = level
-        self._accepting.clear()
-        return res
+        def asleep() -> None:
+            self.sleeping = level
+            self._accepting.clear()
+
+        return await self.command("sleep", level, in_flight, wait_in_flight=in_flight == "wait", then=asleep)
 
     async def wake_up(self) -> list:
-        res = await self.command("wake_up")
-        self.sleeping = 0
-        self._accepting.set()
-        return res
+        def awake() -> None:
+            self.sleeping = 0
+            self._accepting.set()
+
+        return await self.command("wake_up", then=awake)
 
     async def update_weights(self, items) -> list:
-        res = await self.command("update_weights", items, wait_in_flight=True)
+        return await self.command("update_weights", items, wait_in_flight=True, then=self._weights_updated)
+
+    def _weights_updated(self) -> None:
         self.weights_updated = True
-        return res
 
