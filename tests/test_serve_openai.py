@@ -102,6 +102,24 @@ def test_logit_bias_and_tools_through_the_client(client):
     assert chat.usage.prompt_tokens >= plain.usage.prompt_tokens
 
 
+def test_echo_puts_the_prompt_before_the_completion(client, offline):
+    """echo (completions): the prompt's text, then the completion's, streamed or not; a token-id prompt echoes its
+    decoded text; echo with logprobs (it needs the prompt's log-probs) is a 400 naming the field."""
+    base = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0).choices[0].text
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, echo=True)
+    assert out.choices[0].text == PROMPTS[1] + base and out.usage.completion_tokens == 12
+    chunks = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, echo=True,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPTS[1] + base
+    ids = offline.tokenizer.encode(PROMPTS[1])
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0, echo=True)
+    assert by_ids.choices[0].text == offline.tokenizer.decode(ids) + base
+    r = post("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    r = post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
 def test_completions_streaming_equals_non_streaming(client):
     full = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0)
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0,

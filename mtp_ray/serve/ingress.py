@@ -90,7 +90,8 @@ class Ingress:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         choices = [Choice(i * req.params.n + j, p, Detokenizer(self.tok, req.params.stop,
                                                               req.params.skip_special_tokens,
-                                                              req.params.include_stop_str_in_output))
+                                                              req.params.include_stop_str_in_output),
+                          echo=self._echo_text(req, i))
                    for i, p in enumerate(req.prompts) for j in range(req.params.n)]
         if req.stream:
             return StreamingResponse(self._stream(rid, req, choices, chat), media_type="text/event-stream")
@@ -99,6 +100,12 @@ class Ingress:
         except Exception as e:
             return error_response(e if isinstance(e, ApiError) else classify(e))
         return JSONResponse(final_response(rid, self.model_name, chat, choices, req, self.tok))
+
+    def _echo_text(self, req: ParsedRequest, i: int) -> str:
+        if not req.echo:
+            return ""
+        text = req.prompt_texts[i]
+        return text if text is not None else self.tok.decode(req.prompts[i])
 
     async def _drive(self, c: Choice, req: ParsedRequest, queue: asyncio.Queue | None) -> None:
         """Runs one choice to its end; with a queue, puts a chunk per step that produced text or finished."""
@@ -149,6 +156,9 @@ class Ingress:
             if chat:
                 for c in choices:
                     yield sse_event(chunk(rid, self.model_name, created, chat, c, role=True))
+            for c in choices:  # echo: the prompt's text first
+                if c.echo:
+                    yield sse_event(chunk(rid, self.model_name, created, chat, c, text=c.echo))
             while live:
                 item = await queue.get()
                 if isinstance(item, tuple):

@@ -41,6 +41,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     top_logprobs: int | None  # None: no logprobs in the response
+    echo: bool = False  # completions: the prompt's text goes before each choice's text
 
 
 def bad(message: str, param: str | None = None) -> ApiError:
@@ -71,8 +72,6 @@ def sampling_params(body: dict, max_tokens_key: str, logprobs: int | None) -> Sa
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise bad("'stop' must be a string or a list of strings", "stop")
         kw["stop"] = [s for s in stop if s]
-    if body.get("echo"):
-        raise bad("'echo' is not supported", "echo")
     bias = body.get("logit_bias")
     if bias is not None:  # JSON keys are strings: {"token id": bias}
         if not isinstance(bias, dict) or not all(isinstance(k, str) and k.strip().isdigit() for k in bias):
@@ -142,11 +141,18 @@ def parse_completion(body: dict, tokenizer) -> ParsedRequest:
     lp = body.get("logprobs")
     if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= 20):
         raise bad("'logprobs' must be an integer in 0..20", "logprobs")
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise bad("'echo' must be a boolean", "echo")
+    if echo and lp is not None:
+        raise bad("'echo' with 'logprobs' is not supported (it needs the prompt's log-probs)", "echo")
     stream, usage = _stream_opts(body)
-    return ParsedRequest(prompts, texts, sampling_params(body, "max_tokens", lp), stream, usage, lp)
+    return ParsedRequest(prompts, texts, sampling_params(body, "max_tokens", lp), stream, usage, lp, echo)
 
 
 def parse_chat(body: dict, tokenizer) -> ParsedRequest:
+    if body.get("echo"):
+        raise bad("'echo' is not supported for chat completions", "echo")
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty list", "messages")

@@ -21,6 +21,7 @@ class Choice:
     spec: dict = field(default_factory=dict)
     sent_lp: int = 0  # logprob entries already streamed
     sent_finish: bool = False
+    echo: str = ""  # the prompt's text, sent before the completion's (completions with echo)
 
     def add(self, d: dict, tok) -> None:
         self.token_ids += d["token_ids"]
@@ -97,8 +98,8 @@ def final_response(rid: str, model: str, chat: bool, choices: list[Choice], req,
             out.append({"index": c.index, "message": {"role": "assistant", "content": c.detok.text},
                         "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         else:
-            out.append({"index": c.index, "text": c.detok.text, "logprobs": lp, "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason})
+            out.append({"index": c.index, "text": c.echo + c.detok.text, "logprobs": lp,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": out,
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}}
