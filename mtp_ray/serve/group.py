@@ -216,8 +216,12 @@ class EngineGroup(GroupCommands, GroupMonitor):
         if self.reqs.pop(rid, None) is not None:
             self.load[rank] -= 1
         if not finished and self.state == "ready":  # cancelled / client gone: free its KV on the rank
-            self.abort_calls[rank] += 1
-            detached(self._send_abort(self.workers[rank], rank, rid))  # not a child of the request being cancelled
+            self._abort_on_rank(rank, rid)
+
+    def _abort_on_rank(self, rank: int, rid: str) -> asyncio.Task:
+        """Send (and count) an abort from a task of its own: not a child of a request being cancelled."""
+        self.abort_calls[rank] += 1
+        return detached(self._send_abort(self.workers[rank], rank, rid))
 
     async def _send_abort(self, worker, rank: int, rid: str) -> None:
         try:
@@ -228,13 +232,10 @@ class EngineGroup(GroupCommands, GroupMonitor):
 
     async def abort(self, request_id: str) -> None:
         if request_id in self.reqs:
-            rank = self.reqs[request_id][0]
-            self.abort_calls[rank] += 1
-            await asyncio.shield(detached(self._send_abort(self.workers[rank], rank, request_id)))
+            await asyncio.shield(self._abort_on_rank(self.reqs[request_id][0], request_id))
 
     def abort_all(self) -> int:
         """Abort every request in flight (their callers get 'abort' results); returns how many."""
         for rid, (rank, _) in list(self.reqs.items()):
-            self.abort_calls[rank] += 1
-            detached(self._send_abort(self.workers[rank], rank, rid))
+            self._abort_on_rank(rank, rid)
         return len(self.reqs)
