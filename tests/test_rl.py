@@ -257,17 +257,27 @@ def test_cancelled_rollout_requests_are_aborted_on_their_ranks(ray_cluster, engi
 
 
 def test_cancelled_group_command_still_runs_on_every_rank(ray_cluster, engine, refs):
-    """A caller that cancels sleep() stops waiting, but the command runs to its end on every rank (all or nothing:
-    a cancel that reached only some ranks' calls would leave the others waiting for peers in lock-step), the
-    group's state follows it, and wake_up / generate work after it."""
+    """A caller that cancels sleep() stops waiting; the command then runs on every rank or on none (a call cancelled
+    before it starts never runs: Ray's rule), never on some (a cancel that reached only some ranks' calls would leave
+    the others waiting for peers in lock-step), and the group's state follows the ranks' (it once stayed awake while
+    the ranks slept); wake_up / generate work after it."""
     ray = ray_cluster
-    for delay in (0.0, 0.05, 0.2):
+
+    def agreed() -> int | None:
+        """The sleep level the group and every rank agree on, or None."""
+        ranks = [m["asleep"] for m in ray.get(engine.get_stats.remote())["memory"]]
+        group = ray.get(engine.health.remote())["sleeping"]
+        return group if all(bool(a) == bool(group) for a in ranks) else None
+
+    for delay in (0.0, 0.01, 0.02, 0.03, 0.05, 0.08, 0.12, 0.2):
         ref = engine.sleep.remote(1)
         time.sleep(delay)
         ray.cancel(ref)
-        deadline = time.time() + 60
-        while not ray.get(engine.health.remote())["sleeping"] and time.time() < deadline:
-            time.sleep(0.05)
-        assert ray.get(engine.health.remote())["sleeping"] == 1
-        ray.get(engine.wake_up.remote(), timeout=60)
+        seen, deadline = [], time.time() + 60
+        while (len(seen) < 3 or len(set(seen[-3:])) > 1 or seen[-1] is None) and time.time() < deadline:
+            seen.append(agreed())  # settled: three agreeing snapshots in a row
+            time.sleep(0.2)
+        assert seen[-1] is not None and len(set(seen[-3:])) == 1, seen
+        if seen[-1]:
+            ray.get(engine.wake_up.remote(), timeout=60)
         assert gen(ray, engine) == refs["orig"]
