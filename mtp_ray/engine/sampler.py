@@ -26,21 +26,21 @@ class Row:
 def process(logits: torch.Tensor, row: Row) -> torch.Tensor:
     """logits: [V] fp32 -> processed logits (temperature not applied)."""
     p = row.params
+    mask_stops = row.num_output < p.min_tokens and bool(row.stop_ids)
+    if not (p.reshapes_logits or mask_stops):
+        return logits
+    logits = logits.clone()  # one copy for every change below: the step's row stays as the model computed it
     if p.repetition_penalty != 1.0 and row.history:
         idx = torch.tensor(sorted(set(row.history)), dtype=torch.long)
         vals = logits[idx]
-        logits = logits.clone()
         logits[idx] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and row.num_output:
         out = torch.tensor(row.history[len(row.history) - row.num_output:], dtype=torch.long)  # this row's outputs
         ids, counts = out.unique(return_counts=True)
-        logits = logits.clone()
         logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
     if p.logit_bias:
-        logits = logits.clone()
         logits[list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
-    if row.num_output < p.min_tokens and row.stop_ids:
-        logits = logits.clone()
+    if mask_stops:
         logits[list(row.stop_ids)] = float("-inf")
     return logits
 
