@@ -10,7 +10,7 @@ from mtp_ray.config.engine import BUNDLED_MODEL, CacheConfig, EngineConfig, Grap
 from mtp_ray.engine.detok import Detokenizer
 from mtp_ray.engine.loop import EngineCore
 from mtp_ray.engine.outputs import StepOutput
-from mtp_ray.engine.request import check_prompt
+from mtp_ray.engine.request import check_request
 from mtp_ray.engine.sampling_params import SamplingParams
 
 
@@ -81,7 +81,7 @@ class LLM:
         self._ids = itertools.count()
 
     def encode(self, prompt: Any) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):  # emptiness (here and for id lists) is check_prompt's, in generate()
+        if isinstance(prompt, str):  # emptiness (here and for id lists) is check_request's, in generate()
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer files; pass token ids (or tokenizer=...)")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -104,8 +104,7 @@ class LLM:
         vocab = self.engine.runner.model_config.vocab_size
         for (_, ids), sp in zip(encoded, plist, strict=False):
             sp.validate()
-            check_prompt(ids, vocab, self.engine.max_model_len)
-            sp.check_vocab(vocab)
+            check_request(ids, sp, vocab, self.engine.max_model_len)
             if sp.stop and self.tokenizer is None:
                 raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
         results: dict[str, RequestOutput] = {}

@@ -24,7 +24,7 @@ from mtp_ray.engine.device_greedy import DeviceGreedy
 from mtp_ray.engine.inputs import build, build_uniform, dummy_inputs, is_uniform, target_pieces
 from mtp_ray.engine.outputs import OutputProcessor, StepOutput
 from mtp_ray.engine.phases import PhaseClock
-from mtp_ray.engine.request import Request, check_prompt
+from mtp_ray.engine.request import Request, check_request
 from mtp_ray.engine.runner import ModelRunner
 from mtp_ray.engine.sampler import Row, logprob_info, reduce_rows, sample_row
 from mtp_ray.engine.sampling_params import SamplingParams
@@ -81,8 +81,7 @@ class EngineCore:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self.runner.asleep:
             raise ValueError("the engine is asleep: call wake_up() first")
-        check_prompt(prompt_ids, self.runner.model_config.vocab_size, self.max_model_len)
-        params.check_vocab(self.runner.model_config.vocab_size)
+        check_request(prompt_ids, params, self.runner.model_config.vocab_size, self.max_model_len)
         gen = torch.Generator().manual_seed(params.seed if params.seed is not None else next(self._seeds))
         req = Request(request_id, list(prompt_ids), params, arrival=time.monotonic(), generator=gen)
         self.requests[request_id] = req

@@ -107,8 +107,9 @@ class Request:
         }
 
 
-def check_prompt(prompt_ids: list[int], vocab_size: int, max_model_len: int) -> None:
-    """The one place a token-id prompt is validated (offline API, engine, group): ValueError naming the field."""
+def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """The one place a request is checked against the model (offline API, engine, group): its token-id prompt and the
+    token ids its parameters name; ValueError naming the field. (params.validate() checks the values themselves.)"""
     if not prompt_ids:
         raise ValueError("prompt must not be empty")
     if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in prompt_ids):
@@ -116,3 +117,4 @@ def check_prompt(prompt_ids: list[int], vocab_size: int, max_model_len: int) -> 
     if max_model_len and len(prompt_ids) >= max_model_len:
         raise ValueError(f"prompt has {len(prompt_ids)} tokens; the maximum context length is {max_model_len} "
                          f"(prompt + at least one generated token)")
+    params.check_vocab(vocab_size)

@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from mtp_ray.config.engine import EngineConfig
 from mtp_ray.config.model import ModelConfig
 from mtp_ray.engine.outputs import StepOutput
-from mtp_ray.engine.request import check_prompt
+from mtp_ray.engine.request import check_request
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.serve.batcher import CallBatcher, detached
 from mtp_ray.serve.group_commands import GroupCommands
@@ -135,8 +135,7 @@ class EngineGroup(GroupCommands, GroupMonitor):
     # ---- requests ----
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         params.validate()
-        check_prompt(prompt_ids, self.model_config.vocab_size, self.max_model_len)
-        params.check_vocab(self.model_config.vocab_size)
+        check_request(prompt_ids, params, self.model_config.vocab_size, self.max_model_len)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        ready_timeout: float | None = None) -> AsyncIterator[StepOutput]:
