@@ -29,9 +29,9 @@ def measure(batch: int, steps: int, notify=None, device_ms: float = 0.0) -> dict
     import host_step
     import torch
 
+    from mtp_ray.engine.core import EngineCore
     from mtp_ray.engine.graphs import CudaGraphs, Fetched
-    from mtp_ray.engine.loop import EngineCore
-    from mtp_ray.serve.protocol import pack_step
+    from mtp_ray.runtime.messages import pack_step
 
     torch.set_num_threads(1)
     CudaGraphs._capture = host_step._capture

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import mtp_ray.engine.graph_ops as ops
-import mtp_ray.engine.graph_ops_triton as fused_ops
+import mtp_ray.layers.triton.graph_ops as fused_ops
 from mtp_ray import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

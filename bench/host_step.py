@@ -41,7 +41,7 @@ def measure(k: int, batch: int, steps: int) -> dict:
     eng.scheduler.split = True  # as with graphs on a GPU
     eng.warmup()
     gc.collect()
-    gc.freeze()  # as a rank does after warmup (serve/worker.py): collections skip the model and caches
+    gc.freeze()  # as a rank does after warmup (runtime/worker.py): collections skip the model and caches
     sp = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
     for i in range(batch):
         eng.add_request(f"r{i}", [(7 * i + j) % 2000 + 3 for j in range(32)], sp)

@@ -7,7 +7,7 @@ included, as in a decode step), and the bandwidth that implies. The launches cyc
 (dense) or expert choices (MoE) to read > 2x the L2 cache per cycle, so a small weight is timed from memory, as in
 a decode step, not from L2 (sweeps before 2026-11-30 lacked this and flattered shapes under ~50 MB). Also the
 time of an empty kernel in a graph (the per-launch floor). The JSON lists every config and the best per shape,
-to set the heuristics in layers/linear_triton.py and layers/moe_small_triton.py.
+to set the heuristics in layers/triton/linear.py and layers/triton/moe_small.py.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from mtp_ray.layers.linear_triton import _gemv_kernel, _gemv_row_kernel, tiles
-from mtp_ray.layers.moe_small_triton import _down_kernel, _gate_up_kernel
+from mtp_ray.layers.triton.linear import _gemv_kernel, _gemv_row_kernel, tiles
+from mtp_ray.layers.triton.moe_small import _down_kernel, _gate_up_kernel
 
 H, INTER, EXPERTS, TOPK = 2048, 512, 256, 8
 # (name, N, K): the dense projections of one layer (fused GDN input, fused attention q/k/v, outputs, router)

@@ -25,11 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import BLOCK, config, random_model, timed  # noqa: E402
 
 from mtp_ray.engine.cache import CacheShape, bind_caches  # noqa: E402
-from mtp_ray.layers import attention_prefill_triton, gated_delta  # noqa: E402
+from mtp_ray.layers import gated_delta
 from mtp_ray.layers.attention import paged_attention  # noqa: E402
 from mtp_ray.layers.context import ForwardBatch  # noqa: E402
 from mtp_ray.layers.linear import fuse_projections  # noqa: E402
 from mtp_ray.layers.rope import bind_rope_tables  # noqa: E402
+from mtp_ray.layers.triton import attention_prefill as attention_prefill_triton  # noqa: E402
 
 
 def batch(n: int, length: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:

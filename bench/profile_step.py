@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from mtp_ray import LLM, SamplingParams
-from mtp_ray.serve.step_profile import summary
+from mtp_ray.runtime.step_profile import summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import hf_config  # noqa: E402

@@ -1,4 +1,4 @@
-"""Cost of routing rank outputs to requests in the engine actor (serve/sinks.py), CPU, one process: N requests x S
+"""Cost of routing rank outputs to requests in the engine actor (runtime/sinks.py), CPU, one process: N requests x S
 steps of one-token rows, unpacked from the wire format, through StreamSink (a queue and a consumer coroutine woken per
 step: HTTP streaming) vs Collector (appended in the poll loop, one wake-up at the end: the rollout handle).
 
@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from mtp_ray.engine.outputs import StepOutput
-from mtp_ray.serve.protocol import pack_step, unpack_rows
-from mtp_ray.serve.sinks import Collector, StreamSink
+from mtp_ray.runtime.messages import pack_step, unpack_rows
+from mtp_ray.runtime.sinks import Collector, StreamSink
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, write_json  # noqa: E402

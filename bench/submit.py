@@ -19,7 +19,7 @@ from pathlib import Path
 
 import ray
 
-from mtp_ray.serve.batcher import CallBatcher
+from mtp_ray.runtime.batcher import CallBatcher
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, start_ray, write_json  # noqa: E402

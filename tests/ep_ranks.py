@@ -9,8 +9,8 @@ import torch
 def rank_setup(rank: int, world: int, port: int, e: int, h: int, inter: int):
     """Inside a spawned rank: join the gloo group -> (DistContext, all e experts identical on every rank, this
     rank's shard of them, ctx.expert_range)."""
-    from mtp_ray.dist.context import DistContext
     from mtp_ray.layers.moe import Experts
+    from mtp_ray.parallel.context import DistContext
 
     torch.set_num_threads(1)
     ctx = DistContext(rank, world, e, torch.device("cpu"), 60.0)
@@ -33,7 +33,7 @@ def run_ranks(target, world: int, timeout: float = 120.0) -> list[tuple]:
     (and ending with an error repr or None). Returns them sorted by rank."""
     import torch.multiprocessing as mp
 
-    from mtp_ray.dist.context import free_port
+    from mtp_ray.parallel.context import free_port
 
     mpc = mp.get_context("spawn")
     queue, port = mpc.Queue(), free_port()

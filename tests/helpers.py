@@ -12,7 +12,7 @@ from transformers import Qwen3_5MoeTextConfig
 
 from mtp_ray.engine.cache import CacheShape, bind_caches
 from mtp_ray.layers.context import ForwardBatch
-from mtp_ray.tools.hf_reference import HFMTPHead
+from scripts.hf_reference import HFMTPHead
 
 # Tiny random architectures: GQA ratios, full-attention intervals, H_v > H_k, expert counts / top-k differ.
 CONFIGS = {

@@ -1,4 +1,4 @@
-"""CallBatcher (serve/batcher.py): a burst of submissions goes out in few calls, in order, errors reach their
+"""CallBatcher (runtime/batcher.py): a burst of submissions goes out in few calls, in order, errors reach their
 submitters, and a lone submission is sent at once."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from mtp_ray.serve.batcher import CallBatcher
+from mtp_ray.runtime.batcher import CallBatcher
 
 
 def test_burst_is_batched_in_order_and_a_lone_item_goes_at_once():

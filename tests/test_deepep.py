@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from mtp_ray.dist.dp_meta import EP_LOW_LATENCY, EP_NORMAL, DPMeta, Gathered, draft_tables
+from mtp_ray.parallel.dp_meta import EP_LOW_LATENCY, EP_NORMAL, DPMeta, Gathered, draft_tables
 from tests.ep_ranks import rank_setup, run_ranks
 
 LL = 6  # low-latency capacity (tokens per rank) in these tests
@@ -53,7 +53,7 @@ def _rank_main(rank: int, world: int, port: int, queue) -> None:
 
     sys.modules["deep_ep"] = fake_deep_ep
     try:
-        from mtp_ray.dist.ep.deepep import DeepEPDispatcher
+        from mtp_ray.parallel.ep.deepep import DeepEPDispatcher
 
         e, h, inter, k = 8, 16, 8, 3
         ctx, full, mine = rank_setup(rank, world, port, e, h, inter)
@@ -92,7 +92,7 @@ def test_deepep_dispatcher_on_two_ranks_against_the_api_stand_in():
 def test_deepep_backend_refuses_what_it_cannot_run(monkeypatch):
     from types import SimpleNamespace
 
-    from mtp_ray.dist.ep import make_dispatcher
+    from mtp_ray.parallel.ep import make_dispatcher
     from tests import fake_deep_ep
 
     monkeypatch.setitem(sys.modules, "deep_ep", fake_deep_ep)

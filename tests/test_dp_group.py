@@ -261,8 +261,8 @@ def test_command_queued_during_a_waves_last_step_still_runs():
     import threading
 
     from mtp_ray.config.engine import EngineConfig
-    from mtp_ray.dist.context import free_port
-    from mtp_ray.serve.worker import RankWorker
+    from mtp_ray.parallel.context import free_port
+    from mtp_ray.runtime.worker import RankWorker
 
     w = RankWorker(EngineConfig.from_dict(cfg(1, 0)), 0, 1)
     w.init("127.0.0.1", free_port(), [None])
@@ -299,9 +299,9 @@ def test_abort_that_overtakes_its_add_drops_the_request():
     import threading
 
     from mtp_ray.config.engine import EngineConfig
-    from mtp_ray.dist.context import free_port
-    from mtp_ray.serve.protocol import unpack_rows
-    from mtp_ray.serve.worker import RankWorker
+    from mtp_ray.parallel.context import free_port
+    from mtp_ray.runtime.messages import unpack_rows
+    from mtp_ray.runtime.worker import RankWorker
 
     def finished(deadline: float) -> dict[str, str]:
         out: dict[str, str] = {}

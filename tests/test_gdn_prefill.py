@@ -104,7 +104,7 @@ def test_varlen_conv_and_glue(dtype, tol, heads, lens, ctxs):
 def test_varlen_fla(dtype, tol, heads, lens, ctxs):
     """The GPU path as the layer runs it: conv_varlen + fla's chunked delta rule over cu_seqlens (fp32 tolerance
     covers fla's TF32 dots; bf16 models are the ones that take this path)."""
-    from mtp_ray.layers.gated_delta_triton import chunk_varlen_fla, fla_chunk
+    from mtp_ray.layers.triton.gated_delta import chunk_varlen_fla, fla_chunk
 
     assert fla_chunk() is not None, "fla-core is part of the GPU install (tools/wheelhouse.sh)"
     m, x, batch, slots = _setup(*heads, lens, ctxs, seed=sum(lens) + heads[3])

@@ -233,9 +233,9 @@ def test_drafts_after_prefill_graph_in_a_group_of_one(emulated_graphs):
     after a prefill from the draft-loop graph as the offline engine does; same tokens and accepted drafts as eager.
     A group of more ranks keeps the eager loop (DESIGN rule 4)."""
     from mtp_ray.config.model import ModelConfig
-    from mtp_ray.dist.context import DistContext
-    from mtp_ray.engine.loop import EngineCore
-    from mtp_ray.engine.sync import DPSync
+    from mtp_ray.engine.core import EngineCore
+    from mtp_ray.parallel.context import DistContext
+    from mtp_ray.parallel.sync import DPSync
 
     prompts = [list(range(40, 100)), [300, 301, 302, 1000, 77, 78] * 5]
     greedy = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True) for _ in prompts]

@@ -25,7 +25,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("hq,hkv,d,q_len", [(4, 2, 32, 1), (4, 2, 32, 4), (16, 2, 256, 4), (8, 8, 64, 2)])
 def test_paged_decode_attention(dtype, tol, hq, hkv, d, q_len):
-    from mtp_ray.layers.attention_triton import paged_decode_attention
+    from mtp_ray.layers.triton.attention import paged_decode_attention
 
     g = torch.Generator().manual_seed(hq * 1000 + d + q_len)
     bs, nblocks, b = 16, 64, 5
@@ -66,7 +66,7 @@ def _prefill_case(g: torch.Generator, dtype, hkv: int, d: int, qlens: list[int],
 @pytest.mark.parametrize("gated", [False, True])
 def test_paged_prefill_attention(dtype, tol, hq, hkv, d, gated):
     from mtp_ray.layers.attention import attn_meta
-    from mtp_ray.layers.attention_prefill_triton import paged_prefill_attention
+    from mtp_ray.layers.triton.attention_prefill import paged_prefill_attention
 
     g = torch.Generator().manual_seed(hq * 1000 + d + gated)
     qlens, ctx = [1, 5, 17, 64, 130, 2], [95, 0, 40, 3, 95, 0]
@@ -97,7 +97,7 @@ def test_paged_prefill_attention_dummy(n):
     """A dummy forward (engine.inputs.dummy_inputs): every table entry block 0, any number of tokens."""
     from mtp_ray.engine.inputs import dummy_inputs
     from mtp_ray.layers.attention import attn_meta
-    from mtp_ray.layers.attention_prefill_triton import paged_prefill_attention
+    from mtp_ray.layers.triton.attention_prefill import paged_prefill_attention
 
     batch = dummy_inputs(n).batch
     kv = torch.randn(2, 3, 16, 2, 32).to(DEVICE)
@@ -148,8 +148,8 @@ def test_gated_attention_mixed_batch(dtype, tol, monkeypatch):
 @pytest.mark.parametrize("path", ["sorted", "pairs"])
 def test_fused_experts(dtype, tol, t, e, topk, h, inter, start, path):
     from mtp_ray.layers.moe import Experts
-    from mtp_ray.layers.moe_small_triton import pair_experts
-    from mtp_ray.layers.moe_triton import fused_experts
+    from mtp_ray.layers.triton.moe import fused_experts
+    from mtp_ray.layers.triton.moe_small import pair_experts
 
     fn = fused_experts if path == "sorted" else pair_experts
     g = torch.Generator().manual_seed(t * 7 + e)
@@ -191,7 +191,7 @@ def test_expert_major_experts(dtype, tol, e, m, h, inter, counts):
     """DeepEP's low-latency layout [E, M, H]: valid rows first in each expert's block; padding rows hold garbage
     (NaN here) and must come back zero without touching the valid rows."""
     from mtp_ray.layers.moe import Experts
-    from mtp_ray.layers.moe_triton import expert_major_experts
+    from mtp_ray.layers.triton.moe import expert_major_experts
 
     g = torch.Generator().manual_seed(e * 31 + m)
     ex = Experts(h, inter, 0, e)
@@ -219,7 +219,7 @@ def test_expert_major_experts(dtype, tol, e, m, h, inter, counts):
 @pytest.mark.parametrize("rows,d", [(1, 128), (7, 2048), (33, 96)])
 def test_rms_norms(dtype, tol, rows, d):
     from mtp_ray.layers.norm import GatedRMSNorm, RMSNorm
-    from mtp_ray.layers.norm_triton import gated_rms_norm, rms_norm
+    from mtp_ray.layers.triton.norm import gated_rms_norm, rms_norm
 
     g = torch.Generator().manual_seed(rows + d)
     x, r, z = (torch.randn(rows, d, generator=g).to(dtype) for _ in range(3))
@@ -258,7 +258,7 @@ def test_gdn_decode(dtype, tol, hk, hv, dk, dv, q_len, spec):
     from mtp_ray.config.engine import BUNDLED_MODEL
     from mtp_ray.config.model import ModelConfig
     from mtp_ray.layers.gated_delta import GatedDeltaNet
-    from mtp_ray.layers.gated_delta_triton import conv_decode, recurrent_decode
+    from mtp_ray.layers.triton.gated_delta import conv_decode, recurrent_decode
 
     cfg = dataclasses.replace(ModelConfig.from_pretrained(BUNDLED_MODEL), linear_num_key_heads=hk,
                               linear_num_value_heads=hv, linear_key_head_dim=dk, linear_value_head_dim=dv)
@@ -304,7 +304,7 @@ def test_gdn_decode(dtype, tol, hk, hv, dk, dv, q_len, spec):
 @needs_device
 @pytest.mark.parametrize("t,e,topk,norm", [(1, 8, 2, True), (5, 256, 8, True), (3, 64, 4, False), (2, 512, 10, True)])
 def test_route_topk(t, e, topk, norm):
-    from mtp_ray.layers.moe_small_triton import route_topk
+    from mtp_ray.layers.triton.moe_small import route_topk
 
     logits = torch.randn(t, e, generator=torch.Generator().manual_seed(e + t))
     p = torch.softmax(logits, -1)
@@ -320,9 +320,9 @@ def test_route_topk(t, e, topk, norm):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("t,hq,hkv,d,rd", [(1, 4, 2, 32, 8), (6, 16, 2, 256, 64), (5, 8, 8, 64, 64)])
 def test_qk_norm_rope_store(dtype, tol, t, hq, hkv, d, rd):
-    from mtp_ray.layers.attention_triton import paged_decode_attention, qk_norm_rope_store
     from mtp_ray.layers.norm import RMSNorm
     from mtp_ray.layers.rope import RotaryEmbedding
+    from mtp_ray.layers.triton.attention import paged_decode_attention, qk_norm_rope_store
 
     g = torch.Generator().manual_seed(t + hq + d)
     qg = torch.randn(t, hq, 2 * d, generator=g).to(dtype)
@@ -370,7 +370,7 @@ def test_qk_norm_rope_store(dtype, tol, t, hq, hkv, d, rd):
 @pytest.mark.parametrize("t,h,inter", [(1, 128, 128), (4, 2048, 512), (8, 96, 80)])
 def test_shared_expert_add(dtype, tol, t, h, inter):
     from mtp_ray.layers.moe import MLP
-    from mtp_ray.layers.moe_small_triton import SharedWeights, shared_expert_add
+    from mtp_ray.layers.triton.moe_small import SharedWeights, shared_expert_add
 
     g = torch.Generator().manual_seed(t * h + inter)
     mlp = MLP(h, inter)
@@ -424,7 +424,7 @@ def test_moe_shared_in_pairs(dtype, tol, t, e, topk, h, inter, inter_sh):
                                    (1, 12352, 2048)])
 def test_gemv(dtype, tol, m, n, k):
     from mtp_ray.layers.linear import Linear
-    from mtp_ray.layers.linear_triton import gemv
+    from mtp_ray.layers.triton.linear import gemv
 
     g = torch.Generator().manual_seed(m * n + k)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * k**-0.5
@@ -445,8 +445,8 @@ def test_feed_in_flight(b, k, width, bs):
     """The fused async-verify feed moves exactly what the torch ops move: rows following an in-flight verify
     (src >= 0) by its accepted count, the other rows left as the host wrote them."""
     from mtp_ray.engine.graph_ops import feed_in_flight_torch
-    from mtp_ray.engine.graph_ops_triton import feed_in_flight as fused
     from mtp_ray.engine.inputs import uniform_layout
+    from mtp_ray.layers.triton.graph_ops import feed_in_flight as fused
 
     q, max_b = k + 1, b + 3
     g = torch.Generator().manual_seed(b * 100 + k)
@@ -476,7 +476,7 @@ def test_greedy_block(b, k, vocab):
     """The fused argmax / log-prob / acceptance block equals the torch ops: ties broken to the first max (rounded
     logits make ties, also across the kernel's vocabulary blocks), accepted counts from 0 to k."""
     from mtp_ray.engine.graph_ops import greedy_block_torch
-    from mtp_ray.engine.graph_ops_triton import greedy_block as fused
+    from mtp_ray.layers.triton.graph_ops import greedy_block as fused
 
     q = k + 1
     g = torch.Generator().manual_seed(b * vocab + k)

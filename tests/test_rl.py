@@ -12,8 +12,8 @@ from safetensors.torch import save_file
 
 from mtp_ray import LLM, SamplingParams
 from mtp_ray.config.engine import BUNDLED_MODEL
-from mtp_ray.dist.context import free_port
 from mtp_ray.model.loader import checkpoint_tensors
+from mtp_ray.parallel.context import free_port
 from mtp_ray.rl.engine import launch_engine
 from mtp_ray.rl.weights import TrainerWeightSender
 

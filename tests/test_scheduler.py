@@ -153,7 +153,7 @@ def test_split_mode_never_mixes_and_alternates_with_decodes():
 def test_group_turns_are_a_function_of_the_gathered_table():
     """DP split scheduling: the next turn comes from the last gathered table (the same on every rank);
     alternates while prefill and decode work are both pending somewhere; None when nothing is pending."""
-    from mtp_ray.dist.dp_meta import DPMeta, Gathered
+    from mtp_ray.parallel.dp_meta import DPMeta, Gathered
 
     def table(*pending):
         return Gathered(tuple(DPMeta(pending_prefill=p, pending_decode=d) for p, d in pending))

@@ -5,8 +5,8 @@ import asyncio
 import pytest
 
 from mtp_ray.engine.outputs import StepOutput
-from mtp_ray.serve.protocol import pack_step, unpack_rows
-from mtp_ray.serve.sinks import Collector, StreamSink
+from mtp_ray.runtime.messages import pack_step, unpack_rows
+from mtp_ray.runtime.sinks import Collector, StreamSink
 
 
 def rows(steps: list[StepOutput]) -> list[list]:
@@ -54,8 +54,8 @@ def test_stream_sink_yields_step_outputs_with_top_logprobs():
 def _ready_group():
     """An EngineGroup with no ranks, ready, whose requests go nowhere: rows are fed to its sinks by hand."""
     from mtp_ray.config.engine import EngineConfig
-    from mtp_ray.serve.batcher import CallBatcher
-    from mtp_ray.serve.group import EngineGroup
+    from mtp_ray.runtime.batcher import CallBatcher
+    from mtp_ray.runtime.group import EngineGroup
 
     g = EngineGroup(EngineConfig.from_dict({"device": "cpu", "parallel": {"dp": 1}}))
     g.state, g.max_model_len = "ready", 64

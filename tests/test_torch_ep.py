@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from mtp_ray.dist.dp_meta import DPMeta, Gathered
+from mtp_ray.parallel.dp_meta import DPMeta, Gathered
 from tests.ep_ranks import rank_setup, run_ranks
 
 # (tokens per rank, decode?) -> collectives one MoE layer issues on every rank
@@ -22,7 +22,7 @@ def table(tokens: tuple[int, ...], decoding: bool) -> Gathered:
 
 def _rank_main(rank: int, world: int, port: int, queue) -> None:
     try:
-        from mtp_ray.dist.ep.torch_a2a import TorchAllToAll
+        from mtp_ray.parallel.ep.torch_a2a import TorchAllToAll
 
         e, h, inter, k = 9, 16, 8, 3
         ctx, full, mine = rank_setup(rank, world, port, e, h, inter)

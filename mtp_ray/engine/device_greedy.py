@@ -14,13 +14,13 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from mtp_ray.dist.dp_meta import Gathered
 from mtp_ray.engine.graphs import Fetched
+from mtp_ray.engine.mtp import MTPProposer
 from mtp_ray.engine.outputs import OutputProcessor, StepOutput
 from mtp_ray.engine.request import Request
 from mtp_ray.engine.runner import ModelRunner
 from mtp_ray.engine.scheduler import Scheduled
-from mtp_ray.spec.proposer import MTPProposer
+from mtp_ray.parallel.dp_meta import Gathered
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The glue ops inside the CUDA graphs (CudaGraphs): at batch 1 a graph step is launch-bound on the device (~1.5 us
-per kernel node), so each op here is one or two Triton kernels on a GPU (graph_ops_triton) in place of 10-35 small
-torch kernels; the torch version runs elsewhere (the CPU-emulated graph tests) and is the reference the GPU kernels
-are tested against (tests/test_kernels.py).
+per kernel node), so each op here is one or two Triton kernels on a GPU (layers/triton/graph_ops.py) in place of
+10-35 small torch kernels; the torch version runs elsewhere (the CPU-emulated graph tests) and is the reference the
+GPU kernels are tested against (tests/test_kernels.py).
 
 feed_in_flight (async verify, k > 0): the target graph's first act moves each row that follows a verify still in
 flight by that verify's accepted count. The host wrote such a row's inputs as if that verify had accepted nothing
@@ -30,7 +30,7 @@ def feed_in_flight(v: dict[str, torch.Tensor], src: torch.Tensor, last: torch.Te
     last [>= b]: that replay's accepted count per row; next_ids [>= b*q]: its argmax per verify row; drafts [>= b, k]:
     the drafts its draft loop left."""
     if src.is_cuda:
-        from mtp_ray.engine.graph_ops_triton import feed_in_flight as fused
+        from mtp_ray.layers.triton.graph_ops import feed_in_flight as fused
 
         return fused(v, src, last, next_ids, drafts, q, k, block_size)
     return feed_in_flight_torch(v, src, last, next_ids, drafts, q, k, block_size)
@@ -63,7 +63,7 @@ def greedy_block(logits: torch.Tensor, inp_ids: torch.Tensor, q: int, k: int, la
     argmax (first max on ties) and log-prob, and with k the accepted drafts (a sequence accepts while draft j, its
     input j + 1, equals the argmax of row j). Writes next_ids[:b*q] (the argmaxes) and with k last[:b] (accepted)."""
     if logits.is_cuda:
-        from mtp_ray.engine.graph_ops_triton import greedy_block as fused
+        from mtp_ray.layers.triton.graph_ops import greedy_block as fused
 
         return fused(logits, inp_ids, q, k, last, next_ids)
     return greedy_block_torch(logits, inp_ids, q, k, last, next_ids)

@@ -60,7 +60,7 @@ def decode_attention(
 ) -> torch.Tensor:  # [B * q_len, Hq, D]
     """Uniform decode / verify batch: batched kernels only (no host sync), so CUDA graphs can capture it."""
     if q.is_cuda:
-        from mtp_ray.layers.attention_triton import paged_decode_attention
+        from mtp_ray.layers.triton.attention import paged_decode_attention
 
         return paged_decode_attention(q, kv_cache, block_tables, u.context_lens, u.q_len, scale, gate)
     # CPU: gather every block of the table (width W) and mask
@@ -115,7 +115,7 @@ class GatedAttention(nn.Module):
             cos, sin = table  # [P, rotary_dim] each, rows read by position inside the kernel
         assert self.kv_cache is not None, "KV cache not bound: allocate caches before the first forward"
         if x.is_cuda:  # q/k norms, RoPE and the KV write in one kernel
-            from mtp_ray.layers.attention_triton import qk_norm_rope_store
+            from mtp_ray.layers.triton.attention import qk_norm_rope_store
 
             q = qk_norm_rope_store(qg, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin,
                                    batch.slot_mapping, self.kv_cache, positions if table is not None else None)
@@ -130,7 +130,7 @@ class GatedAttention(nn.Module):
         if batch.uniform is not None:  # batched kernels only (no host sync): CUDA graphs capture this
             o = decode_attention(q, self.kv_cache, batch.block_tables, batch.uniform, self.scale, gate)
         elif x.is_cuda:  # one Triton launch for every sequence, the output gate fused
-            from mtp_ray.layers.attention_prefill_triton import paged_prefill_attention
+            from mtp_ray.layers.triton.attention_prefill import paged_prefill_attention
 
             cu, ctx, tables = attn_meta(batch, q.device)
             o = paged_prefill_attention(q, self.kv_cache, tables, cu, ctx, self.scale, gate)  # [T, Hq, D]

@@ -16,7 +16,7 @@ from mtp_ray.layers.norm import GatedRMSNorm
 
 
 def _fla() -> Callable | None:
-    from mtp_ray.layers.gated_delta_triton import fla_chunk
+    from mtp_ray.layers.triton.gated_delta import fla_chunk
 
     return fla_chunk()
 
@@ -55,13 +55,13 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
         u = batch.uniform
         if u is not None and x.is_cuda:  # two fused kernels (conv, recurrence), no per-token launches
-            from mtp_ray.layers.gated_delta_triton import conv_decode, recurrent_decode
+            from mtp_ray.layers.triton.gated_delta import conv_decode, recurrent_decode
 
             conv = conv_decode(mixed, self.conv_state, weight, u.state_slots, u.spec_slots, u.q_len)
             core = recurrent_decode(conv, a_raw, b_raw, self.A_log, self.dt_bias, self.ssm_state, u.state_slots,
                                     u.spec_slots, u.q_len, self.hk, self.dk, x.dtype)
         elif x.is_cuda and x.dtype != torch.float32 and batch.spec_state_slots is None and _fla() is not None:
-            from mtp_ray.layers.gated_delta_triton import chunk_varlen_fla
+            from mtp_ray.layers.triton.gated_delta import chunk_varlen_fla
 
             core = self._varlen(mixed, a_raw, b_raw, weight, batch, chunk_varlen_fla)
         else:
@@ -116,7 +116,7 @@ class GatedDeltaNet(nn.Module):
         """Prefill / mixed batch without verify rows: one conv launch over all sequences and one varlen chunked
         delta rule (fla on the GPU; `chunk_fn` is injectable so the CPU can check this path with the reference).
         fp32 models keep the per-sequence path: fla's chunk kernels use TF32 dots inside."""
-        from mtp_ray.layers.gated_delta_triton import conv_varlen
+        from mtp_ray.layers.triton.gated_delta import conv_varlen
 
         cu, ctx, slots = batch.device_lists(mixed.device)  # [N + 1], [N], [N]; ctx 0: a fresh sequence, zero states
         t = mixed.shape[0]

@@ -17,7 +17,7 @@ GEMV_ROWS = 16
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_ROWS and bias is None and x.dtype == weight.dtype:
-        from mtp_ray.layers.linear_triton import gemv
+        from mtp_ray.layers.triton.linear import gemv
 
         return gemv(x, weight)
     return F.linear(x, weight, bias)

@@ -52,8 +52,8 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """Sum of the local experts' weighted outputs. x: [N, H]; topk_ids / topk_w: [N, k] (global ids)."""
         if x.is_cuda:
-            from mtp_ray.layers.moe_small_triton import pair_experts
-            from mtp_ray.layers.moe_triton import fused_experts
+            from mtp_ray.layers.triton.moe import fused_experts
+            from mtp_ray.layers.triton.moe_small import pair_experts
 
             fn = pair_experts if self.pairs(topk_ids) else fused_experts
             return fn(x, topk_ids, topk_w, self.gate_up_proj, self.down_proj, self.start)
@@ -72,7 +72,7 @@ class Experts(nn.Module):
         On the GPU forward() is this summed over the slots (the same kernel); on the CPU forward() accumulates the
         same products in expert order, which may differ from the slot-order sum in the last bits."""
         if x.is_cuda:
-            from mtp_ray.layers.moe_triton import fused_experts
+            from mtp_ray.layers.triton.moe import fused_experts
 
             return fused_experts(x, topk_ids, topk_w, self.gate_up_proj, self.down_proj, self.start, per_slot=True)
         n, k = topk_ids.shape
@@ -90,7 +90,7 @@ class Experts(nn.Module):
         [E_local, M, H], rows [0, counts[e]) of expert e valid (the rest unspecified), at most max_rows valid in
         all. Returns [E_local, M, H]; rows past an expert's count are zero."""
         if x.is_cuda:
-            from mtp_ray.layers.moe_triton import expert_major_experts
+            from mtp_ray.layers.triton.moe import expert_major_experts
 
             return expert_major_experts(x, counts, self.gate_up_proj, self.down_proj, max_rows)
         out = torch.zeros_like(x)
@@ -130,7 +130,7 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [T, H] -> topk ids [T, k] int64, weights [T, k] in x.dtype
         if x.is_cuda:
-            from mtp_ray.layers.moe_small_triton import route_topk
+            from mtp_ray.layers.triton.moe_small import route_topk
 
             return route_topk(self.gate(x), self.top_k, self.norm_topk, x.dtype)
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
@@ -139,8 +139,8 @@ class SparseMoE(nn.Module):
             w = w / w.sum(-1, keepdim=True)
         return ids, w.to(x.dtype)
 
-    def _shared_weights(self):  # -> moe_small_triton.SharedWeights
-        from mtp_ray.layers.moe_small_triton import SharedWeights
+    def _shared_weights(self):  # -> triton.moe_small.SharedWeights
+        from mtp_ray.layers.triton.moe_small import SharedWeights
 
         se = self.shared_expert
         return SharedWeights(se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
@@ -150,14 +150,14 @@ class SparseMoE(nn.Module):
         ids, w = self.route(x)
         small_shared = self.has_shared and x.is_cuda and x.shape[0] <= SHARED_GEMV_TOKENS
         if small_shared and self.dispatch is local_dispatch and self.experts.pairs(ids):
-            from mtp_ray.layers.moe_small_triton import pair_experts
+            from mtp_ray.layers.triton.moe_small import pair_experts
 
             # no EP exchange in between: routed and shared experts in the same two launches
             ex = self.experts
             return pair_experts(x, ids, w, ex.gate_up_proj, ex.down_proj, ex.start, self._shared_weights())
         out = self.dispatch(x, ids, w, self.experts)
         if small_shared:
-            from mtp_ray.layers.moe_small_triton import shared_expert_add
+            from mtp_ray.layers.triton.moe_small import shared_expert_add
 
             return shared_expert_add(x, out, self._shared_weights())
         if self.has_shared:

@@ -16,7 +16,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from mtp_ray.layers.norm_triton import rms_norm
+            from mtp_ray.layers.triton.norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps)[0]
         # normalise and scale in fp32, cast once at the end (matches the reference rounding in bf16)
@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """s = x + residual (in x's dtype) -> (norm(s), s); one kernel on the GPU."""
         if x.is_cuda:
-            from mtp_ray.layers.norm_triton import rms_norm
+            from mtp_ray.layers.triton.norm import rms_norm
 
             out, s = rms_norm(x, self.weight, self.eps, residual)
             assert s is not None
@@ -46,7 +46,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from mtp_ray.layers.norm_triton import gated_rms_norm
+            from mtp_ray.layers.triton.norm import gated_rms_norm
 
             return gated_rms_norm(x, gate, self.weight, self.eps)
         dtype = x.dtype

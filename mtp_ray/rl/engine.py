@@ -9,8 +9,8 @@ import ray
 
 from mtp_ray.config.engine import EngineConfig
 from mtp_ray.engine.sampling_params import SamplingParams
-from mtp_ray.serve.batcher import detached
-from mtp_ray.serve.group import EngineGroup
+from mtp_ray.runtime.batcher import detached
+from mtp_ray.runtime.group import EngineGroup
 
 STOP_REASON = {"stop": "completed", "length": "length", "abort": "aborted"}
 

@@ -15,8 +15,8 @@ from typing import Any
 from ray import serve
 
 from mtp_ray.config.engine import EngineConfig
+from mtp_ray.runtime.group import rank_bundles
 from mtp_ray.serve.deployment import GroupDeployment
-from mtp_ray.serve.group import rank_bundles
 from mtp_ray.serve.ingress import Ingress
 
 REPLICA_CPU = 0.1  # bundle 0 of a group replica holds the replica actor itself; the ranks take the others

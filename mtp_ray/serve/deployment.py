@@ -11,7 +11,7 @@ import ray
 from mtp_ray.config.engine import EngineConfig
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.rl.engine import RolloutEngine
-from mtp_ray.serve.group import EngineGroup
+from mtp_ray.runtime.group import EngineGroup
 
 
 class GroupDeployment(RolloutEngine):

@@ -1,6 +1,6 @@
 """Train the bundled tiny Qwen3.5-MoE + MTP model from scratch on Python standard-library source.
 
-    python -m mtp_ray.tools.train_tiny --device cuda --stdlib /path/to/lib/python3.11   # as bundled (README)
+    python -m scripts.train_tiny --device cuda --stdlib /path/to/lib/python3.11   # as bundled (README)
 
 The trunk is transformers' own `Qwen3_5MoeForCausalLM` (pure-PyTorch path); the MTP head is built from
 transformers' modules (one full-attention decoder layer, three zero-centred norms, fc), so the saved
@@ -31,7 +31,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm
 
-from mtp_ray.tools.hf_reference import HFMTPHead
+from scripts.hf_reference import HFMTPHead
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (

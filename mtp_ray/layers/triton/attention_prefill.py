@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mtp_ray.layers.attention_triton import _attend, _store_out
+from mtp_ray.layers.triton.attention import _attend, _store_out
 
 
 @triton.jit

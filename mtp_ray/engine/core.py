@@ -18,21 +18,21 @@ import torch
 
 from mtp_ray.config.engine import EngineConfig
 from mtp_ray.config.model import ModelConfig
-from mtp_ray.dist.dp_meta import DPMeta
 from mtp_ray.engine.block_manager import BlockManager
 from mtp_ray.engine.device_greedy import DeviceGreedy
 from mtp_ray.engine.inputs import build, build_uniform, dummy_inputs, is_uniform, target_pieces
+from mtp_ray.engine.mtp import DraftItem, MTPProposer
 from mtp_ray.engine.outputs import OutputProcessor, StepOutput
 from mtp_ray.engine.phases import PhaseClock
+from mtp_ray.engine.rejection import verify
 from mtp_ray.engine.request import Request, check_request
 from mtp_ray.engine.runner import ModelRunner
 from mtp_ray.engine.sampler import Row, logprob_info, reduce_rows, sample_row
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.engine.scheduler import Scheduled, Scheduler
-from mtp_ray.engine.sync import DPSync, LocalSync
 from mtp_ray.layers.moe import ExpertDispatcher, local_dispatch
-from mtp_ray.spec.proposer import DraftItem, MTPProposer
-from mtp_ray.spec.rejection import verify
+from mtp_ray.parallel.dp_meta import DPMeta
+from mtp_ray.parallel.sync import DPSync, LocalSync
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mtp_ray.dist.dp_meta import DPMeta, Gathered, gather
+from mtp_ray.parallel.dp_meta import DPMeta, Gathered, gather
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from mtp_ray.dist.dp_meta import DPMeta, Gathered
 from mtp_ray.engine.block_manager import BlockManager
 from mtp_ray.engine.inputs import Piece, StepInputs, build, build_uniform, dummy_inputs
 from mtp_ray.engine.request import Request
 from mtp_ray.engine.runner import ModelRunner
 from mtp_ray.engine.sampler import draw, tempered
-from mtp_ray.engine.sync import DPSync, LocalSync
+from mtp_ray.parallel.dp_meta import DPMeta, Gathered
+from mtp_ray.parallel.sync import DPSync, LocalSync
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Small-batch MoE in Triton (GPU): the router's softmax + top-k in one launch, and the experts of a few tokens as
-two GEMV launches with no sorting, for decode steps where the sorted grouped GEMM (moe_triton.py) spends more
+two GEMV launches with no sorting, for decode steps where the sorted grouped GEMM (triton/moe.py) spends more
 time planning tiles than multiplying.
 
 - `route_topk`: per token, softmax over the router logits (fp32), top-k by repeated argmax (descending, lowest

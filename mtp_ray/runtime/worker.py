@@ -22,16 +22,17 @@ import torch
 
 from mtp_ray.config.engine import EngineConfig
 from mtp_ray.config.model import ModelConfig
-from mtp_ray.dist.context import DistContext, expert_ranges, free_port
-from mtp_ray.dist.ep import make_dispatcher
-from mtp_ray.engine.loop import EngineCore
+from mtp_ray.engine.core import EngineCore
 from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.runner import resolve_device, resolve_dtype
 from mtp_ray.engine.sampling_params import SamplingParams
-from mtp_ray.engine.sync import DPSync
-from mtp_ray.serve.protocol import pack_step
-from mtp_ray.serve.stalls import StallMonitor
-from mtp_ray.serve.step_profile import StepProfiler
+from mtp_ray.parallel.context import DistContext, expert_ranges, free_port
+from mtp_ray.parallel.ep import make_dispatcher
+from mtp_ray.parallel.sync import DPSync
+from mtp_ray.runtime.messages import pack_step
+from mtp_ray.runtime.rank_commands import run_command
+from mtp_ray.runtime.stalls import StallMonitor
+from mtp_ray.runtime.step_profile import StepProfiler
 
 log = logging.getLogger("mtp_ray.rank")
 
@@ -232,8 +233,6 @@ class RankWorker:
                 self.cond.notify_all()
 
     def _run_command(self) -> None:
-        from mtp_ray.rl.commands import run_command
-
         with self.cond:
             seq, name, args, done, box = self.cmds.pop(0)
         self.core.drain()  # a command sees every token committed and no step on the device (sleep frees caches)

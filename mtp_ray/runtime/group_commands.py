@@ -1,12 +1,12 @@
 """Group commands (sleep, wake_up, weight updates, ...): sent to every rank, run there in lock-step at the same
-step (mtp_ray/rl/commands.py), one at a time; new requests are held while a command runs or while asleep."""
+step (runtime/rank_commands.py), one at a time; new requests are held while a command runs or while asleep."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
 
-from mtp_ray.serve.batcher import detached
+from mtp_ray.runtime.batcher import detached
 
 
 class GroupCommands:

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from mtp_ray.dist.context import DistContext
-from mtp_ray.dist.dp_meta import EP_LOW_LATENCY, EP_NORMAL, Gathered
 from mtp_ray.layers.moe import Experts
+from mtp_ray.parallel.context import DistContext
+from mtp_ray.parallel.dp_meta import EP_LOW_LATENCY, EP_NORMAL, Gathered
 
 
 class DeepEPDispatcher:

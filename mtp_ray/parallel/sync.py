@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from mtp_ray.dist.context import DistContext
-from mtp_ray.dist.dp_meta import DPMeta, Gathered, draft_tables, pinned_ll_max_tokens
+from mtp_ray.parallel.context import DistContext
+from mtp_ray.parallel.dp_meta import DPMeta, Gathered, draft_tables, pinned_ll_max_tokens
 
 
 class LocalSync:

@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 
-from mtp_ray.serve.protocol import unpack_rows
+from mtp_ray.runtime.messages import unpack_rows
 
 log = logging.getLogger("mtp_ray.group")
 

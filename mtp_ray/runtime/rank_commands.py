@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtp_ray.rl.weights import apply_update, make_group, receive, resolve
+from mtp_ray.runtime.weight_sync import apply_update, make_group, receive, resolve
 
 
 def run_command(worker, name: str, args: tuple) -> Any:

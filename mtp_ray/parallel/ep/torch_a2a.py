@@ -6,10 +6,11 @@ Two protocols, chosen only from the gathered DPMeta of the forward (never locall
             (token, slot), zero for foreign experts, and a reduce-scatter hands each rank its tokens' slots. Each
             slot has exactly one non-zero term, so the sum is exact and the top-k sum after it is the one a single
             rank's grouped GEMM computes (dp = 2 equals dp = 1 bit for bit where dp = 1 takes that kernel; its
-            small-batch pair kernel and the CPU path sum in another order). 3 collectives, no sizes on the host (no sync: CUDA
-            graphs capture it, and an eager forward's host runs ahead of the device), a token crosses the link once
-            on its way out. Taken by every graph and by eager forwards whose padding is bounded (the group's tokens
-            fill at least half of the padded size, and the per-slot buffer stays under GATHERED_MAX_BYTES).
+            small-batch pair kernel and the CPU path sum in another order). 3 collectives, no sizes on the host
+            (no sync: CUDA graphs capture it, and an eager forward's host runs ahead of the device), a token crosses
+            the link once on its way out. Taken by every graph and by eager forwards whose padding is bounded (the
+            group's tokens fill at least half of the padded size, and the per-slot buffer stays under
+            GATHERED_MAX_BYTES).
   normal    every (token, expert) pair travels to the expert's owner, is weighted there and comes back to be summed:
             a header (mode, row count) per rank pair read on the host, then variable-size rows: 4 collectives.
 The gathered protocol issues the same collectives whatever EP mode a rank took, so a rank on the wrong mode cannot
@@ -22,9 +23,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mtp_ray.dist.context import DistContext
-from mtp_ray.dist.dp_meta import EP_LOW_LATENCY, EP_MODE_NAMES, LockstepError
 from mtp_ray.layers.moe import Experts
+from mtp_ray.parallel.context import DistContext
+from mtp_ray.parallel.dp_meta import EP_LOW_LATENCY, EP_MODE_NAMES, LockstepError
 
 GATHERED_MAX_BYTES = 1 << 29  # one MoE layer's per-(token, slot) outputs on a rank; larger eager forwards: normal
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from mtp_ray.dist.context import DistContext
 from mtp_ray.layers.moe import ExpertDispatcher, local_dispatch
+from mtp_ray.parallel.context import DistContext
 
 
 def make_dispatcher(name: str, ctx: DistContext, hidden: int, dtype: torch.dtype, ll_max_tokens: int
@@ -33,9 +33,9 @@ def make_dispatcher(name: str, ctx: DistContext, hidden: int, dtype: torch.dtype
     if ctx.world == 1:
         return local_dispatch
     if name == "deepep":
-        from mtp_ray.dist.ep.deepep import DeepEPDispatcher
+        from mtp_ray.parallel.ep.deepep import DeepEPDispatcher
 
         return DeepEPDispatcher(ctx, hidden, ll_max_tokens)
-    from mtp_ray.dist.ep.torch_a2a import TorchAllToAll
+    from mtp_ray.parallel.ep.torch_a2a import TorchAllToAll
 
     return TorchAllToAll(ctx)

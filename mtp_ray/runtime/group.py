@@ -19,11 +19,11 @@ from mtp_ray.config.model import ModelConfig
 from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.request import check_request
 from mtp_ray.engine.sampling_params import SamplingParams
-from mtp_ray.serve.batcher import CallBatcher, detached
-from mtp_ray.serve.group_commands import GroupCommands
-from mtp_ray.serve.group_monitor import GroupFailed, GroupMonitor, GroupUnavailable
-from mtp_ray.serve.sinks import Collector, Sink, StreamSink
-from mtp_ray.serve.worker import RankWorker
+from mtp_ray.runtime.batcher import CallBatcher, detached
+from mtp_ray.runtime.group_commands import GroupCommands
+from mtp_ray.runtime.group_monitor import GroupFailed, GroupMonitor, GroupUnavailable
+from mtp_ray.runtime.sinks import Collector, Sink, StreamSink
+from mtp_ray.runtime.worker import RankWorker
 
 log = logging.getLogger("mtp_ray.group")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from mtp_ray.serve.protocol import Row, row_output
+from mtp_ray.runtime.messages import Row, row_output
 
 
 class Sink(Protocol):
