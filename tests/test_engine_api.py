@@ -176,7 +176,10 @@ def test_plain_greedy_fast_path_equals_full_sampling_path(k):
     full = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1))
     for f, s in zip(fast, full, strict=True):
         assert f.outputs[0].token_ids == s.outputs[0].token_ids
-        assert f.outputs[0].logprobs == pytest.approx(s.outputs[0].logprobs, abs=1e-6)
+        # the fast path's log-prob is max - logsumexp, the full path's log_softmax()[token]: equal up to fp32
+        # rounding of a logsumexp of magnitude ~10 (an ulp there is ~1e-6; which side rounds depends on the CPU's
+        # vector width)
+        assert f.outputs[0].logprobs == pytest.approx(s.outputs[0].logprobs, abs=1e-5)
         assert all(lp <= 0 for lp in f.outputs[0].logprobs)
 
 
