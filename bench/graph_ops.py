@@ -64,7 +64,7 @@ def main() -> None:
     names = list(llms)
     dec = {n: [0, 0.0] for n in names}
     outs: dict[str, list[list[int]]] = {n: [] for n in names}
-    st0 = {n: dict(llms[n].engine.stats) for n in names}
+    st0 = {n: llms[n].engine.stats.snapshot() for n in names}
     for r in range(args.repeats):
         for i, p in enumerate(ps):
             for j in range(len(names)):  # every engine in turn, the order rotating
@@ -77,7 +77,7 @@ def main() -> None:
     res: dict = {"device": torch.cuda.get_device_name(), "prompts": args.prompts, "max_tokens": args.max_tokens,
                  "repeats": args.repeats, "engines": {}}
     for n in names:
-        st = {key: llms[n].engine.stats[key] - st0[n][key]
+        st = {key: llms[n].engine.stats.snapshot()[key] - st0[n][key]
               for key in ("accepted", "verify_steps", "graph_steps", "graph_step_s", "graph_wait_s")}
         g = llms[n].engine.runner.graphs
         e = {"decode_tokens_per_s": round(dec[n][0] / dec[n][1], 1),

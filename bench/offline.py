@@ -80,7 +80,8 @@ def make_llm(k: int, n: int, device: str, dtype: str, graphs: bool = True, async
 
 def row(llm: LLM, batch: int, times: list[float], outs: list[list[int]], st0: dict, device: str) -> dict:
     c = llm.config
-    st = {key: llm.engine.stats[key] - st0[key] for key in ("accepted", "verify_steps", "steps", "graph_steps",
+    now = llm.engine.stats.snapshot()
+    st = {key: now[key] - st0[key] for key in ("accepted", "verify_steps", "steps", "graph_steps",
                                                             "graph_step_s", "async_steps")}
     dt, n = statistics.median(times), sum(len(o) for o in outs)
     graphs = c.graphs.enabled and device.startswith("cuda")
@@ -97,7 +98,7 @@ def row(llm: LLM, batch: int, times: list[float], outs: list[list[int]], st0: di
 def run_batched(llm: LLM, ps: list[list[int]], max_tokens: int, device: str, repeats: int) -> dict:
     """All prompts in one generate call."""
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    st0, times = dict(llm.engine.stats), []
+    st0, times = llm.engine.stats.snapshot(), []
     for _ in range(repeats):
         t0 = time.perf_counter()
         outs = llm.generate(ps, sp)
@@ -129,7 +130,7 @@ def run_batch1(llms: list[LLM], ps: list[list[int]], max_tokens: int, device: st
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     one = dataclasses.replace(sp, max_tokens=1)
     m, n = len(llms), len(ps)
-    st0 = [dict(llm.engine.stats) for llm in llms]  # the one-token runs add no verify steps
+    st0 = [llm.engine.stats.snapshot() for llm in llms]  # the one-token runs add no verify steps
     full, ttft, first = ([[0.0] * repeats for _ in llms] for _ in range(3))
     outs: list[list[list[int]]] = [[] for _ in llms]
     for r in range(repeats):

@@ -75,7 +75,7 @@ def test_mtp_is_token_identical_to_no_mtp_on_random_model(random_ckpt, k):
     base = greedy(LLM(str(path), tokenizer=BUNDLED_MODEL, **SMALL), prompts, 20)
     llm = LLM(str(path), tokenizer=BUNDLED_MODEL, num_speculative_tokens=k, **SMALL)
     assert greedy(llm, prompts, 20) == base
-    assert llm.engine.stats["verify_steps"] > 0
+    assert llm.engine.stats.verify_steps > 0
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -91,7 +91,7 @@ def test_mtp_is_token_identical_to_no_mtp_on_bundled_model(k):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32))
     assert [o.outputs[0].token_ids for o in outs] == base
     stats = llm.engine.stats
-    assert stats["accepted"] > 0.3 * stats["drafted"], stats  # a trained head: many drafts accepted
+    assert stats.accepted > 0.3 * stats.drafted, stats  # a trained head: many drafts accepted
     spec = outs[1].outputs[0].spec
     assert spec["num_draft_tokens"] > 0 and spec["mean_acceptance_length"] > 1.0
     assert len(spec["accepted_per_pos"]) == k
@@ -127,6 +127,6 @@ def test_split_prefill_steps_same_tokens_more_uniform_steps(k):
         llm = LLM(num_speculative_tokens=k, max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=32,
                   split_prefill=split)
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        runs[split] = (outs, llm.engine.stats["mixed_batch_steps"])
+        runs[split] = (outs, llm.engine.stats.mixed_batch_steps)
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] == 0 < runs[False][1], runs

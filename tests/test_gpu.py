@@ -37,7 +37,7 @@ def test_gpu_bf16_runs_with_mtp():
     # bf16 verify batches differ in shape from k = 0 batches: tokens may differ after a near-tie, not wholesale
     same = sum(a == b for x, y in zip(out, base) for a, b in zip(x, y)) / sum(len(x) for x in base)
     assert same > 0.5
-    assert llm.engine.stats["accepted"] > 0.3 * llm.engine.stats["drafted"]
+    assert llm.engine.stats.accepted > 0.3 * llm.engine.stats.drafted
 
 
 @needs_gpu
@@ -75,11 +75,12 @@ def test_drafts_after_prefill_graph_equal_eager_drafts():
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     prompts = PROMPTS[1:] + [list(range(600, 700))]  # longer than k + 1 tokens (the graph needs a row before them)
     eager, llm = LLM(**kw, cuda_graphs=False), LLM(**kw)
-    before = [dict(e.engine.stats) for e in (eager, llm)]
+    before = [e.engine.stats.snapshot() for e in (eager, llm)]
     for e in (eager, llm):
         for p in prompts:  # one at a time: every prefill step has a captured graph size
             e.generate([p], sp)
-    new = [{key: e.engine.stats[key] - b[key] for key in b} for e, b in zip((eager, llm), before, strict=True)]
+    now = [e.engine.stats.snapshot() for e in (eager, llm)]
+    new = [{key: n[key] - b[key] for key in b} for n, b in zip(now, before, strict=True)]
     assert new[1]["draft_graphs_after_eager"] == len(prompts) and new[0]["draft_graphs_after_eager"] == 0
     assert new[1]["accepted"] == new[0]["accepted"] > 0
     assert greedy(llm) == greedy(eager)
@@ -166,13 +167,13 @@ def test_device_greedy_equals_host_path():
     for k in (0, 3):
         llm = LLM(device="cuda", dtype="float32", num_speculative_tokens=k)
         fast = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-        before = llm.engine.stats["device_greedy_steps"]
+        before = llm.engine.stats.device_greedy_steps
         assert before > 0
         model = llm.engine.runner.model
         assert all(m.in_proj.fused for m in model.gdn_layers()) and all(a.qkv_proj.fused
                                                                         for a in model.attention_layers())
         slow = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2))
-        assert llm.engine.stats["device_greedy_steps"] == before
+        assert llm.engine.stats.device_greedy_steps == before
         for f, s in zip(fast, slow, strict=True):
             assert f.outputs[0].token_ids == s.outputs[0].token_ids
             assert max(abs(a - b) for a, b in zip(f.outputs[0].logprobs, s.outputs[0].logprobs, strict=True)) < 1e-4
@@ -202,13 +203,13 @@ def test_async_scheduling_equals_sync(k):
     ref = greedy(sync_llm)
     assert greedy(llm) == ref
     sp = [SamplingParams(**d) for d in _stopping_params(ref)]
-    before = (sync_llm.engine.stats["accepted"], llm.engine.stats["accepted"])
+    before = (sync_llm.engine.stats.accepted, llm.engine.stats.accepted)
     sync, fast = sync_llm.generate(PROMPTS, sp), llm.generate(PROMPTS, sp)
     assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in fast] == [
         (o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in sync]
-    assert llm.engine.stats["async_steps"] > 0 and llm.engine.greedy.inflight is None
+    assert llm.engine.stats.async_steps > 0 and llm.engine.greedy.inflight is None
     # the drafts fed from the device are the ones the synchronous engine verified
-    assert llm.engine.stats["accepted"] - before[1] == sync_llm.engine.stats["accepted"] - before[0]
+    assert llm.engine.stats.accepted - before[1] == sync_llm.engine.stats.accepted - before[0]
 
 
 @needs_2_gpus

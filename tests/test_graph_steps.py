@@ -57,15 +57,15 @@ def test_graph_steps_equal_eager(emulated_graphs, k):
     llm = with_graphs(LLM(num_speculative_tokens=k, max_num_seqs=8))
     assert run(llm, greedy) == eager
     st = llm.engine.stats
-    assert st["device_greedy_steps"] > 0, "no step took the device greedy path"
+    assert st.device_greedy_steps > 0, "no step took the device greedy path"
     g = llm.engine.runner.graphs
     assert set(g.target) == {1, 2, 4, 8} and bool(g.draft) == bool(k)
     # seeded sampling and log-probs: the target graph with the host path (and the eager draft loop)
     sampled = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, seed=i, logprobs=2 * (i % 2),
                               ignore_eos=True) for i in range(len(PROMPTS))]
-    before = st["device_greedy_steps"]
+    before = st.device_greedy_steps
     assert run(llm, sampled) == run(LLM(num_speculative_tokens=k, max_num_seqs=8), sampled)
-    assert st["device_greedy_steps"] == before
+    assert st.device_greedy_steps == before
 
 
 def outputs(llm: LLM, prompts, params) -> list[tuple]:
@@ -100,7 +100,7 @@ def test_async_scheduling_equals_sync(emulated_graphs):
         llm = with_graphs(LLM(max_num_seqs=8, **kw))
         assert same(outputs(llm, PROMPTS, params), ref), kw
         e = llm.engine
-        assert e.stats["async_steps"] > 0 and e.greedy.inflight is None
+        assert e.stats.async_steps > 0 and e.greedy.inflight is None
         assert e.blocks.num_free_blocks == e.blocks.num_blocks - 1  # every block came back
         if "num_blocks" in kw:
             assert e.scheduler.num_preemptions > 0
@@ -167,7 +167,7 @@ def test_async_scheduling_with_min_tokens_and_late_joiners(emulated_graphs, k):
     ref = drive(with_graphs(LLM(max_num_seqs=8, num_speculative_tokens=k, async_scheduling=False)))
     llm = with_graphs(LLM(max_num_seqs=8, num_speculative_tokens=k, async_verify=True))
     assert drive(llm) == ref and len(ref) == 4
-    assert llm.engine.stats["async_steps"] > 0
+    assert llm.engine.stats.async_steps > 0
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -190,8 +190,8 @@ def test_async_verify_equals_sync(emulated_graphs, k):
         llm = with_graphs(LLM(**kw0, async_verify=True, **kw))
         assert same(outputs(llm, PROMPTS, params), ref), kw
         e = llm.engine
-        assert e.stats["async_steps"] > 0 and e.greedy.inflight is None
-        assert e.stats["accepted"] == sync.engine.stats["accepted"], kw  # the same drafts were verified
+        assert e.stats.async_steps > 0 and e.greedy.inflight is None
+        assert e.stats.accepted == sync.engine.stats.accepted, kw  # the same drafts were verified
         assert e.blocks.num_free_blocks == e.blocks.num_blocks - 1
         assert len(e.blocks.free_slots) == e.runner.cache_shape.num_state_slots - 1
         if "num_blocks" in kw:
@@ -201,7 +201,7 @@ def test_async_verify_equals_sync(emulated_graphs, k):
     llm, ref = with_graphs(LLM(**kw0, async_verify=True)), with_graphs(LLM(**kw0, async_scheduling=False))
     assert same(outputs(llm, PROMPTS, long), outputs(ref, PROMPTS, long))
     st = llm.engine.stats
-    assert st["async_steps"] > 0 and st["accepted"] == ref.engine.stats["accepted"] > 0
+    assert st.async_steps > 0 and st.accepted == ref.engine.stats.accepted > 0
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -216,22 +216,22 @@ def test_drafts_after_prefill_run_as_graph(emulated_graphs, k):
     llm = with_graphs(LLM(**kw))
     st = llm.engine.stats
     assert run(llm, greedy, prompts) == run(eager, greedy, prompts)
-    assert st["draft_graphs_after_eager"] > 0
-    assert st["accepted"] == eager.engine.stats["accepted"] and st["drafted"] == eager.engine.stats["drafted"]
+    assert st.draft_graphs_after_eager > 0
+    assert st.accepted == eager.engine.stats.accepted and st.drafted == eager.engine.stats.drafted
     # a prompt of k + 1 tokens has no row before its last k + 1: its prefill step drafts eagerly
-    before = st["draft_graphs_after_eager"]
+    before = st.draft_graphs_after_eager
     short = list(range(7, 8 + k))
     assert run(llm, greedy[:1], [short]) == run(eager, greedy[:1], [short])
-    assert st["draft_graphs_after_eager"] == before
+    assert st.draft_graphs_after_eager == before
     sampled = [SamplingParams(temperature=0.8, seed=5, max_tokens=8, ignore_eos=True)]
     assert run(llm, sampled, prompts[:1]) == run(eager, sampled, prompts[:1])
-    assert st["draft_graphs_after_eager"] == before
+    assert st.draft_graphs_after_eager == before
 
 
 def test_drafts_after_prefill_graph_in_a_group_of_one(emulated_graphs):
     """A serving group of one rank (DPSync, world 1: the deployment on one GPU) has no EP exchange, so it drafts
     after a prefill from the draft-loop graph as the offline engine does; same tokens and accepted drafts as eager.
-    A group of more ranks keeps the eager loop (DESIGN rule 4)."""
+    A group of more ranks keeps the eager loop (docs/design.md, rule 4)."""
     from mtp_ray.config.model import ModelConfig
     from mtp_ray.engine.core import EngineCore
     from mtp_ray.parallel.context import DistContext
@@ -249,6 +249,6 @@ def test_drafts_after_prefill_graph_in_a_group_of_one(emulated_graphs):
     with_graphs(llm)
     st = llm.engine.stats
     assert run(llm, greedy, prompts) == run(eager, greedy, prompts)
-    assert st["draft_graphs_after_eager"] > 0
-    assert st["accepted"] == eager.engine.stats["accepted"] and st["drafted"] == eager.engine.stats["drafted"]
+    assert st.draft_graphs_after_eager > 0
+    assert st.accepted == eager.engine.stats.accepted and st.drafted == eager.engine.stats.drafted
     assert not DPSync(DistContext(0, 2, experts, torch.device("cpu"), 60.0)).single_rank

@@ -338,3 +338,26 @@ def test_append_equals_a_per_token_reference():
         assert req.top_logprobs[len(out) :] == [{t: -1.0} for t in toks[:want]]
         assert req.finish_reason == reason and req.stop_reason == stop_reason, case
         assert req.finished == (reason is not None)
+
+
+def test_wave_is_stamped_into_every_dpmeta_and_checked_across_ranks():
+    """Rule 5: the sync's wave counter goes into each gathered DPMeta (it moves at every wave end), and a rank in
+    another wave is a lock-step error naming it (it used to be 0 forever: the check could not fire)."""
+    import pytest
+    import torch
+
+    from mtp_ray.parallel.context import DistContext
+    from mtp_ray.parallel.dp_meta import DPMeta, Gathered, LockstepError
+    from mtp_ray.parallel.sync import DPSync
+
+    sync = DPSync(DistContext(0, 1, 4, torch.device("cpu"), 10.0))  # a group of one: no collective
+    for wave in range(3):
+        with sync.agree(DPMeta(num_tokens=1, batch_size=1, is_dummy=0, has_unfinished=1)) as table:
+            assert table is not None and table.ranks[0].wave == wave == sync.wave
+        sync.end_wave()
+    assert sync.counters["waves"] == 3
+    same = Gathered((DPMeta(wave=2, step=7), DPMeta(wave=2, step=7), DPMeta(wave=2, step=7)))
+    same.check(0)
+    odd = Gathered((DPMeta(wave=2, step=7), DPMeta(wave=3, step=7), DPMeta(wave=2, step=7)))
+    with pytest.raises(LockstepError, match=r"disagree on wave: rank 0=2, rank 1=3, rank 2=2 \(odd one out: rank 1\)"):
+        odd.check(0)

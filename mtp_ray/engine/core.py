@@ -1,4 +1,5 @@
-"""EngineCore: one rank's engine. A step is schedule -> target forward -> sample / verify + commit -> MTP drafts.
+"""EngineCore: one rank's engine. A step is schedule -> agree (the DPMeta gather with the rank's peers) -> target
+forward -> commit (sample / verify, stop checks, outputs) -> draft (the MTP loop).
 
 Async scheduling (`scheduler.async_scheduling`, CUDA-graph steps of plain-greedy rows with k = 0, and with
 `scheduler.async_verify` device-greedy verify steps with k > 0): a step's results stay on the device while the host
@@ -20,7 +21,7 @@ from mtp_ray.config.engine import EngineConfig
 from mtp_ray.config.model import ModelConfig
 from mtp_ray.engine.block_manager import BlockManager
 from mtp_ray.engine.device_greedy import DeviceGreedy
-from mtp_ray.engine.inputs import build, build_uniform, dummy_inputs, is_uniform, target_pieces
+from mtp_ray.engine.inputs import StepInputs, build, build_uniform, dummy_inputs, is_uniform, target_pieces
 from mtp_ray.engine.mtp import DraftItem, MTPProposer
 from mtp_ray.engine.outputs import OutputProcessor, StepOutput
 from mtp_ray.engine.phases import PhaseClock
@@ -30,16 +31,17 @@ from mtp_ray.engine.runner import ModelRunner
 from mtp_ray.engine.sampler import Row, logprob_info, reduce_rows, sample_row
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.engine.scheduler import Scheduled, Scheduler
+from mtp_ray.engine.stats import EngineStats
 from mtp_ray.layers.moe import ExpertDispatcher, local_dispatch
-from mtp_ray.parallel.dp_meta import DPMeta
-from mtp_ray.parallel.sync import DPSync, LocalSync
+from mtp_ray.parallel.dp_meta import DPMeta, Gathered
+from mtp_ray.parallel.sync import LocalSync, Sync
 
 log = logging.getLogger(__name__)
 
 
 class EngineCore:
     def __init__(self, cfg: EngineConfig, expert_range: tuple[int, int] | None = None,
-                 dispatch: ExpertDispatcher = local_dispatch, sync: LocalSync | DPSync | None = None):
+                 dispatch: ExpertDispatcher = local_dispatch, sync: Sync | None = None):
         self.cfg = cfg
         self.sync = sync or LocalSync()
         self.meta_extra: dict[str, int] = {}  # fields the rank worker adds to each step's DPMeta (next_cmd)
@@ -56,12 +58,7 @@ class EngineCore:
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, lookahead=self.k, split=split)
         self.requests: dict[str, Request] = {}
         self._seeds = itertools.count(cfg.seed * 1_000_003 + 1)
-        self.stats = {"steps": 0, "drafted": 0, "accepted": 0, "verify_steps": 0, "aborted": 0,
-                      "device_greedy_steps": 0, "uniform_steps": 0, "async_steps": 0, "draft_graphs_after_eager": 0,
-                      "mixed_batch_steps": 0, "graph_steps": 0, "eager_tokens": 0,
-                      "step_s": 0.0,  # wall time of the steps that ran a forward, host work included
-                      "graph_step_s": 0.0,  # the part of step_s spent in steps that replayed a CUDA graph
-                      "graph_wait_s": 0.0}  # the part of graph_step_s the host waited for the device's results
+        self.stats = EngineStats()
         self.proposer = MTPProposer(self.runner, self.blocks, self.k, self.sync, self.stats)
         self.clock = PhaseClock()  # host time per phase of a step (get_stats "phases")
         self.out = OutputProcessor(self.scheduler, self.requests, self.eos_ids, self.max_model_len, self.stats)
@@ -92,7 +89,7 @@ class EngineCore:
         if req is None:
             return None
         self.scheduler.finish(req, "abort")
-        self.stats["aborted"] += 1
+        self.stats.count_abort()
         return self.out.output(req, [], 0)
 
     def abort_all(self) -> int:
@@ -106,78 +103,90 @@ class EngineCore:
 
     # ---- one step ----
     def step(self) -> list[StepOutput]:
+        """schedule -> agree (the DPMeta gather) -> forward -> commit -> draft; outputs made outside a step first."""
         early, self.pending_outputs = self.pending_outputs, []
-        steps, graphs, t0 = self.stats["steps"], self.stats["graph_steps"], time.perf_counter()
+        steps, graphs, t0 = self.stats.steps, self.stats.graph_steps, time.perf_counter()
         self.clock.begin()
         try:
             out = self._step()
         finally:
             self.clock.close()
-        if self.stats["steps"] > steps:
-            dt = time.perf_counter() - t0
-            self.stats["step_s"] += dt
-            self.stats["graph_step_s"] += dt if self.stats["graph_steps"] > graphs else 0.0
+        if self.stats.steps > steps:
+            self.stats.count_step_time(time.perf_counter() - t0, graph=self.stats.graph_steps > graphs)
         return early + out
 
     def _step(self) -> list[StepOutput]:
-        done: list[StepOutput] = []  # outputs of the step that was in flight
         clock = self.clock
+        done: list[StepOutput] = []  # outputs of the step that was in flight
         if self.greedy.inflight is not None and self.scheduler.may_preempt():
             done = self.greedy.resolve()
+        # schedule
         sched = self.scheduler.schedule(self.sync.prefill_turn() if self.scheduler.split else None)
-        q_len = 1 + self.k
-        uniform = is_uniform(sched, q_len)
+        uniform = is_uniform(sched, 1 + self.k)
         local = self._local_meta(sched, uniform)
         clock.lap("schedule")
-        table = self.sync.target(local, self.runner.graph_sizes)
-        clock.lap("gather")
-        if table is None:
-            return done + self.greedy.resolve()  # no rank has work this step
-        clock.kind = "graph" if table.graph_size else "eager"
-        if self.greedy.inflight is not None and not self.greedy.can_follow(
-                table.graph_size, table.graph_drafts, (self._plain_greedy(s.req) for s in sched)):
-            done += self.greedy.resolve()  # an eager or host-path step reads its inputs on the host
-            sched = [s for s in sched if not s.req.finished]  # ended at the step that was in flight
-            uniform = uniform and bool(sched)
-            clock.lap("resolve")
-        self.stats["steps"] += 1
-        self.stats["uniform_steps"] += int(uniform)
-        self.stats["graph_steps"] += int(bool(table.graph_size))
-        # decodes + prefill pieces in one forward (a uniform batch is all decodes: no per-sequence scan)
-        decodes = len(sched) if uniform else sum(s.req.is_decode for s in sched)
-        self.stats["mixed_batch_steps"] += int(0 < decodes < len(sched))
-        pieces = target_pieces(sched)
-        if table.graph_size:  # every rank replays the graph of the DP-wide padded size
-            inp = build_uniform(pieces, self.blocks, q_len, table.graph_size, self.runner.blocks_per_seq)
-        elif uniform:
-            inp = build_uniform(pieces, self.blocks, q_len)
-        else:
-            inp = build(pieces, self.blocks) if sched else dummy_inputs()
-        clock.lap("inputs")
-        all_logits = None
-        try:
-            if table.graph_size:
-                hidden, all_logits = self.runner.replay_target(inp, table.graph_size, self.greedy.src(sched))
-            else:
-                self.stats["eager_tokens"] += inp.num_tokens
-                hidden = self.runner.forward(inp)  # [T, H]
-        finally:
-            self.sync.done()
+        # agree, then forward: the gathered table is the forward context inside the block
+        with self.sync.agree(local, self.runner.graph_sizes) as table:
+            clock.lap("gather")
+            if table is None:
+                return done + self.greedy.resolve()  # no rank has work this step
+            clock.kind = "graph" if table.graph_size else "eager"
+            if self.greedy.inflight is not None and not self.greedy.can_follow(
+                    table.graph_size, table.graph_drafts, (self._plain_greedy(s.req) for s in sched)):
+                done += self.greedy.resolve()  # an eager or host-path step reads its inputs on the host
+                sched = [s for s in sched if not s.req.finished]  # ended at the step that was in flight
+                uniform = uniform and bool(sched)
+                clock.lap("resolve")
+            decodes = len(sched) if uniform else sum(s.req.is_decode for s in sched)
+            self.stats.count_step(uniform, bool(table.graph_size), mixed=0 < decodes < len(sched))
+            inp = self._inputs(sched, uniform, table)
+            clock.lap("inputs")
+            hidden, all_logits = self._forward(inp, sched, table)
         clock.lap("launch")
         done += self.greedy.resolve()  # the step before, while the device runs this one
         clock.lap("resolve")
         if not sched:  # a dummy forward: keep the group in lock-step through the draft loop too
             self.proposer.propose([], table)
             return done
-        # a finished request's row (it stopped at the step that was in flight) is computed and dropped
+        # commit (and, on the device greedy path, draft): a finished request's row (it stopped at the step that was
+        # in flight) is computed and dropped
         fast = [s.req.finished or self._plain_greedy(s.req) for s in sched]
         if table.graph_size and (self.k == 0 or table.graph_drafts) and all(fast):
             done += self.greedy.step(sched, table)
             clock.lap("commit")
             return done
+        outputs, items = self._commit(sched, inp, hidden, all_logits, fast)
+        clock.lap("commit")
+        # draft
+        self.proposer.propose(items, table)
+        clock.lap("drafts")
+        return done + outputs
+
+    def _inputs(self, sched: list[Scheduled], uniform: bool, table: Gathered) -> StepInputs:
+        """Decodes + prefill pieces in one forward (a uniform batch is all decodes: no per-sequence scan); a graph
+        step pads to the DP-wide graph size every rank replays."""
+        pieces, q_len = target_pieces(sched), 1 + self.k
+        if table.graph_size:
+            return build_uniform(pieces, self.blocks, q_len, table.graph_size, self.runner.blocks_per_seq)
+        if uniform:
+            return build_uniform(pieces, self.blocks, q_len)
+        return build(pieces, self.blocks) if sched else dummy_inputs()
+
+    def _forward(self, inp: StepInputs, sched: list[Scheduled], table: Gathered
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target forward -> (hidden [T, H], logits [T, V] when the graph computed them, else None)."""
+        if table.graph_size:
+            return self.runner.replay_target(inp, table.graph_size, self.greedy.src(sched))
+        self.stats.count_eager(inp.num_tokens)
+        return self.runner.forward(inp), None
+
+    def _commit(self, sched: list[Scheduled], inp: StepInputs, hidden: torch.Tensor, all_logits: torch.Tensor | None,
+                fast: list[bool]) -> tuple[list[StepOutput], list[DraftItem]]:
+        """Sample or verify each sequence's rows on the host path -> its output and its draft-loop item. Logits are
+        reduced on the device; only rows that sample or report top-n log-probs come to the host."""
         rows = [r for rs in inp.logit_rows for r in rs]
         sl = None
-        if rows:  # reduced on the device; only rows that sample or report top-n log-probs come to the host
+        if rows:
             logits = all_logits[rows] if all_logits is not None else self.runner.logits(hidden[rows])  # [N, V]
             sl = reduce_rows(logits, [not f for f, lr in zip(fast, inp.logit_rows, strict=True) for _ in lr])
         outputs, items, at, host_at = [], [], 0, 0
@@ -195,10 +204,7 @@ class EngineCore:
                 outputs.append(out)
             if item is not None:
                 items.append(item)
-        clock.lap("commit")
-        self.proposer.propose(items, table)
-        clock.lap("drafts")
-        return done + outputs
+        return outputs, items
 
     @staticmethod
     def _plain_greedy(req: Request) -> bool:
@@ -218,31 +224,24 @@ class EngineCore:
         # size classes (the GEMV's M == 1 / % 16 / other, varlen attention, GDN chunk, the MoE paths) compile here
         # rather than stalling the first requests that meet them
         for n in sorted({min(n, self.cfg.scheduler.max_num_batched_tokens) for n in (1, 2, 16, 64)}):
-            self.sync.target(DPMeta(num_tokens=n, batch_size=1, is_decoding=int(n == 1), is_dummy=0,
-                                    has_unfinished=1))
-            try:
+            with self.sync.agree(DPMeta(num_tokens=n, batch_size=1, is_decoding=int(n == 1), is_dummy=0,
+                                        has_unfinished=1)):
                 self.runner.forward(dummy_inputs(n))
-            finally:
-                self.sync.done()
             self.proposer.propose([], None)
         q_len = 1 + self.k
         for size in sorted(self.runner.graph_sizes, reverse=True):
             meta = DPMeta(num_tokens=size * q_len, batch_size=size, is_decoding=1, is_dummy=0, has_unfinished=1,
                           graph_ok=1)
-            table = self.sync.target(meta, (size,))
-            assert table is not None and table.graph_size == size
-            try:
+            with self.sync.agree(meta, (size,)) as table:
+                assert table is not None and table.graph_size == size
                 self.runner.replay_target(build_uniform([], self.blocks, q_len, size, self.runner.blocks_per_seq),
                                           size)
-            finally:
-                self.sync.done()
             if self.k:
                 self.proposer.propose_graph([], table)
         # a closing gather, no forward: the lock-step checks (collective counts, the EP mode each rank used) run
         # over the warmup's forwards now rather than at the first request
-        closing = self.sync.target(DPMeta(is_dummy=1))
-        assert closing is None  # every rank is idle: no forward
-        self.sync.done()
+        with self.sync.agree(DPMeta(is_dummy=1)) as closing:
+            assert closing is None  # every rank is idle: no forward
 
     def _pending(self, sched: list[Scheduled], uniform: bool) -> dict[str, int]:
         """Work left for the next step (split scheduling turns): prefill pieces not finished by this step, and

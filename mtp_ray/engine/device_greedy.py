@@ -20,6 +20,7 @@ from mtp_ray.engine.outputs import OutputProcessor, StepOutput
 from mtp_ray.engine.request import Request
 from mtp_ray.engine.runner import ModelRunner
 from mtp_ray.engine.scheduler import Scheduled
+from mtp_ray.engine.stats import EngineStats
 from mtp_ray.parallel.dp_meta import Gathered
 
 
@@ -33,7 +34,7 @@ class InFlight:
 
 
 class DeviceGreedy:
-    def __init__(self, runner: ModelRunner, proposer: MTPProposer, out: OutputProcessor, stats: dict,
+    def __init__(self, runner: ModelRunner, proposer: MTPProposer, out: OutputProcessor, stats: EngineStats,
                  async_steps: bool, async_verify: bool = False):
         self.runner, self.proposer, self.out, self.stats = runner, proposer, out, stats
         self.k = runner.k
@@ -61,7 +62,6 @@ class DeviceGreedy:
         """After the target graph's replay: the draft-loop graph, then the results (or, async, leave them in
         flight). A row whose request already finished (it stopped at the step that was in flight) is dropped."""
         size = table.graph_size
-        self.stats["device_greedy_steps"] += 1
         if self.k:
             self.proposer.replay_graph(table)
         fetched = self.runner.fetch_greedy(size, with_drafts=self.k > 0)
@@ -75,8 +75,9 @@ class DeviceGreedy:
                     req.drafts, req.draft_probs = [0] * self.k, None
             if live:
                 self.inflight = InFlight(live, {id(s.req): i for i, s in enumerate(sched)}, fetched)
-            self.stats["async_steps"] += 1
+            self.stats.count_device_greedy(left_in_flight=True)
             return []
+        self.stats.count_device_greedy(left_in_flight=False)
         res = self._wait(fetched)
         return [self._commit(s.req, res[i], counted=0) for i, s in enumerate(sched) if not s.req.finished]
 
@@ -113,5 +114,5 @@ class DeviceGreedy:
     def _wait(self, fetched: Fetched) -> list[list[float]]:
         t0 = time.perf_counter()
         res = fetched.wait()
-        self.stats["graph_wait_s"] += time.perf_counter() - t0  # the host waiting for the device
+        self.stats.count_graph_wait(time.perf_counter() - t0)  # the host waiting for the device
         return res

@@ -21,8 +21,9 @@ from mtp_ray.engine.inputs import Piece, StepInputs, build, build_uniform, dummy
 from mtp_ray.engine.request import Request
 from mtp_ray.engine.runner import ModelRunner
 from mtp_ray.engine.sampler import draw, tempered
+from mtp_ray.engine.stats import EngineStats
 from mtp_ray.parallel.dp_meta import DPMeta, Gathered
-from mtp_ray.parallel.sync import DPSync, LocalSync
+from mtp_ray.parallel.sync import Sync
 
 
 @dataclass
@@ -46,7 +47,7 @@ class DraftItem:
 
 
 class MTPProposer:
-    def __init__(self, runner: ModelRunner, blocks: BlockManager, k: int, sync: LocalSync | DPSync, stats: dict):
+    def __init__(self, runner: ModelRunner, blocks: BlockManager, k: int, sync: Sync, stats: EngineStats):
         self.runner, self.blocks, self.k, self.sync, self.stats = runner, blocks, k, sync, stats
 
     def propose(self, items: list[DraftItem], table: Gathered | None) -> None:
@@ -67,12 +68,9 @@ class MTPProposer:
         last_pos = [it.start + it.n - 1 for it in live]
         nseq = len(items)  # sequences in this draft forward
         for step in range(self.k):
-            self.sync.draft(DPMeta(num_tokens=inp.num_tokens, batch_size=nseq, is_dummy=int(not nseq),
-                                   forward_idx=step + 1, has_unfinished=1))
-            try:
+            with self.sync.drafting(DPMeta(num_tokens=inp.num_tokens, batch_size=nseq, is_dummy=int(not nseq),
+                                           forward_idx=step + 1, has_unfinished=1)):
                 h = self.runner.mtp_forward(inp, hidden, step)  # [T, H]
-            finally:
-                self.sync.done()
             if step + 1 < self.k and not live and not self.sync.lockstep:
                 return
             rows = [r for rs in inp.logit_rows for r in rs]
@@ -129,8 +127,8 @@ class MTPProposer:
         cost as much host time as a dozen graph steps. Same inputs, same positions, same MTP KV writes; False
         (nothing run) when a sequence does not fit: a sampled one, fewer than q committed rows, no rows before them,
         or no captured graph large enough. A DP group of more ranks keeps the eager loop: the graph runs the
-        low-latency EP exchange, and a draft loop keeps its target step's EP mode (DESIGN rule 4); a group of one has
-        no EP exchange."""
+        low-latency EP exchange, and a draft loop keeps its target step's EP mode (docs/design.md, rule 4); a group
+        of one has no EP exchange."""
         graphs, q = self.runner.graphs, self.k + 1
         want = [it for it in items if it.wants_drafts]
         if graphs is None or not self.sync.single_rank or not want or any(
@@ -144,12 +142,9 @@ class MTPProposer:
         heads = [(it, m) for it, m in heads if m > 0]
         if heads:  # step 1 up to the last q rows: fills the MTP KV the graph's attention reads
             inp = build([Piece(it.req, it.start, nxt[id(it)][:m], "none") for it, m in heads], self.blocks)
-            self.sync.draft(DPMeta(num_tokens=inp.num_tokens, batch_size=len(heads), is_dummy=0, forward_idx=1,
-                                   has_unfinished=1))
-            try:
+            with self.sync.drafting(DPMeta(num_tokens=inp.num_tokens, batch_size=len(heads), is_dummy=0,
+                                           forward_idx=1, has_unfinished=1)):
                 self.runner.mtp_forward(inp, torch.cat([it.hidden[:m] for it, m in heads]), 0)
-            finally:
-                self.sync.done()
         r = self.runner
         tails = [Piece(it.req, it.start + it.n - q, it.req.tokens(it.start + it.n - q, it.start + it.n), "all")
                  for it in want]
@@ -159,26 +154,20 @@ class MTPProposer:
         next_ids = torch.zeros(b * q, dtype=torch.long)  # the token after each of the q rows
         next_ids[: len(want) * q] = torch.tensor([t for it in want for t in nxt[id(it)][it.n - q :]])
         last = torch.full((b,), q - 1, dtype=torch.long)
-        self.sync.graph_drafts(table)
-        try:
+        with self.sync.draft_graph(table):
             drafts = r.replay_drafts_after_eager(inp, hidden, next_ids, last, b).cpu()  # [b, k]
-        finally:
-            self.sync.done()
         for i, it in enumerate(want):
             it.req.drafts = drafts[i].tolist()
             it.req.draft_probs = None
-        self.stats["draft_graphs_after_eager"] += 1
+        self.stats.count_draft_graph_after_eager()
         return True
 
     def replay_graph(self, table: Gathered, next_ids: torch.Tensor | None = None, last: torch.Tensor | None = None
                      ) -> torch.Tensor:
         """The draft-loop graph of the step's padded size, in lock-step with the group -> drafts [size, k] on the
         device. next_ids / last None: the target graph already put them on the device."""
-        self.sync.graph_drafts(table)
-        try:
+        with self.sync.draft_graph(table):
             return self.runner.replay_drafts(next_ids, last, table.graph_size)
-        finally:
-            self.sync.done()
 
     def _dummy_hidden(self) -> torch.Tensor:
         r = self.runner

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from mtp_ray.engine.request import Request
 from mtp_ray.engine.scheduler import Scheduler
+from mtp_ray.engine.stats import EngineStats
 
 
 @dataclass
@@ -26,21 +27,23 @@ class StepOutput:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     spec: dict = field(default_factory=dict)
+    error: str | None = None  # the request was refused (finish_reason "error"): why, for the caller's exception
 
     def then(self, later: StepOutput) -> StepOutput:
         """This delta followed by a later one of the same request, as one (its end state is the later one's)."""
         assert later.request_id == self.request_id and not self.finished
         return StepOutput(self.request_id, self.new_token_ids + later.new_token_ids,
                           self.new_logprobs + later.new_logprobs, self.new_top_logprobs + later.new_top_logprobs,
-                          later.finished, later.finish_reason, later.stop_reason, later.num_prompt_tokens, later.spec)
+                          later.finished, later.finish_reason, later.stop_reason, later.num_prompt_tokens, later.spec,
+                          later.error)
 
 
 class OutputProcessor:
     def __init__(self, scheduler: Scheduler, requests: dict[str, Request], eos_ids: tuple[int, ...],
-                 max_model_len: int, stats: dict[str, int]):
+                 max_model_len: int, stats: EngineStats):
         self.scheduler, self.requests = scheduler, requests  # finished requests leave both
         self.eos_ids, self.max_model_len = eos_ids, max_model_len
-        self.stats = stats  # the engine's counters (verify_steps, drafted, accepted)
+        self.stats = stats  # the engine's counters: verify steps here
 
     def emit(self, req: Request, emitted: list[int], info: list[tuple[float, dict[int, float]]]) -> StepOutput:
         """The tokens a step produced for one request (drafts used up): appended until a stop, as one output."""
@@ -61,9 +64,7 @@ class OutputProcessor:
 
     def commit_spec(self, req: Request, accepted: int, k: int) -> None:
         """GDN rollback: the state after token `accepted` of the verify becomes the sequence's state."""
-        self.stats["verify_steps"] += 1
-        self.stats["drafted"] += k
-        self.stats["accepted"] += accepted
+        self.stats.count_verify(k, accepted)
         req.num_verify_steps += 1
         req.num_drafted += k
         req.num_accepted += accepted

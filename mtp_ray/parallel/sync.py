@@ -4,21 +4,81 @@ LocalSync (one rank): no gather; a step with no work is skipped, drafts run only
 DPSync (a DP x EP group): one DPMeta all-gather before every target forward; the gathered table is set as the
 forward context (read by the EP dispatcher) and cleared after the forward. Every rank runs the target forward (a
 dummy one if it has no work) whenever any rank has work, and then exactly k draft forwards. The target gather
-covers the draft forwards too (DESIGN rule 1, speed): their tables are derived from it, the same on every rank
-(target EP mode; low-latency capacity from bounds on the draft token counts), and the collective counters they
+covers the draft forwards too (docs/design.md, rule 1, speed): their tables are derived from it, the same on every
+rank (target EP mode; low-latency capacity from bounds on the draft token counts), and the collective counters they
 move are compared at the next gather. `draft_gathers=True` gathers before every draft forward as well (exact mode).
+
+Callers pair each agreement with its forward through the context managers of `Sync`: the table is the forward
+context inside the `with` block and cleared when it ends, however the forward ends.
+
+Waves (rule 5): `wave` counts the waves this rank has finished. Every rank ends a wave at the same step (the gathered
+table shows no work anywhere), so the counter is the same on every rank; it goes into every DPMeta and the gather
+checks it, so a rank that stepped into another wave is a lock-step error naming it rather than a hang.
 """
 
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 from mtp_ray.parallel.context import DistContext
 from mtp_ray.parallel.dp_meta import DPMeta, Gathered, draft_tables, pinned_ll_max_tokens
 
 
-class LocalSync:
+class Sync(ABC):
+    """The forward-pairing context managers over a sync's target / draft / graph_drafts and done."""
+
+    wave: int
+    step: int
+
+    @contextmanager
+    def agree(self, local: DPMeta, graph_sizes: tuple[int, ...] = ()) -> Iterator[Gathered | None]:
+        """The target forward's agreement: the gathered table (None: no rank has work, no forward), set as the
+        forward context for the block."""
+        table = self.target(local, graph_sizes)
+        try:
+            yield table
+        finally:
+            self.done()
+
+    @contextmanager
+    def drafting(self, local: DPMeta) -> Iterator[Gathered]:
+        """One eager draft forward's table (derived from the target's, or gathered in exact mode)."""
+        table = self.draft(local)
+        try:
+            yield table
+        finally:
+            self.done()
+
+    @contextmanager
+    def draft_graph(self, table: Gathered) -> Iterator[None]:
+        """The draft loop replayed as one graph under the target step's table."""
+        self.graph_drafts(table)
+        try:
+            yield
+        finally:
+            self.done()
+
+    def end_wave(self) -> None:
+        self.wave += 1
+
+    @abstractmethod
+    def target(self, local: DPMeta, graph_sizes: tuple[int, ...] = ()) -> Gathered | None: ...
+
+    @abstractmethod
+    def draft(self, local: DPMeta) -> Gathered: ...
+
+    @abstractmethod
+    def graph_drafts(self, table: Gathered) -> None: ...
+
+    @abstractmethod
+    def done(self) -> None: ...
+
+
+class LocalSync(Sync):
     lockstep = False
     single_rank = True  # no peer: nothing collective in any forward
 
@@ -47,7 +107,7 @@ class LocalSync:
         pass
 
 
-class DPSync:
+class DPSync(Sync):
     lockstep = True
 
     def __init__(self, ctx: DistContext, draft_gathers: bool = False, group_turns: bool = True,
@@ -57,8 +117,8 @@ class DPSync:
         self.draft_gathers, self.group_turns = draft_gathers, group_turns
         self.draft_tables: tuple[Gathered, Gathered] | None = None  # derived from the target gather: step 1, 2..k
         self.last_turn_prefill = False  # split scheduling: the group's previous turn
-        self.wave = 0
-        self.step = 0
+        self.wave = 0  # waves finished, the same on every rank (end_wave)
+        self.step = 0  # steps run, the same on every rank (the rank worker counts them)
         self.last: Gathered | None = None  # the last gathered table (fault reports)
         self.step_table: Gathered | None = None  # the target gather of the last step (wave / command decisions)
         self.target_decode = False
@@ -132,6 +192,10 @@ class DPSync:
         self.counters["forwards"] += 1
         self.counters["dummy_forwards"] += local.is_dummy
         return g
+
+    def end_wave(self) -> None:
+        super().end_wave()
+        self.counters["waves"] += 1
 
     def barrier(self) -> None:
         """Graph captures: every rank starts (and ends) a capture together, so collectives inside line up."""

@@ -14,9 +14,11 @@ import threading
 from pathlib import Path
 from typing import Protocol
 
+from mtp_ray.engine.stats import EngineStats
+
 
 class _Core(Protocol):
-    stats: dict
+    stats: EngineStats
 
     def step(self) -> list: ...
 
@@ -44,13 +46,13 @@ class StepProfiler:
         if self.device and self.tprof is None:
             self.tprof = _torch_profiler()
             self.tprof.start()
-        graphs, prof = core.stats.get("graph_steps", 0), cProfile.Profile()
+        graphs, prof = core.stats.graph_steps, cProfile.Profile()
         prof.enable()
         try:
             return core.step()
         finally:
             prof.disable()
-            kind = "graph" if core.stats.get("graph_steps", 0) > graphs else "eager"
+            kind = "graph" if core.stats.graph_steps > graphs else "eager"
             if kind in self.stats:
                 self.stats[kind].add(prof)
             else:

@@ -152,12 +152,12 @@ class RankWorker:
                 "step": sync.step if sync else 0, "counters": dict(sync.counters) if sync else {},
                 "num_running": len(self.core.scheduler.running) if self.core else 0,
                 "num_waiting": len(self.core.scheduler.waiting) + self.inbox.qsize() if self.core else 0,
-                "spec": dict(self.core.stats) if self.core else {}, "aborts": dict(self.aborts),
+                "spec": self.core.stats.snapshot() if self.core else {}, "aborts": dict(self.aborts),
                 "collectives": self.ctx.collectives if self.ctx else 0}
 
     def stats(self) -> dict:
         core = self.core
-        return {"rank": self.rank, **(core.stats if core else {}), **(core.sync.counters if core else {}),
+        return {"rank": self.rank, **(core.stats.snapshot() if core else {}), **(core.sync.counters if core else {}),
                 **(core.sync.timers if core else {}),
                 "collectives": self.ctx.collectives if self.ctx else 0, "wave": self.wave,
                 "phases": core.clock.snapshot() if core else {}, "process_cpu_s": time.process_time(),

@@ -1,0 +1,61 @@
+"""EngineStats: one rank's engine counters (get_stats, /metrics, tests), updated only through the methods below by
+the parts of the engine that own each event: the core counts steps, the output processor verify steps, the device
+greedy path its graph steps and waits, the draft loop its graphs after eager steps."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0  # steps that ran a forward on this rank (dummy forwards included)
+    uniform_steps: int = 0  # ... whose batch was all decodes / verifies of one length
+    graph_steps: int = 0  # ... that replayed a CUDA graph
+    mixed_batch_steps: int = 0  # ... holding decodes and prefill pieces together
+    eager_tokens: int = 0  # tokens fed to eager target forwards
+    device_greedy_steps: int = 0  # graph steps decided on the device (argmax + acceptance in the graph)
+    async_steps: int = 0  # ... left in flight while the host scheduled the next one
+    draft_graphs_after_eager: int = 0  # draft-loop graphs run after an eager (prefill) target forward
+    verify_steps: int = 0  # per sequence: verify rows committed
+    drafted: int = 0  # drafts verified
+    accepted: int = 0  # ... of which accepted
+    aborted: int = 0  # requests aborted on this rank
+    step_s: float = 0.0  # wall time of the steps that ran a forward, host work included
+    graph_step_s: float = 0.0  # the part of step_s spent in steps that replayed a CUDA graph
+    graph_wait_s: float = 0.0  # the part of graph_step_s the host waited for the device's results
+
+    def count_step(self, uniform: bool, graph: bool, mixed: bool) -> None:
+        self.steps += 1
+        self.uniform_steps += int(uniform)
+        self.graph_steps += int(graph)
+        self.mixed_batch_steps += int(mixed)
+
+    def count_eager(self, num_tokens: int) -> None:
+        self.eager_tokens += num_tokens
+
+    def count_step_time(self, seconds: float, graph: bool) -> None:
+        self.step_s += seconds
+        if graph:
+            self.graph_step_s += seconds
+
+    def count_verify(self, drafted: int, accepted: int) -> None:
+        self.verify_steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+
+    def count_device_greedy(self, left_in_flight: bool) -> None:
+        self.device_greedy_steps += 1
+        self.async_steps += int(left_in_flight)
+
+    def count_graph_wait(self, seconds: float) -> None:
+        self.graph_wait_s += seconds
+
+    def count_draft_graph_after_eager(self) -> None:
+        self.draft_graphs_after_eager += 1
+
+    def count_abort(self) -> None:
+        self.aborted += 1
+
+    def snapshot(self) -> dict[str, float]:
+        return asdict(self)
