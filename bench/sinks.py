@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from mtp_ray.engine.outputs import StepOutput
-from mtp_ray.runtime.messages import pack_step, unpack_rows
+from mtp_ray.runtime.messages import pack_step, unpack_step
 from mtp_ray.runtime.sinks import Collector, StreamSink
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,8 +48,8 @@ async def route(kind: str, msgs: list[bytes], n: int) -> float:
     await asyncio.sleep(0)
     t0 = time.perf_counter()
     for m in msgs:  # what EngineGroup._poll does with each message
-        for row in unpack_rows(m)[1]:
-            sinks[row[0]].put_row(row)
+        for out in unpack_step(m)[1]:
+            sinks[out.request_id].put(out)
         await asyncio.sleep(0)
     await asyncio.gather(*waits)
     return time.perf_counter() - t0

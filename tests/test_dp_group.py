@@ -262,6 +262,7 @@ def test_command_queued_during_a_waves_last_step_still_runs():
 
     from mtp_ray.config.engine import EngineConfig
     from mtp_ray.parallel.context import free_port
+    from mtp_ray.runtime.messages import AddRequest, GroupCommand
     from mtp_ray.runtime.worker import RankWorker
 
     w = RankWorker(EngineConfig.from_dict(cfg(1, 0)), 0, 1)
@@ -274,15 +275,15 @@ def test_command_queued_during_a_waves_last_step_still_runs():
             table = w.core.sync.step_table
             if table is not None and table.all_dummy and not table.any_unfinished and "started" not in result:
                 result["started"] = True
-                t = threading.Thread(target=lambda: result.update(out=w.command(1, "update_weights", ({},))),
-                                     daemon=True)
+                cmd = GroupCommand(1, "update_weights", ({},))
+                t = threading.Thread(target=lambda: result.update(out=w.command(cmd)), daemon=True)
                 t.start()
                 while not w.cmds:
                     time.sleep(0.001)
             return outs
 
         w.core.step = racing_step
-        w.add("r0", [5, 6, 7], {"temperature": 0, "max_tokens": 2})
+        w.add_many([AddRequest("r0", [5, 6, 7], SamplingParams(temperature=0, max_tokens=2))])
         deadline = time.monotonic() + 30
         while "out" not in result and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -300,28 +301,31 @@ def test_abort_that_overtakes_its_add_drops_the_request():
 
     from mtp_ray.config.engine import EngineConfig
     from mtp_ray.parallel.context import free_port
-    from mtp_ray.runtime.messages import unpack_rows
+    from mtp_ray.runtime.messages import AddRequest, unpack_step
     from mtp_ray.runtime.worker import RankWorker
 
     def finished(deadline: float) -> dict[str, str]:
         out: dict[str, str] = {}
         while time.monotonic() < deadline and len(out) < 2:
             for msg in w.poll(0.2)["msgs"]:
-                out.update({row[0]: row[5] for row in unpack_rows(msg)[1] if row[4]})
+                out.update({o.request_id: o.finish_reason for o in unpack_step(msg)[1] if o.finished})
         return out
+
+    def add(rid: str, ids: list[int]) -> None:
+        w.add_many([AddRequest(rid, ids, SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))])
 
     w = RankWorker(EngineConfig.from_dict(cfg(1, 0)), 0, 1)
     w.init("127.0.0.1", free_port(), [None])
     try:
         w.abort("early")
-        w.add("early", [5, 6, 7], {"temperature": 0, "max_tokens": 500, "ignore_eos": True})
-        w.add("live", [8, 9, 10], {"temperature": 0, "max_tokens": 500, "ignore_eos": True})
-        while w.core.stats["steps"] < 3:
+        add("early", [5, 6, 7])
+        add("live", [8, 9, 10])
+        while w.core.stats.steps < 3:
             time.sleep(0.01)
         w.abort("live")
         assert finished(time.monotonic() + 30) == {"early": "abort", "live": "abort"}
         assert w.aborts == {"received": 2, "unknown": 1} and not w.early_aborts
-        assert w.core.stats["aborted"] == 1 and not w.core.has_unfinished()
+        assert w.core.stats.aborted == 1 and not w.core.has_unfinished()
     finally:
         w.shutdown()
         for t in threading.enumerate():  # the engine thread ends its wave and exits before the collectives go

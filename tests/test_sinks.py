@@ -1,31 +1,43 @@
-"""Where the group's poll loop puts a request's rows: streamed per step (StreamSink) or collected (Collector)."""
+"""Where the group's poll loop puts a request's outputs: streamed per step (StreamSink) or collected (Collector);
+the rank -> group wire format they come through."""
 
 import asyncio
 
 import pytest
 
 from mtp_ray.engine.outputs import StepOutput
-from mtp_ray.runtime.messages import pack_step, unpack_rows
+from mtp_ray.runtime.messages import RequestError, pack_step, unpack_step
 from mtp_ray.runtime.sinks import Collector, StreamSink
 
 
-def rows(steps: list[StepOutput]) -> list[list]:
-    return [r for s in steps for r in unpack_rows(pack_step(0, [s]))[1]]
+def wire(steps: list[StepOutput]) -> list[StepOutput]:
+    """The outputs as the group receives them: packed by a rank, one message per step, and unpacked."""
+    return [o for s in steps for o in unpack_step(pack_step(0, [s]))[1]]
+
+
+def test_wire_round_trip_keeps_every_field_typed():
+    outs = [StepOutput("a", [5, 6], [-0.5, -0.25], [{5: -0.5, 9: -1.5}, {}], False),
+            StepOutput("b", [], [], [], True, "error", error="prompt must not be empty"),
+            StepOutput("c", [7], [-1.0], [{}], True, "stop", 7, 3, {"num_drafts": 2})]
+    step, got = unpack_step(pack_step(42, outs))
+    assert step == 42 and got == outs and all(isinstance(o, StepOutput) for o in got)
+    assert list(got[0].new_top_logprobs[0]) == [5, 9]  # int token ids, in order
+    assert issubclass(RequestError, ValueError)  # a refused request is the caller's error (HTTP 400)
 
 
 def test_collector_appends_rows_and_resolves_once_finished():
     async def go():
         c = Collector()
-        for row in rows([StepOutput("a", [5, 6], [-0.5, -0.25], [{}, {}], False),
+        for out in wire([StepOutput("a", [5, 6], [-0.5, -0.25], [{}, {}], False),
                          StepOutput("a", [7], [-1.0], [{}], True, "stop", 7, 3, {"num_drafts": 2})]):
             assert not c.done.done()
-            c.put_row(row)
+            c.put(out)
         await c.done
         return c
 
     c = asyncio.run(go())
     assert c.token_ids == [5, 6, 7] and c.log_probs == [-0.5, -0.25, -1.0]
-    assert (c.finish_reason, c.stop_reason, c.spec) == ("stop", 7, {"num_drafts": 2})
+    assert (c.last.finish_reason, c.last.stop_reason, c.last.spec) == ("stop", 7, {"num_drafts": 2})
 
 
 def test_collector_fail_raises_in_the_waiter_once():
@@ -43,8 +55,8 @@ def test_stream_sink_yields_step_outputs_with_top_logprobs():
     async def go():
         s = StreamSink()
         out = StepOutput("b", [3], [-0.1], [{3: -0.1, 9: -2.5}], True, "length", None, 4, {})
-        for row in rows([out]):
-            s.put_row(row)
+        for o in wire([out]):
+            s.put(o)
         return await s.queue.get(), out
 
     got, sent = asyncio.run(go())
@@ -64,7 +76,7 @@ def _ready_group():
         pass
 
     g.adds = [CallBatcher(send)]
-    g._ready.set()
+    g.ready.set()
     return g
 
 
@@ -80,11 +92,11 @@ def test_stream_coalesces_what_arrived_while_its_consumer_was_away():
         await asyncio.sleep(0)
         sink = g.reqs["r"][1]
         for i in range(3):
-            sink.put_row(rows([StepOutput("r", [10 + i], [-0.1 * i], [{}], False)])[0])
+            sink.put(wire([StepOutput("r", [10 + i], [-0.1 * i], [{}], False)])[0])
         if fail:
             sink.fail(RuntimeError("group failed"))
         else:
-            sink.put_row(rows([StepOutput("r", [13], [-0.3], [{}], True, "length", None, 3, {"x": 1})])[0])
+            sink.put(wire([StepOutput("r", [13], [-0.3], [{}], True, "length", None, 3, {"x": 1})])[0])
         got = [await first]
         try:
             async for out in gen:

@@ -25,7 +25,7 @@ class RolloutEngine:
         if self._started is None:
             self._started = detached(self.group.start())  # its pollers outlive the first caller's request
         await self._started
-        return self.group.health()
+        return self.group.monitor.health()
 
     async def generate(self, prompt_token_ids: list[int] | list[list[int]], sampling_params: dict | None = None
                        ) -> dict | list[dict]:
@@ -40,9 +40,10 @@ class RolloutEngine:
         if params.n != 1:
             raise ValueError("n must be 1 per prompt on the rollout handle (repeat the prompt instead)")
         c = await self.group.collect(ids, params)  # whole results: no per-step wake-up of 256 coroutines
+        last = c.last
         return {"token_ids": c.token_ids, "log_probs": c.log_probs,
-                "stop_reason": STOP_REASON.get(c.finish_reason, "completed"), "finish_reason": c.finish_reason,
-                "spec": c.spec}
+                "stop_reason": STOP_REASON.get(last.finish_reason, "completed"), "finish_reason": last.finish_reason,
+                "spec": last.spec}
 
     # ---- RL control (verl / OpenRLHF / SGLang names) ----
     async def abort_all_requests(self) -> int:
@@ -52,28 +53,28 @@ class RolloutEngine:
         """New requests wait until resume_generation(); in-flight ones are aborted ('abort') or finish ('wait')."""
         if mode not in ("abort", "wait"):
             raise ValueError("mode must be 'abort' or 'wait'")
-        self.group.hold()
+        self.group.commands.hold()
         if mode == "abort":
             await self.abort_all_requests()
         while self.group.reqs:
             await asyncio.sleep(0.02)
 
     async def resume_generation(self) -> None:
-        self.group.release()
+        self.group.commands.release()
 
     async def sleep(self, level: int = 1, in_flight: str = "abort") -> list[dict]:
         """1: KV cache freed, weights offloaded to host; 2: both dropped. Returns each rank's memory while asleep."""
         await self.start()
-        return await self.group.sleep(level, in_flight)
+        return await self.group.commands.sleep(level, in_flight)
 
     async def wake_up(self) -> list[dict]:
-        return await self.group.wake_up()
+        return await self.group.commands.wake_up()
 
     async def update_weights(self, weights) -> list[dict]:
         """weights: [(name, tensor or ObjectRef)], {name: tensor}, or an ObjectRef of either; names as in the
         checkpoint (mtp.* to the MTP head; each expert to the rank that owns it). Call it once per chunk."""
         await self.start()
-        return await self.group.update_weights(weights)
+        return await self.group.commands.update_weights(weights)
 
     async def update_weights_from_tensor(self, named_tensors) -> list[dict]:
         return await self.update_weights(named_tensors)
@@ -82,32 +83,33 @@ class RolloutEngine:
                                         world_size: int, group_name: str = "weight_update",
                                         backend: str = "gloo") -> list[dict]:
         await self.start()
-        return await self.group.command("init_weights_update_group", master_address, master_port, rank_offset,
+        return await self.group.commands.command("init_weights_update_group", master_address, master_port, rank_offset,
                                         world_size, group_name, backend)
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
                                               group_name: str = "weight_update") -> list[dict]:
-        return await self.group.command("update_weights_from_distributed", list(names), [str(d) for d in dtypes],
-                                        [list(s) for s in shapes], group_name, wait_in_flight=True,
-                                        then=self.group._weights_updated)
+        cmds = self.group.commands
+        return await cmds.command("update_weights_from_distributed", list(names), [str(d) for d in dtypes],
+                                  [list(s) for s in shapes], group_name, wait_in_flight=True,
+                                  then=cmds.mark_weights_updated)
 
     async def reset_prefix_cache(self) -> bool:
         await self.start()
-        return all(await self.group.command("reset_prefix_cache", wait_in_flight=True))
+        return all(await self.group.commands.command("reset_prefix_cache", wait_in_flight=True))
 
     async def set_asleep_policy(self, policy: str) -> None:
         if policy not in ("wait", "fail"):
             raise ValueError("policy must be 'wait' or 'fail'")
-        self.group.asleep_policy = policy
+        self.group.commands.asleep_policy = policy
 
     async def health(self) -> dict:
-        return self.group.health()
+        return self.group.monitor.health()
 
     async def get_stats(self) -> dict:
         await self.start()
-        return {"health": self.group.health(), "ranks": await self.group.rank_stats(),
+        return {"health": self.group.monitor.health(), "ranks": await self.group.monitor.rank_stats(),
                 "group_cpu_s": time.process_time(),  # this actor's process: request routing, output unpacking
-                "memory": await self.group.command("memory")}
+                "memory": await self.group.commands.command("memory")}
 
     async def worker_handles(self) -> list:
         await self.start()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -22,16 +21,17 @@ from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.runtime.batcher import CallBatcher, detached
 from mtp_ray.runtime.group_commands import GroupCommands
 from mtp_ray.runtime.group_monitor import GroupFailed, GroupMonitor, GroupUnavailable
+from mtp_ray.runtime.messages import AddRequest, RequestError
 from mtp_ray.runtime.sinks import Collector, Sink, StreamSink
 from mtp_ray.runtime.worker import RankWorker
 
 log = logging.getLogger("mtp_ray.group")
 
 
-def _raise_if_error(finish_reason: str | None) -> None:
-    """A rank's error row (finish reason "error: ...") ends its request as a ValueError with the rank's message."""
-    if finish_reason and finish_reason.startswith("error"):
-        raise ValueError(finish_reason[len("error: "):])
+def _raise_if_error(out: StepOutput | None) -> None:
+    """A request its rank refused ends with a RequestError (a ValueError: the caller's) carrying the rank's message."""
+    if out is not None and out.error is not None:
+        raise RequestError(out.error)
 
 
 def rank_bundles(cfg: EngineConfig) -> list[dict]:
@@ -42,7 +42,10 @@ def rank_bundles(cfg: EngineConfig) -> list[dict]:
     return [{"CPU": cpu, "GPU": 1} if gpu else {"CPU": cpu} for _ in range(cfg.parallel.dp)]
 
 
-class EngineGroup(GroupCommands, GroupMonitor):
+class EngineGroup:
+    """Life cycle and requests; its commands (`commands`) and its health and faults (`monitor`) are objects of
+    their own over it."""
+
     def __init__(self, cfg: EngineConfig, pg=None, bundle_offset: int = 0, restart_on_failure: bool = True):
         """restart_on_failure=False (Serve): a fault leaves the group failed, check_health reports it and Serve
         replaces the whole replica; True (actor handle): the group restarts its ranks itself."""
@@ -59,33 +62,27 @@ class EngineGroup(GroupCommands, GroupMonitor):
         self.abort_errors = [0] * self.dp  # ... and those whose call failed
         # new requests per rank: one add_many call for all that arrive while the previous one is in flight
         self.adds = [CallBatcher(lambda items, r=r: self.workers[r].add_many.remote(items)) for r in range(self.dp)]
-        self.progress = [(0, time.monotonic())] * self.dp  # (step, when it last advanced) per rank
-        self.last_poll: list[dict] = [{} for _ in range(self.dp)]
         self.epoch = 0  # bumps on every (re)start; pollers of an older epoch exit
-        self.restarts = 0
-        self.state = "new"
-        self.last_failure: str | None = None
+        self.state = "new"  # new -> starting -> ready -> (restarting -> starting -> ready | failed) ... stopped
         self.max_model_len = 0
-        self._ready = asyncio.Event()
+        self.ready = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
-        # group commands (sleep / wake_up / weights): new requests are held while one runs or while asleep
-        self._accepting = asyncio.Event()
-        self._accepting.set()
-        self._cmd_lock = asyncio.Lock()
-        self._cmd_seq = 0
-        self.sleeping = 0
-        self.asleep_policy = "wait"  # a request that arrives while asleep: "wait" for wake_up, or "fail"
-        self.weights_updated = False
+        self.commands = GroupCommands(self)
+        self.monitor = GroupMonitor(self)
 
     # ---- life cycle ----
     async def start(self) -> None:
         if self.pg is None:
             self.pg = placement_group(rank_bundles(self.cfg), strategy=self.cfg.parallel.placement_strategy)
         await asyncio.wait_for(self.pg.ready(), self.cfg.timeouts.start_s)
-        await self._spawn()
-        self._tasks.append(detached(self._watchdog()))
+        await self.spawn()
+        self._tasks.append(detached(self.monitor.watchdog()))
 
-    async def _spawn(self) -> None:
+    async def wait_ready(self) -> None:
+        if self.state != "ready":
+            await asyncio.wait_for(self.ready.wait(), self.cfg.timeouts.start_s)
+
+    async def spawn(self) -> None:
         self.state = "starting"
         self.epoch += 1
         bundles = rank_bundles(self.cfg)
@@ -103,38 +100,38 @@ class EngineGroup(GroupCommands, GroupMonitor):
             infos = await asyncio.wait_for(asyncio.gather(*[w.init.remote(addr, port, self.workers)
                                                             for w in self.workers]), self.cfg.timeouts.start_s)
         except BaseException as e:
-            self._kill_workers()
+            self.kill_workers()
             self.state = "failed"
-            self.last_failure = f"group start failed: {type(e).__name__}: {e}"
-            raise GroupFailed(self.last_failure) from e
+            self.monitor.last_failure = f"group start failed: {type(e).__name__}: {e}"
+            raise GroupFailed(self.monitor.last_failure) from e
         self.max_model_len = infos[0]["max_model_len"]
-        now = time.monotonic()
-        self.progress = [(0, now)] * self.dp
+        self.monitor.reset()
         self.load = [0] * self.dp
-        self._tasks += [detached(self._poll(self.epoch, r)) for r in range(self.dp)]
+        self._tasks += [detached(self.monitor.poll(self.epoch, r)) for r in range(self.dp)]
         self.state = "ready"
-        self._ready.set()
+        self.ready.set()
         log.info("group ready (epoch %d): %s", self.epoch, infos)
 
     async def shutdown(self) -> None:
         self.state = "stopped"
-        self._ready.clear()
+        self.ready.clear()
         self.epoch += 1
         for t in self._tasks:
             t.cancel()
-        self._kill_workers()
+        self.kill_workers()
         if self.own_pg and self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
 
-    def _kill_workers(self) -> None:
+    def kill_workers(self) -> None:
         for w in self.workers:
             ray.kill(w, no_restart=True)
         self.workers = []
 
     # ---- requests ----
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        params.validate()
+        """Admission: the prompt and the token ids the parameters name, against this model (SamplingParams checked
+        their own values when they were made)."""
         check_request(prompt_ids, params, self.model_config.vocab_size, self.max_model_len)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -160,7 +157,7 @@ class EngineGroup(GroupCommands, GroupMonitor):
                     raise item
                 finished = item.finished
                 if finished:
-                    _raise_if_error(item.finish_reason)
+                    _raise_if_error(item)
                 yield item
                 if finished:
                     return
@@ -179,7 +176,7 @@ class EngineGroup(GroupCommands, GroupMonitor):
                 await sink.done
             finally:  # a cancelled caller cancels the future it awaited: done() then, but the request is not
                 finished = sink.done.done() and not sink.done.cancelled()
-            _raise_if_error(sink.finish_reason)
+            _raise_if_error(sink.last)
             return sink
         finally:
             self._release(rid, rank, finished)
@@ -188,16 +185,16 @@ class EngineGroup(GroupCommands, GroupMonitor):
                      ready_timeout: float | None, sink: Sink) -> tuple[str, int]:
         """Validate a new request, pick its rank (least loaded), route its rows to `sink` and send it there."""
         if self.state in ("stopped", "failed"):
-            raise GroupUnavailable(f"the engine group is {self.state}: {self.last_failure or 'shut down'}")
-        if not self._ready.is_set():  # (wait_for costs a task and a timer: not on every request of a ready group)
+            raise GroupUnavailable(f"the engine group is {self.state}: {self.monitor.last_failure or 'shut down'}")
+        if not self.ready.is_set():  # (wait_for costs a task and a timer: not on every request of a ready group)
             try:
-                await asyncio.wait_for(self._ready.wait(), ready_timeout or self.cfg.timeouts.start_s)
+                await asyncio.wait_for(self.ready.wait(), ready_timeout or self.cfg.timeouts.start_s)
             except asyncio.TimeoutError as e:
                 raise GroupUnavailable(f"the engine group is not ready ({self.state})") from e
         self.validate(prompt_ids, params)
-        if self.sleeping and self.asleep_policy == "fail":
+        if self.commands.sleeping and self.commands.asleep_policy == "fail":
             raise GroupUnavailable("the engine is asleep (call wake_up first)")
-        await self._accepting.wait()
+        await self.commands.accepting.wait()
         rid = request_id or uuid.uuid4().hex
         if rid in self.reqs:
             raise ValueError(f"request_id {rid!r} is already in flight")
@@ -205,7 +202,7 @@ class EngineGroup(GroupCommands, GroupMonitor):
         self.reqs[rid] = (rank, sink)
         self.load[rank] += 1
         try:
-            await self.adds[rank].submit((rid, list(prompt_ids), params.to_dict()))
+            await self.adds[rank].submit(AddRequest(rid, list(prompt_ids), params))
         except BaseException:
             self._release(rid, rank, finished=False)
             raise

@@ -1,24 +1,38 @@
-"""Group commands (sleep, wake_up, weight updates, ...): sent to every rank, run there in lock-step at the same
-step (runtime/rank_commands.py), one at a time; new requests are held while a command runs or while asleep."""
+"""GroupCommands: the engine group's commands (sleep, wake_up, weight updates, ...), sent to every rank and run there
+in lock-step at the same step (runtime/rank_commands.py), one at a time. It also owns admission while they run: new
+requests are held while a command runs or while the group sleeps."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from mtp_ray.runtime.batcher import detached
+from mtp_ray.runtime.messages import GroupCommand
+
+if TYPE_CHECKING:
+    from mtp_ray.runtime.group import EngineGroup
 
 
 class GroupCommands:
-    """Mixed into EngineGroup (which owns workers, reqs, state, _ready, _accepting, _cmd_lock, _cmd_seq)."""
+    def __init__(self, group: EngineGroup):
+        self.group = group
+        self.accepting = asyncio.Event()  # cleared: new requests wait (held, not refused)
+        self.accepting.set()
+        self._lock = asyncio.Lock()
+        self._seq = 0
+        self.sleeping = 0  # the sleep level the ranks are in (0: awake)
+        self.asleep_policy = "wait"  # a request that arrives while asleep: "wait" for wake_up, or "fail"
+        self.weights_updated = False  # a restart would reload the checkpoint: the group must not restart then
 
     def hold(self) -> None:
         """New requests wait (they are not refused) until release()."""
-        self._accepting.clear()
+        self.accepting.clear()
 
     def release(self) -> None:
         if not self.sleeping:
-            self._accepting.set()
+            self.accepting.set()
 
     async def command(self, name: str, *args, wait_in_flight: bool = False,
                       then: Callable[[], None] | None = None) -> list:
@@ -29,19 +43,19 @@ class GroupCommands:
         return await asyncio.shield(detached(self._command(name, args, wait_in_flight, then)))
 
     async def _command(self, name: str, args: tuple, wait_in_flight: bool, then: Callable[[], None] | None) -> list:
-        if self.state != "ready":
-            await asyncio.wait_for(self._ready.wait(), self.cfg.timeouts.start_s)
-        async with self._cmd_lock:
-            self._accepting.clear()
+        g = self.group
+        await g.wait_ready()
+        async with self._lock:
+            self.accepting.clear()
             try:
-                while wait_in_flight and self.reqs:
+                while wait_in_flight and g.reqs:
                     await asyncio.sleep(0.02)
-                self._cmd_seq += 1
-                res = await asyncio.gather(*[w.command.remote(self._cmd_seq, name, args) for w in self.workers],
-                                           return_exceptions=True)
+                self._seq += 1
+                cmd = GroupCommand(self._seq, name, args)
+                res = await asyncio.gather(*[w.command.remote(cmd) for w in g.workers], return_exceptions=True)
             finally:
                 if not self.sleeping:
-                    self._accepting.set()
+                    self.accepting.set()
         for r, e in enumerate(res):
             if isinstance(e, BaseException):
                 cause = e.cause if hasattr(e, "cause") and e.cause is not None else e
@@ -54,22 +68,22 @@ class GroupCommands:
     async def sleep(self, level: int = 1, in_flight: str = "abort") -> list:
         if in_flight not in ("abort", "wait"):
             raise ValueError("in_flight must be 'abort' or 'wait'")
+
         def asleep() -> None:
             self.sleeping = level
-            self._accepting.clear()
+            self.accepting.clear()
 
         return await self.command("sleep", level, in_flight, wait_in_flight=in_flight == "wait", then=asleep)
 
     async def wake_up(self) -> list:
         def awake() -> None:
             self.sleeping = 0
-            self._accepting.set()
+            self.accepting.set()
 
         return await self.command("wake_up", then=awake)
 
     async def update_weights(self, items) -> list:
-        return await self.command("update_weights", items, wait_in_flight=True, then=self._weights_updated)
+        return await self.command("update_weights", items, wait_in_flight=True, then=self.mark_weights_updated)
 
-    def _weights_updated(self) -> None:
+    def mark_weights_updated(self) -> None:
         self.weights_updated = True
-

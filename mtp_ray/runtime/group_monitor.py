@@ -1,14 +1,18 @@
-"""Group health and faults, mixed into EngineGroup: the per-rank pollers that route output rows to requests, the
-progress watchdog, and the one failure path (fail every in-flight request with a clear error, report each rank's
-last DPMeta, restart all ranks or leave the group failed for Serve to replace)."""
+"""GroupMonitor: the engine group's health and faults. Per-rank pollers route each step's outputs to their requests'
+sinks, a watchdog judges progress, and one failure path fails every in-flight request with a clear error, reports
+each rank's last DPMeta, and restarts all ranks (or leaves the group failed for Serve to replace)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING
 
-from mtp_ray.runtime.messages import unpack_rows
+from mtp_ray.runtime.messages import unpack_step
+
+if TYPE_CHECKING:
+    from mtp_ray.runtime.group import EngineGroup
 
 log = logging.getLogger("mtp_ray.group")
 
@@ -22,77 +26,90 @@ class GroupUnavailable(RuntimeError):
 
 
 class GroupMonitor:
-    """Mixed into EngineGroup (which owns workers, reqs, progress, last_poll, epoch, state and _spawn)."""
+    def __init__(self, group: EngineGroup):
+        self.group = group
+        dp = group.dp
+        self.progress = [(0, time.monotonic())] * dp  # (step, when it last advanced) per rank
+        self.last_poll: list[dict] = [{} for _ in range(dp)]  # each rank's last poll answer (health)
+        self.restarts = 0
+        self.last_failure: str | None = None
 
-    async def _poll(self, epoch: int, rank: int) -> None:
-        worker = self.workers[rank]
-        while self.epoch == epoch:
+    def reset(self) -> None:
+        """A (re)started group: every rank at step 0 now."""
+        self.progress = [(0, time.monotonic())] * self.group.dp
+
+    async def poll(self, epoch: int, rank: int) -> None:
+        g = self.group
+        worker = g.workers[rank]
+        while g.epoch == epoch:
             try:
                 res = await worker.poll.remote(0.5)
             except Exception as e:  # the actor died (RayActorError) or its node is gone
-                if self.epoch == epoch:
-                    await self._fail(epoch, f"rank {rank} died: {type(e).__name__}: {str(e).splitlines()[0]}")
+                if g.epoch == epoch:
+                    await self.fail(epoch, f"rank {rank} died: {type(e).__name__}: {str(e).splitlines()[0]}")
                 return
-            if self.epoch != epoch:
+            if g.epoch != epoch:
                 return
             self.last_poll[rank] = res
             if res["step"] != self.progress[rank][0]:
                 self.progress[rank] = (res["step"], time.monotonic())
             for msg in res["msgs"]:
-                for row in unpack_rows(msg)[1]:
-                    entry = self.reqs.get(row[0])
+                for out in unpack_step(msg)[1]:
+                    entry = g.reqs.get(out.request_id)
                     if entry is not None:
-                        entry[1].put_row(row)
+                        entry[1].put(out)
             if res["error"]:
-                await self._fail(epoch, res["error"])
+                await self.fail(epoch, res["error"])
                 return
 
-    async def _watchdog(self) -> None:
+    async def watchdog(self) -> None:
         """Hung = requests are in flight but a rank's step counter has not moved for timeouts.progress_s."""
-        while self.state != "stopped":
+        g, limit = self.group, self.group.cfg.timeouts.progress_s
+        while g.state != "stopped":
             await asyncio.sleep(1.0)
-            if self.state != "ready" or not self.reqs:
+            if g.state != "ready" or not g.reqs:
                 now = time.monotonic()
                 self.progress = [(s, now) for s, _ in self.progress]
                 continue
             for r, (step, since) in enumerate(self.progress):
-                if time.monotonic() - since > self.cfg.timeouts.progress_s:
-                    await self._fail(self.epoch, f"rank {r} made no progress for {self.cfg.timeouts.progress_s:.0f}s "
-                                                 f"(step {step}) with {len(self.reqs)} request(s) in flight")
+                if time.monotonic() - since > limit:
+                    await self.fail(g.epoch, f"rank {r} made no progress for {limit:.0f}s (step {step}) with "
+                                             f"{len(g.reqs)} request(s) in flight")
                     break
 
-    async def _fail(self, epoch: int, reason: str) -> None:
-        if epoch != self.epoch or self.state != "ready":
+    async def fail(self, epoch: int, reason: str) -> None:
+        g = self.group
+        if epoch != g.epoch or g.state != "ready":
             return
-        self.state = "restarting"
-        self._ready.clear()
+        g.state = "restarting"
+        g.ready.clear()
         report = await self._rank_report()
         self.last_failure = f"{reason}\n{report}"
-        log.error("engine group failed; restarting all %d ranks\n%s", self.dp, self.last_failure)
-        then = "the group is restarting" if self.restart_on_failure else "the group will be replaced"
+        log.error("engine group failed; restarting all %d ranks\n%s", g.dp, self.last_failure)
+        then = "the group is restarting" if g.restart_on_failure else "the group will be replaced"
         err = GroupFailed(f"engine group failed, request aborted; {then}. Cause: {reason}")
-        for _, sink in list(self.reqs.values()):
+        for _, sink in list(g.reqs.values()):
             sink.fail(err)
-        self.epoch += 1
-        self._kill_workers()
-        if self.weights_updated:  # a restart would reload the checkpoint: never serve other weights silently
-            self.state = "failed"
+        g.epoch += 1
+        g.kill_workers()
+        if g.commands.weights_updated:  # a restart would reload the checkpoint: never serve other weights silently
+            g.state = "failed"
             self.last_failure += "\nnot restarted: weights were updated since start (recreate the engine)"
             return
-        if not self.restart_on_failure:
-            self.state = "failed"
+        if not g.restart_on_failure:
+            g.state = "failed"
             return
         self.restarts += 1
         try:
-            await self._spawn()
+            await g.spawn()
         except Exception as e:  # leave the group unhealthy; check_health reports it
-            self.state = "failed"
+            g.state = "failed"
             self.last_failure += f"\nrestart failed: {e}"
             log.exception("group restart failed")
 
     async def _rank_report(self) -> str:
         lines = []
-        for r, w in enumerate(self.workers):
+        for r, w in enumerate(self.group.workers):
             try:
                 st = await asyncio.wait_for(w.stats.remote(), 3.0)
                 lines.append(f"  rank {r}: step {self.progress[r][0]} wave {st['wave']} collectives "
@@ -102,12 +119,13 @@ class GroupMonitor:
         return "every rank's last state:\n" + "\n".join(lines)
 
     def health(self) -> dict:
-        return {"healthy": self.state == "ready", "state": self.state, "restarts": self.restarts,
-                "sleeping": self.sleeping,
-                "in_flight": len(self.reqs), "load": list(self.load), "last_failure": self.last_failure,
-                "add_calls": [b.calls for b in self.adds],  # actor calls that carried new requests, per rank
-                "abort_calls": list(self.abort_calls), "abort_errors": list(self.abort_errors),
-                "max_model_len": self.max_model_len,
+        g = self.group
+        return {"healthy": g.state == "ready", "state": g.state, "restarts": self.restarts,
+                "sleeping": g.commands.sleeping,
+                "in_flight": len(g.reqs), "load": list(g.load), "last_failure": self.last_failure,
+                "add_calls": [b.calls for b in g.adds],  # actor calls that carried new requests, per rank
+                "abort_calls": list(g.abort_calls), "abort_errors": list(g.abort_errors),
+                "max_model_len": g.max_model_len,
                 "ranks": [{"step": p.get("step", 0), "wave": p.get("wave", 0), "counters": p.get("counters", {}),
                            "collectives": p.get("collectives", 0), "num_running": p.get("num_running", 0),
                            "num_waiting": p.get("num_waiting", 0), "spec": p.get("spec", {}),
@@ -115,4 +133,4 @@ class GroupMonitor:
                           for p in self.last_poll]}
 
     async def rank_stats(self) -> list[dict]:
-        return list(await asyncio.gather(*[w.stats.remote() for w in self.workers]))
+        return list(await asyncio.gather(*[w.stats.remote() for w in self.group.workers]))

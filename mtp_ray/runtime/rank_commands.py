@@ -1,48 +1,66 @@
-"""Group commands as each rank runs them (on its engine thread, at the same step as every other rank)."""
+"""Group commands as one rank runs them: on its engine thread, at the same step as every other rank (the worker
+runs `RankCommands.run` when the gathered DPMeta says every rank holds the command)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from mtp_ray.engine.core import EngineCore
+from mtp_ray.parallel.context import DistContext
+from mtp_ray.runtime.messages import GroupCommand
 from mtp_ray.runtime.weight_sync import apply_update, make_group, receive, resolve
 
 
-def run_command(worker, name: str, args: tuple) -> Any:
-    core, runner, ctx = worker.core, worker.core.runner, worker.ctx
-    if name == "sleep":
-        level, in_flight = args
+class RankCommands:
+    def __init__(self, core: EngineCore, ctx: DistContext, rank: int):
+        self.core, self.ctx, self.rank = core, ctx, rank
+        self.update_groups: dict[str, tuple[Any, Any]] = {}  # weight-update group name -> (TCPStore, process group)
+
+    def run(self, cmd: GroupCommand) -> Any:
+        handler = getattr(self, f"_{cmd.name}", None)
+        if handler is None:
+            raise ValueError(f"unknown group command {cmd.name!r}")
+        return handler(*cmd.args)
+
+    def _sleep(self, level: int, in_flight: str) -> dict:
+        core, runner = self.core, self.core.runner
         aborted = core.abort_all() if in_flight == "abort" else 0
         if core.has_unfinished():
             raise ValueError("sleep: requests are still running (use in_flight='abort')")
         runner.sleep(level)
-        ctx.barrier()
+        self.ctx.barrier()
         return {"aborted": aborted, **runner.memory()}
-    if name == "wake_up":
-        runner.wake_up()
-        ctx.barrier()
-        core.warmup()  # re-warm in lock-step (graphs are recaptured here on GPU)
-        ctx.barrier()
-        return runner.memory()
-    if name == "update_weights":
-        return {"updated": apply_update(runner, resolve(args[0]))}
-    if name == "init_weights_update_group":
-        addr, port, rank_offset, world_size, group_name, backend = args
-        store, pg = make_group(addr, port, rank_offset + worker.rank, world_size, group_name, backend)
-        worker.update_groups[group_name] = (store, pg)
-        return {"rank": rank_offset + worker.rank}
-    if name == "update_weights_from_distributed":
-        names, dtypes, shapes, group_name = args
-        if group_name not in worker.update_groups:
+
+    def _wake_up(self) -> dict:
+        self.core.runner.wake_up()
+        self.ctx.barrier()
+        self.core.warmup()  # re-warm in lock-step (graphs are recaptured here on GPU)
+        self.ctx.barrier()
+        return self.core.runner.memory()
+
+    def _update_weights(self, items: Any) -> dict:
+        return {"updated": apply_update(self.core.runner, resolve(items))}
+
+    def _init_weights_update_group(self, addr: str, port: int, rank_offset: int, world_size: int, group_name: str,
+                                   backend: str) -> dict:
+        self.update_groups[group_name] = make_group(addr, port, rank_offset + self.rank, world_size, group_name,
+                                                    backend)
+        return {"rank": rank_offset + self.rank}
+
+    def _update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list, group_name: str) -> dict:
+        if group_name not in self.update_groups:
             raise ValueError(f"unknown weight-update group {group_name!r}: call init_weights_update_group first")
-        items = receive(worker.update_groups[group_name][1], names, dtypes, shapes, runner.device)
-        return {"updated": apply_update(runner, items)}
-    if name == "reset_prefix_cache":
-        if core.has_unfinished():
+        items = receive(self.update_groups[group_name][1], names, dtypes, shapes, self.core.runner.device)
+        return {"updated": apply_update(self.core.runner, items)}
+
+    def _reset_prefix_cache(self) -> bool:
+        if self.core.has_unfinished():
             return False  # as vLLM: not while requests run
-        runner.reset_caches()
+        self.core.runner.reset_caches()
         return True
-    if name == "abort_all":
-        return core.abort_all()
-    if name == "memory":
-        return runner.memory()
-    raise ValueError(f"unknown group command {name!r}")
+
+    def _abort_all(self) -> int:
+        return self.core.abort_all()
+
+    def _memory(self) -> dict:
+        return self.core.runner.memory()

@@ -16,6 +16,8 @@ import queue
 import threading
 import time
 import traceback
+from dataclasses import dataclass, field
+from typing import Any
 
 import ray
 import torch
@@ -25,34 +27,42 @@ from mtp_ray.config.model import ModelConfig
 from mtp_ray.engine.core import EngineCore
 from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.runner import resolve_device, resolve_dtype
-from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.parallel.context import DistContext, expert_ranges, free_port
 from mtp_ray.parallel.ep import make_dispatcher
 from mtp_ray.parallel.sync import DPSync
-from mtp_ray.runtime.messages import pack_step
-from mtp_ray.runtime.rank_commands import run_command
+from mtp_ray.runtime.messages import AbortRequest, AddRequest, GroupCommand, pack_step
+from mtp_ray.runtime.rank_commands import RankCommands
 from mtp_ray.runtime.stalls import StallMonitor
 from mtp_ray.runtime.step_profile import StepProfiler
 
 log = logging.getLogger("mtp_ray.rank")
 
 
+@dataclass
+class PendingCommand:
+    """A group command this rank holds until every rank has it (DPMeta.next_cmd), then runs at the same step."""
+
+    cmd: GroupCommand
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
 class RankWorker:
     def __init__(self, cfg: EngineConfig, rank: int, world: int):
         torch.set_num_threads(cfg.parallel.threads_per_rank)
         self.cfg, self.rank, self.world = cfg, rank, world
-        self.inbox: queue.Queue = queue.Queue()
+        self.inbox: queue.Queue[AddRequest | AbortRequest] = queue.Queue()
         self.cond = threading.Condition()
         self.outbox: list[bytes] = []
-        self.wave = 0  # waves finished (identical on every rank)
         self.start_wanted = -1  # highest wave index some rank asked to start
         self.running = False
         self.error: str | None = None
         self.stopped = False
         self.peers: list = []
         # group commands (sleep, wake_up, weight updates): run on every rank at the same step, in order
-        self.cmds: list[tuple[int, str, tuple, threading.Event, dict]] = []
-        self.update_groups: dict[str, object] = {}
+        self.cmds: list[PendingCommand] = []
+        self.commands: RankCommands | None = None
         self.core: EngineCore | None = None
         self.ctx: DistContext | None = None
         self.profiler = StepProfiler()
@@ -63,6 +73,12 @@ class RankWorker:
         # ids of those unknown aborts, newest last: a request cancelled while its add was in flight may have its abort
         # run first (this actor runs calls on several threads, in no set order); its add is then dropped here
         self.early_aborts: dict[str, None] = {}
+
+    @property
+    def wave(self) -> int:
+        """Waves finished, the same on every rank: the sync's counter, which every DPMeta carries and the gather
+        checks (docs/design.md, rule 5)."""
+        return self.core.sync.wave if self.core is not None else 0
 
     # ---- set-up ----
     def rendezvous_address(self) -> tuple[str, int]:
@@ -90,6 +106,7 @@ class RankWorker:
         sync = DPSync(self.ctx, draft_gathers=c.parallel.draft_gathers, group_turns=c.parallel.group_turns,
                       ll_max_tokens=bounded)
         self.core = EngineCore(c, expert_range, dispatch, sync)
+        self.commands = RankCommands(self.core, self.ctx, self.rank)
         self.stalls.install()
         self.ctx.barrier()
         self.core.warmup()
@@ -101,19 +118,16 @@ class RankWorker:
                 "max_model_len": self.core.max_model_len}
 
     # ---- requests (any thread) ----
-    def add(self, request_id: str, prompt_ids: list[int], params: dict) -> None:
-        self.add_many([(request_id, prompt_ids, params)])
-
-    def add_many(self, items: list[tuple[str, list[int], dict]]) -> None:
-        """Requests (id, prompt ids, sampling params as a dict), in arrival order: one actor call for a burst."""
-        for request_id, prompt_ids, params in items:
-            self.inbox.put(("add", request_id, prompt_ids, SamplingParams.from_dict(params)))
+    def add_many(self, items: list[AddRequest]) -> None:
+        """New requests, in arrival order (validated by the group at admission): one actor call for a burst."""
+        for item in items:
+            self.inbox.put(item)
         self.last_add = time.monotonic()  # when the latest request reached this rank (system-wide clock)
         self._want_wave(None)
 
     def abort(self, request_id: str) -> None:
         self.aborts["received"] += 1
-        self.inbox.put(("abort", request_id))
+        self.inbox.put(AbortRequest(request_id))
         self._want_wave(None)
 
     def start_wave(self, wave: int) -> None:
@@ -124,21 +138,21 @@ class RankWorker:
             self.start_wanted = max(self.start_wanted, self.wave if wave is None else wave)
             self.cond.notify_all()
 
-    def command(self, seq: int, name: str, args: tuple) -> object:
+    def command(self, cmd: GroupCommand) -> Any:
         """Queue a group command; returns (or raises) once this rank ran it in lock-step with the others."""
-        done, box = threading.Event(), {}
+        pending = PendingCommand(cmd)
         with self.cond:
-            self.cmds.append((seq, name, args, done, box))
+            self.cmds.append(pending)
             self.start_wanted = max(self.start_wanted, self.wave)
             self.cond.notify_all()
-        while not done.wait(1.0):
+        while not pending.done.wait(1.0):
             if self.error:
                 raise RuntimeError(self.error)
             if self.stopped:
-                raise RuntimeError(f"rank {self.rank} stopped before running command {name}")
-        if "error" in box:
-            raise box["error"]
-        return box["result"]
+                raise RuntimeError(f"rank {self.rank} stopped before running command {cmd.name}")
+        if pending.error is not None:
+            raise pending.error
+        return pending.result
 
     def poll(self, timeout: float = 0.5) -> dict:
         """Long poll: every step message produced since the last poll, plus progress counters."""
@@ -201,7 +215,7 @@ class RankWorker:
                     t0 = time.perf_counter()
                     self._drain_inbox()
                     with self.cond:
-                        core.meta_extra = {"next_cmd": self.cmds[0][0] if self.cmds else 0}
+                        core.meta_extra = {"next_cmd": self.cmds[0].cmd.seq if self.cmds else 0}
                     t1 = time.perf_counter()
                     outs = self.profiler.run(core)
                     sync.step += 1
@@ -217,8 +231,7 @@ class RankWorker:
                         break
                 with self.cond:
                     self.running = False
-                    self.wave += 1
-                    sync.counters["waves"] += 1
+                    sync.end_wave()
                     # work that arrived during the wave's last step (after its DPMeta was gathered) starts the next
                     # wave: requests in the inbox, and group commands (a command queued then would wait forever)
                     if not self.inbox.empty() or core.has_unfinished() or self.cmds:
@@ -234,14 +247,14 @@ class RankWorker:
 
     def _run_command(self) -> None:
         with self.cond:
-            seq, name, args, done, box = self.cmds.pop(0)
+            pending = self.cmds.pop(0)
         self.core.drain()  # a command sees every token committed and no step on the device (sleep frees caches)
         try:
-            box["result"] = run_command(self, name, args)
+            pending.result = self.commands.run(pending.cmd)
         except Exception as e:  # reported to the caller; the rank keeps serving
-            log.warning("rank %d: command %s failed: %s", self.rank, name, e)
-            box["error"] = e
-        done.set()
+            log.warning("rank %d: command %s failed: %s", self.rank, pending.cmd.name, e)
+            pending.error = e
+        pending.done.set()
 
     def _drain_inbox(self) -> None:
         while True:
@@ -249,23 +262,24 @@ class RankWorker:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 return
-            if item[0] == "add":
-                _, rid, ids, params = item
+            if isinstance(item, AddRequest):
+                rid = item.request_id
                 if rid in self.early_aborts:  # aborted before it arrived
                     del self.early_aborts[rid]
                     self._publish(pack_step(self.core.sync.step, [StepOutput(rid, [], [], [], True, "abort")]))
                     continue
                 try:
-                    self.core.add_request(rid, ids, params)
+                    self.core.add_request(rid, item.prompt_ids, item.params)
                 except ValueError as e:  # validated by the group already; never take the rank down
-                    self._publish(pack_step(self.core.sync.step, [StepOutput(rid, [], [], [], True, f"error: {e}")]))
+                    out = StepOutput(rid, [], [], [], True, "error", error=str(e))
+                    self._publish(pack_step(self.core.sync.step, [out]))
             else:
-                out = self.core.abort_request(item[1])
+                out = self.core.abort_request(item.request_id)
                 if out is not None:
                     self._publish(pack_step(self.core.sync.step, [out]))
                 else:
                     self.aborts["unknown"] += 1
-                    self.early_aborts[item[1]] = None
+                    self.early_aborts[item.request_id] = None
                     if len(self.early_aborts) > 4096:  # mostly requests that had finished: keep the newest only
                         del self.early_aborts[next(iter(self.early_aborts))]
 

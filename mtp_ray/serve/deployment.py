@@ -6,9 +6,12 @@ update_weights, ...), plus `stream` for the HTTP ingress."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import ray
 
 from mtp_ray.config.engine import EngineConfig
+from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.rl.engine import RolloutEngine
 from mtp_ray.runtime.group import EngineGroup
@@ -22,12 +25,12 @@ class GroupDeployment(RolloutEngine):
         self._started = None
         await self.start()
 
-    async def stream(self, prompt_ids: list[int], params: dict, request_id: str | None = None):
-        """One dict per engine step with new tokens (call with handle.options(stream=True))."""
-        async for out in self.group.generate(prompt_ids, SamplingParams.from_dict(params), request_id):
-            yield {"token_ids": out.new_token_ids, "logprobs": out.new_logprobs,
-                   "top_logprobs": [list(t.items()) for t in out.new_top_logprobs], "finished": out.finished,
-                   "finish_reason": out.finish_reason, "stop_reason": out.stop_reason, "spec": out.spec}
+    async def stream(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+                     ) -> AsyncIterator[StepOutput]:
+        """The request's StepOutputs, one per engine step with new tokens, or several steps' coalesced when the
+        consumer falls behind (call with handle.options(stream=True)); params as validated by the ingress."""
+        async for out in self.group.generate(prompt_ids, params, request_id):
+            yield out
 
     async def info(self) -> dict:
         mc = self.group.model_config
@@ -35,6 +38,6 @@ class GroupDeployment(RolloutEngine):
                 "dp": self.cfg.parallel.dp, "k": self.cfg.spec.k}
 
     async def check_health(self) -> None:
-        h = self.group.health()
+        h = self.group.monitor.health()
         if h["state"] in ("failed", "stopped"):
             raise RuntimeError(f"engine group unhealthy ({h['state']}): {h['last_failure']}")

@@ -11,9 +11,12 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
 from mtp_ray.engine.detok import Detokenizer
 from mtp_ray.llm import load_tokenizer
+from mtp_ray.runtime.group_monitor import GroupFailed, GroupUnavailable
 from mtp_ray.serve.metrics import Metrics
 from mtp_ray.serve.openai_protocol import ApiError, ParsedRequest, bad, check_length, parse_chat, parse_completion
 from mtp_ray.serve.responses import Choice, chunk, final_response
@@ -29,13 +32,19 @@ def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
+# a group that cannot serve right now: failed or restarting, a rank or the group replica gone, Serve without a replica
+UNAVAILABLE = (GroupFailed, GroupUnavailable, RayActorError, ActorUnavailableError, DeploymentUnavailableError,
+               ReplicaUnavailableError)
+
+
 def classify(e: BaseException) -> ApiError:
-    """Engine-side exceptions -> HTTP errors: bad input 400, a group that cannot serve 503."""
-    name = " ".join(c.__name__ for c in type(e).__mro__)
-    msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-    if "GroupFailed" in name or "GroupUnavailable" in name or "ActorDied" in name or "Unavailable" in msg:
+    """Engine-side exceptions -> HTTP errors: bad input (ValueError, RequestError) 400, a group that cannot serve 503.
+    An exception raised in the group replica arrives as a RayTaskError whose `cause` is the original."""
+    cause = e.cause if isinstance(e, RayTaskError) and e.cause is not None else e
+    msg = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
+    if isinstance(cause, UNAVAILABLE):
         return ApiError(503, f"no engine group can serve the request right now: {msg}")
-    if isinstance(e, ValueError) or "ValueError" in name:
+    if isinstance(cause, ValueError):
         return bad(msg)
     return ApiError(500, f"internal error: {msg}")
 
@@ -111,20 +120,20 @@ class Ingress:
         """Runs one choice to its end; with a queue, puts a chunk per step that produced text or finished."""
         p = req.params
         params = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + c.index % p.n)
-        gen = self.group.options(stream=True).stream.remote(c.prompt, params.to_dict(), None)
+        gen = self.group.options(stream=True).stream.remote(c.prompt, params, None)
         t0 = last = time.monotonic()
         self.metrics.running += 1
         try:
-            async for d in gen:
+            async for out in gen:
                 now = time.monotonic()
-                if d["token_ids"]:
+                if out.new_token_ids:
                     if not c.token_ids:
                         self.metrics.ttft.observe(now - t0)
                     else:
-                        self.metrics.itl.observe((now - last) / len(d["token_ids"]))
+                        self.metrics.itl.observe((now - last) / len(out.new_token_ids))
                     last = now
-                c.add(d, self.tok)
-                if c.detok.stopped_by is not None and not d["finished"]:
+                c.add(out)
+                if c.detok.stopped_by is not None and not out.finished:
                     c.finish_reason, c.stop_reason = "stop", c.detok.stopped_by
                     gen.cancel()  # aborts the request on its rank
                 if queue is not None:

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from mtp_ray.engine.detok import Detokenizer
+from mtp_ray.engine.outputs import StepOutput
 
 
 @dataclass
@@ -23,16 +24,16 @@ class Choice:
     sent_finish: bool = False
     echo: str = ""  # the prompt's text, sent before the completion's (completions with echo)
 
-    def add(self, d: dict, tok) -> None:
-        self.token_ids += d["token_ids"]
-        self.logprobs += d["logprobs"]
-        self.top += d["top_logprobs"]
-        self.detok.add(d["token_ids"])
-        if d["finished"] and self.finish_reason is None:
+    def add(self, out: StepOutput) -> None:
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.new_logprobs
+        self.top += [list(t.items()) for t in out.new_top_logprobs]
+        self.detok.add(out.new_token_ids)
+        if out.finished and self.finish_reason is None:
             stopped = self.detok.stopped_by
-            self.finish_reason = "stop" if stopped is not None else d["finish_reason"]
-            self.stop_reason = stopped if stopped is not None else d["stop_reason"]
-            self.spec = d.get("spec") or {}
+            self.finish_reason = "stop" if stopped is not None else out.finish_reason
+            self.stop_reason = stopped if stopped is not None else out.stop_reason
+            self.spec = out.spec or {}
 
     @property
     def pending_logprobs(self) -> bool:
