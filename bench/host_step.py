@@ -1,7 +1,7 @@
 """Host cost of a CUDA-graph decode step, measured on the CPU: the engine's graph path (schedule, pack inputs,
 DPMeta, device-greedy result handling, outputs) with the graph replay replaced by a no-op, so only the Python /
 host work of a step is timed. On the GPU this work runs while the device idles (the tiny bundled model's steps are
-host-bound: see README, GPU checks), so it bounds tokens/s there.
+host-bound: see docs/performance.md), so it bounds tokens/s there.
 
     python bench/host_step.py [--batches 1 32 128] [--k 0 3] [--steps 100] [--out bench/results/host_step.json]
 
