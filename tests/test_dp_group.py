@@ -226,7 +226,7 @@ def test_burst_of_1000_short_requests(ray_cluster):
 def test_killed_rank_fails_inflight_requests_and_group_restarts(ray_cluster, ref):
     import ray
 
-    h = launch_engine(cfg(2, 2, timeouts={"collective_s": 8, "progress_s": 15}))
+    h = launch_engine(cfg(2, 2, timeouts={"collective_s": 8, "progress_s": 15, "queue_s": 0.5}))
     try:
         workers = ray.get(h.worker_handles.remote())
         long = [h.generate.remote(list(range(10, 40)), {"max_tokens": 3000, **GREEDY}) for _ in range(4)]
@@ -237,6 +237,12 @@ def test_killed_rank_fails_inflight_requests_and_group_restarts(ray_cluster, ref
             with pytest.raises(ray.exceptions.RayTaskError, match="engine group failed"):
                 ray.get(r, timeout=60)
         assert time.monotonic() - t0 < 30
+        # while it restarts, a new request waits at most timeouts.queue_s, then fails with the cause
+        t1 = time.monotonic()
+        with pytest.raises(ray.exceptions.RayTaskError, match=r"GroupUnavailable: the engine group is (re)?starting, "
+                                                              r"not ready after 0.5s; last failure: rank [01] "):
+            ray.get(h.generate.remote([5, 6, 7], {"max_tokens": 2, **GREEDY}), timeout=30)
+        assert time.monotonic() - t1 < 3
         deadline = time.monotonic() + 120
         while not ray.get(h.health.remote())["healthy"] and time.monotonic() < deadline:
             time.sleep(0.5)

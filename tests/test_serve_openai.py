@@ -249,7 +249,7 @@ def test_random_requests_get_200_or_400_and_never_take_the_group_down(server):
     import random
 
     rng = random.Random(7)
-    before = requests.get(f"{BASE}/health").json()
+    before = requests.get(f"{BASE}/admin/health").json()
     codes = {200: 0, 400: 0}
     for i in range(120):
         chat = i >= 80
@@ -268,7 +268,7 @@ def test_random_requests_get_200_or_400_and_never_take_the_group_down(server):
             assert r.text.rstrip().endswith("data: [DONE]"), (body, r.text[-300:])
         else:
             assert r.json()["usage"]["completion_tokens"] >= 1, body
-    after = requests.get(f"{BASE}/health").json()
+    after = requests.get(f"{BASE}/admin/health").json()
     assert after["healthy"] and after["restarts"] == before["restarts"], after
     assert codes[200] >= 10 and codes[400] >= 10, codes  # both kinds were exercised
 
@@ -316,7 +316,7 @@ def test_models_health_metrics_tokenize(server):
 
 
 def aborted() -> int:
-    return sum(r["spec"].get("aborted", 0) for r in requests.get(f"{BASE}/health").json()["ranks"])
+    return sum(r["spec"].get("aborted", 0) for r in requests.get(f"{BASE}/admin/health").json()["ranks"])
 
 
 def test_client_disconnect_aborts_the_request(server):
@@ -324,7 +324,7 @@ def test_client_disconnect_aborts_the_request(server):
     request could end by itself: 1900 tokens take ~30 s on a 2-core machine, the abort ~0.1 s. Ten times: Serve
     cancels the gone client's stream with its child calls, and the abort sent from the stream's clean-up was
     one of them ~1 time in 12 until it was sent from a task of its own."""
-    n, before, sent = 10, aborted(), sum(requests.get(f"{BASE}/health").json()["abort_calls"])
+    n, before, sent = 10, aborted(), sum(requests.get(f"{BASE}/admin/health").json()["abort_calls"])
     for _ in range(n):
         with requests.post(f"{BASE}/v1/completions", stream=True, timeout=60, json={
                 "model": MODEL, "prompt": "def long(", "max_tokens": 1900, "stream": True, "ignore_eos": True}) as r:
@@ -334,13 +334,13 @@ def test_client_disconnect_aborts_the_request(server):
     gone, deadline = time.time(), time.time() + 20
     while aborted() < before + n and time.time() < deadline:  # the rank's counters reach the group with its polls
         time.sleep(0.2)
-    h = requests.get(f"{BASE}/health").json()
+    h = requests.get(f"{BASE}/admin/health").json()
     assert aborted() == before + n, f"{aborted() - before} of {n} aborted {time.time() - gone:.1f} s later: {h}"
     # the abort's trail: sent by the group, none of the calls failed, received by a rank
     assert sum(h["abort_calls"]) == sent + n and sum(h["abort_errors"]) == 0, h
     assert sum(r["aborts"].get("received", 0) for r in h["ranks"]) >= n, h
     while time.time() < deadline + 10:
-        h = requests.get(f"{BASE}/health").json()
+        h = requests.get(f"{BASE}/admin/health").json()
         if h["in_flight"] == 0 and all(r["num_running"] == 0 for r in h["ranks"]):
             break
         time.sleep(0.5)

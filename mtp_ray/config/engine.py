@@ -106,11 +106,15 @@ class TimeoutConfig:
     collective_s: float = 60.0  # a collective that takes longer fails the group (watchdog)
     progress_s: float = 90.0  # pending work but no step for this long: the group is hung
     start_s: float = 300.0  # group start (actors, model load, rendezvous, warmup)
+    # a new request waits at most this long for a group that can serve it (restarting, none up): then it fails
+    # with GroupUnavailable (HTTP 503 + Retry-After) rather than waiting without bound
+    queue_s: float = 5.0
 
     def __post_init__(self) -> None:
         _check(self.collective_s > 0, "timeouts.collective_s", "must be > 0")
         _check(self.progress_s > 0, "timeouts.progress_s", "must be > 0")
         _check(self.start_s > 0, "timeouts.start_s", "must be > 0")
+        _check(self.queue_s > 0, "timeouts.queue_s", "must be > 0")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mtp_ray.engine.sampling_params import SamplingParams
+from mtp_ray.engine.sampling_params import ParamError, SamplingParams
 
 
 class Status(enum.Enum):
@@ -111,10 +111,10 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
     """The one place a request is checked against the model (offline API, engine, group): its token-id prompt and the
     token ids its parameters name; ValueError naming the field. (params.validate() checks the values themselves.)"""
     if not prompt_ids:
-        raise ValueError("prompt must not be empty")
+        raise ParamError("prompt must not be empty", "prompt")
     if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in prompt_ids):
-        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+        raise ParamError(f"prompt token ids must be integers in [0, {vocab_size})", "prompt")
     if max_model_len and len(prompt_ids) >= max_model_len:
-        raise ValueError(f"prompt has {len(prompt_ids)} tokens; the maximum context length is {max_model_len} "
-                         f"(prompt + at least one generated token)")
+        raise ParamError(f"prompt has {len(prompt_ids)} tokens; the maximum context length is {max_model_len} "
+                         f"(prompt + at least one generated token)", "prompt")
     params.check_vocab(vocab_size)

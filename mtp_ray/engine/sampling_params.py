@@ -6,6 +6,14 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 
+class ParamError(ValueError):
+    """A bad request value; `param` names the request field (OpenAI's error `param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -50,20 +58,20 @@ class SamplingParams:
         """Token ids named by the parameters exist (an id past the vocabulary would fail the step that uses it)."""
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ())):
             if any(t >= vocab_size for t in ids):
-                raise ValueError(f"{name} token ids must be in [0, {vocab_size})")
+                raise ParamError(f"{name} token ids must be in [0, {vocab_size})", name)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SamplingParams:
         known = {f.name for f in fields(cls)}
         unknown = set(raw) - known
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {sorted(unknown)}")
+            raise ParamError(f"unknown sampling parameter(s): {sorted(unknown)}", sorted(unknown)[0])
         return cls(**raw)
 
     def validate(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:
             if not ok:
-                raise ValueError(f"{name} {what}")
+                raise ParamError(f"{name} {what}", name)
 
         def is_int(x: Any) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)

@@ -135,13 +135,17 @@ class EngineGroup:
         check_request(prompt_ids, params, self.model_config.vocab_size, self.max_model_len)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       ready_timeout: float | None = None) -> AsyncIterator[StepOutput]:
+                       ready_timeout: float | None = None, announce: bool = False) -> AsyncIterator[StepOutput]:
         """Token deltas of one request: one StepOutput per engine step that produced tokens for it, or, when the
         consumer falls behind (each delta a Serve stream item costs the replica CPU), everything that arrived since
-        its last one in one delta: under load the stream carries fewer, larger deltas instead of a backlog."""
+        its last one in one delta: under load the stream carries fewer, larger deltas instead of a backlog.
+        announce: first an empty delta once the request is admitted (a caller can tell a group that never admitted
+        it, whose request may go to another group, from one that is computing its first token)."""
         sink = StreamSink()
         rid, rank = await self._admit(prompt_ids, params, request_id, ready_timeout, sink)
         finished = False
+        if announce:
+            yield StepOutput(rid, [], [], [], False)
         later: StepOutput | BaseException | None = None  # taken from the queue while coalescing, not yet handled
         try:
             while True:
@@ -187,10 +191,12 @@ class EngineGroup:
         if self.state in ("stopped", "failed"):
             raise GroupUnavailable(f"the engine group is {self.state}: {self.monitor.last_failure or 'shut down'}")
         if not self.ready.is_set():  # (wait_for costs a task and a timer: not on every request of a ready group)
+            wait = ready_timeout or self.cfg.timeouts.queue_s
             try:
-                await asyncio.wait_for(self.ready.wait(), ready_timeout or self.cfg.timeouts.start_s)
+                await asyncio.wait_for(self.ready.wait(), wait)
             except asyncio.TimeoutError as e:
-                raise GroupUnavailable(f"the engine group is not ready ({self.state})") from e
+                cause = f"; last failure: {self.monitor.last_failure}" if self.monitor.last_failure else ""
+                raise GroupUnavailable(f"the engine group is {self.state}, not ready after {wait:g}s{cause}") from e
         self.validate(prompt_ids, params)
         if self.commands.sleeping and self.commands.asleep_policy == "fail":
             raise GroupUnavailable("the engine is asleep (call wake_up first)")

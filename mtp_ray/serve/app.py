@@ -5,6 +5,7 @@ args (the YAML's `args:`):
   served_model_name:   the model id clients send (default: the model directory's name)
   group:               Serve options of the group deployment (autoscaling_config, num_replicas, ...)
   ingress:             Serve options of the HTTP ingress deployment
+  server:              ServerConfig fields (api_key, max_body_bytes, max_n, max_stop, max_prompts)
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from mtp_ray.config.engine import EngineConfig
+from mtp_ray.config.server import ServerConfig
 from mtp_ray.runtime.group import rank_bundles
 from mtp_ray.serve.deployment import GroupDeployment
 from mtp_ray.serve.ingress import Ingress
+from mtp_ray.serve.routing import ServingGroupsRouter
 
 REPLICA_CPU = 0.1  # bundle 0 of a group replica holds the replica actor itself; the ranks take the others
 
@@ -28,14 +32,20 @@ def group_bundles(cfg: EngineConfig) -> list[dict[str, float]]:
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     args = dict(args or {})
-    unknown = set(args) - {"engine", "served_model_name", "group", "ingress"}
+    unknown = set(args) - {"engine", "served_model_name", "group", "ingress", "server"}
     if unknown:
         raise ValueError(f"unknown application args {sorted(unknown)}")
     engine = dict(args.get("engine") or {})
     cfg = EngineConfig.from_dict(engine)  # validate now: a bad YAML fails at deploy time, not in a replica
+    server = ServerConfig.from_dict(args.get("server"))
     name = args.get("served_model_name") or Path(cfg.model).name
     group_opts = {"max_ongoing_requests": 512, "health_check_period_s": 5, "health_check_timeout_s": 30,
-                  "graceful_shutdown_timeout_s": 5, **dict(args.get("group") or {})}
+                  "graceful_shutdown_timeout_s": 5,
+                  # new requests pass over a group whose stats (every second) say it cannot serve (serve/routing.py)
+                  "request_router_config": RequestRouterConfig(request_router_class=ServingGroupsRouter,
+                                                               request_routing_stats_period_s=1.0,
+                                                               request_routing_stats_timeout_s=5.0),
+                  **dict(args.get("group") or {})}
     group = serve.deployment(GroupDeployment, name="EngineGroup").options(
         ray_actor_options={"num_cpus": REPLICA_CPU},
         placement_group_bundles=group_bundles(cfg),
@@ -45,4 +55,4 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     ingress_opts = {"max_ongoing_requests": 1000, **dict(args.get("ingress") or {})}
     ingress = serve.deployment(Ingress, name="OpenAIIngress").options(
         ray_actor_options={"num_cpus": 0.1}, **ingress_opts)
-    return ingress.bind(group, name, cfg.tokenizer or cfg.model)
+    return ingress.bind(group, name, cfg.tokenizer or cfg.model, server, cfg.timeouts.queue_s)

@@ -27,10 +27,16 @@ class GroupDeployment(RolloutEngine):
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
                      ) -> AsyncIterator[StepOutput]:
-        """The request's StepOutputs, one per engine step with new tokens, or several steps' coalesced when the
-        consumer falls behind (call with handle.options(stream=True)); params as validated by the ingress."""
-        async for out in self.group.generate(prompt_ids, params, request_id):
+        """The request's StepOutputs: first an empty one once a rank holds it, then one per engine step with new tokens,
+        or several steps' coalesced when the consumer falls behind (call with handle.options(stream=True)); params as
+        validated by the ingress."""
+        async for out in self.group.generate(prompt_ids, params, request_id, announce=True):
             yield out
+
+    async def record_routing_stats(self) -> dict:
+        """Read by Serve's request router (serve/routing.py) every few seconds: a group that cannot serve is
+        passed over while another can."""
+        return {"serving": self.group.state == "ready"}
 
     async def info(self) -> dict:
         mc = self.group.model_config

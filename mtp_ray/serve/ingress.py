@@ -5,23 +5,43 @@ deployment, detokenises and applies stop strings, streams server-sent events, ke
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
-from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mtp_ray.config.server import ServerConfig
 from mtp_ray.engine.detok import Detokenizer
+from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.llm import load_tokenizer
-from mtp_ray.runtime.group_monitor import GroupFailed, GroupUnavailable
+from mtp_ray.serve.groups import GroupClient, GroupStream, cause_of, first_line, unavailable
+from mtp_ray.serve.intake import check_api_key, read_json_object
 from mtp_ray.serve.metrics import Metrics
-from mtp_ray.serve.openai_protocol import ApiError, ParsedRequest, bad, check_length, parse_chat, parse_completion
+from mtp_ray.serve.openai_protocol import (
+    ApiError,
+    Limits,
+    ParsedRequest,
+    bad,
+    check_length,
+    parse_chat,
+    parse_completion,
+)
 from mtp_ray.serve.responses import Choice, chunk, final_response
 
-app = FastAPI(title="mtp-ray")
+# no /docs, /redoc or /openapi.json: the API is OpenAI's, and an open schema browser is one more thing to expose
+app = FastAPI(title="mtp-ray", docs_url=None, redoc_url=None, openapi_url=None)
+log = logging.getLogger("mtp_ray.ingress")
+
+
+@app.exception_handler(StarletteHTTPException)
+async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes and methods answer in OpenAI's error shape, like every other error here."""
+    return error_response(ApiError(exc.status_code, str(exc.detail), None,
+                                   "NotFoundError" if exc.status_code == 404 else "invalid_request_error"))
 
 
 def sse_event(obj: dict) -> str:
@@ -29,36 +49,52 @@ def sse_event(obj: dict) -> str:
 
 
 def error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-# a group that cannot serve right now: failed or restarting, a rank or the group replica gone, Serve without a replica
-UNAVAILABLE = (GroupFailed, GroupUnavailable, RayActorError, ActorUnavailableError, DeploymentUnavailableError,
-               ReplicaUnavailableError)
-
-
-def classify(e: BaseException) -> ApiError:
-    """Engine-side exceptions -> HTTP errors: bad input (ValueError, RequestError) 400, a group that cannot serve 503.
-    An exception raised in the group replica arrives as a RayTaskError whose `cause` is the original."""
-    cause = e.cause if isinstance(e, RayTaskError) and e.cause is not None else e
-    msg = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
-    if isinstance(cause, UNAVAILABLE):
-        return ApiError(503, f"no engine group can serve the request right now: {msg}")
-    if isinstance(cause, ValueError):
-        return bad(msg)
-    return ApiError(500, f"internal error: {msg}")
+def choice_params(p: SamplingParams, index: int) -> SamplingParams:
+    """One choice's own request (n = 1): a seeded request's choices draw from seed, seed + 1, ... (wrapping at
+    2**64, so every seed the parameters accept stays valid)."""
+    seed = p.seed if p.seed is None else p.seed + index % p.n
+    return dataclasses.replace(p, n=1, seed=seed - 2**64 if seed is not None and seed >= 2**64 else seed)
 
 
 @serve.ingress(app)  # at import time, so that the driver and every replica see the same class-based routes
 class Ingress:
     """FastAPI routes on a Serve ingress class."""
 
-    def __init__(self, group, model_name: str, tokenizer: str):
+    def __init__(self, group, model_name: str, tokenizer: str, server: ServerConfig | None = None,
+                 queue_s: float = 5.0):
         self.group = group
+        self.server = server or ServerConfig()
+        self.groups = GroupClient(group, queue_s, retry_after_s=max(1, round(queue_s)))
         self.model_name = model_name
         self.tok = load_tokenizer(tokenizer)
         self.metrics = Metrics(model_name)
         self._info: dict | None = None
+        self._limits: Limits | None = None
+
+    def classify(self, e: BaseException) -> ApiError:
+        """Engine-side exceptions -> HTTP errors: bad input (ValueError, RequestError) 400, a group that cannot serve
+        503 (first line of the cause: which rank, what happened), anything else 500."""
+        if unavailable(e):
+            return self.groups.unavailable_error(e)
+        cause = cause_of(e)
+        if isinstance(cause, ValueError):
+            return bad(first_line(cause), getattr(cause, "param", None))
+        ref = uuid.uuid4().hex[:12]  # the details go to the log, not to the client
+        log.error("internal error %s: %s: %s", ref, type(cause).__name__, cause, exc_info=cause)
+        return ApiError(500, f"internal error (reference {ref} in the server log)")
+
+    async def limits(self) -> Limits:
+        """Per-request limits; a prompt string longer than the context could hold even at the vocabulary's longest
+        token is refused before tokenisation."""
+        if self._limits is None:
+            s = self.server
+            longest = max((len(t) for t in self.tok.get_vocab()), default=1)
+            self._limits = Limits(s.max_n, s.max_stop, s.max_prompts,
+                                  (await self.info())["max_model_len"] * max(longest, 1))
+        return self._limits
 
     async def info(self) -> dict:
         if self._info is None:
@@ -66,12 +102,8 @@ class Ingress:
         return self._info
 
     async def _body(self, request: Request) -> dict:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad(f"malformed JSON body: {e}") from e
-        if not isinstance(body, dict):
-            raise bad("the request body must be a JSON object")
+        check_api_key(request, self.server.api_key)
+        body = await read_json_object(request, self.server.max_body_bytes)
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise ApiError(404, f"The model `{model}` does not exist.", "model", "NotFoundError", "model_not_found")
@@ -88,26 +120,40 @@ class Ingress:
     async def generate(self, request: Request, chat: bool):
         try:
             body = await self._body(request)
-            req = (parse_chat if chat else parse_completion)(body, self.tok)
+            # tokenising / templating a large prompt off the event loop
+            req = await asyncio.to_thread(parse_chat if chat else parse_completion, body, self.tok,
+                                          await self.limits())
             max_len = (await self.info())["max_model_len"]
             for ids in req.prompts:
                 check_length(ids, req.params, max_len)
         except ApiError as e:
             return error_response(e)
         except Exception as e:
-            return error_response(classify(e))
+            return error_response(self.classify(e))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         choices = [Choice(i * req.params.n + j, p, Detokenizer(self.tok, req.params.stop,
                                                               req.params.skip_special_tokens,
                                                               req.params.include_stop_str_in_output),
                           echo=self._echo_text(req, i))
                    for i, p in enumerate(req.prompts) for j in range(req.params.n)]
+        t0 = time.monotonic()
+        # every choice admitted by a group before the response starts: a 503 is a status, not an SSE error event
+        opened = await asyncio.gather(*[self.groups.open(c.prompt, choice_params(req.params, c.index))
+                                        for c in choices], return_exceptions=True)
+        failed = next((e for e in opened if isinstance(e, BaseException)), None)
+        if failed is not None:
+            for s in opened:
+                if isinstance(s, GroupStream):
+                    s.cancel()
+            return error_response(failed if isinstance(failed, ApiError) else self.classify(failed))
+        streams = dict(zip((c.index for c in choices), opened, strict=True))
         if req.stream:
-            return StreamingResponse(self._stream(rid, req, choices, chat), media_type="text/event-stream")
+            return StreamingResponse(self._stream(rid, req, choices, chat, streams, t0),
+                                     media_type="text/event-stream")
         try:
-            await asyncio.gather(*[self._drive(c, req, None) for c in choices])
+            await asyncio.gather(*[self._drive(c, streams[c.index], None, t0) for c in choices])
         except Exception as e:
-            return error_response(e if isinstance(e, ApiError) else classify(e))
+            return error_response(e if isinstance(e, ApiError) else self.classify(e))
         return JSONResponse(final_response(rid, self.model_name, chat, choices, req, self.tok))
 
     def _echo_text(self, req: ParsedRequest, i: int) -> str:
@@ -116,15 +162,12 @@ class Ingress:
         text = req.prompt_texts[i]
         return text if text is not None else self.tok.decode(req.prompts[i])
 
-    async def _drive(self, c: Choice, req: ParsedRequest, queue: asyncio.Queue | None) -> None:
+    async def _drive(self, c: Choice, stream: GroupStream, queue: asyncio.Queue | None, t0: float) -> None:
         """Runs one choice to its end; with a queue, puts a chunk per step that produced text or finished."""
-        p = req.params
-        params = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + c.index % p.n)
-        gen = self.group.options(stream=True).stream.remote(c.prompt, params, None)
-        t0 = last = time.monotonic()
+        last = t0
         self.metrics.running += 1
         try:
-            async for out in gen:
+            async for out in stream.deltas():
                 now = time.monotonic()
                 if out.new_token_ids:
                     if not c.token_ids:
@@ -135,7 +178,7 @@ class Ingress:
                 c.add(out)
                 if c.detok.stopped_by is not None and not out.finished:
                     c.finish_reason, c.stop_reason = "stop", c.detok.stopped_by
-                    gen.cancel()  # aborts the request on its rank
+                    stream.cancel()  # aborts the request on its rank
                 if queue is not None:
                     queue.put_nowait(c)
                 if c.finish_reason is not None:
@@ -143,17 +186,18 @@ class Ingress:
             self.metrics.e2e.observe(time.monotonic() - t0)
             self.metrics.finished(len(c.prompt), len(c.token_ids), c.spec, c.finish_reason)
         except asyncio.CancelledError:
-            gen.cancel()
+            stream.cancel()
             raise
         finally:
             self.metrics.running -= 1
 
-    async def _stream(self, rid: str, req: ParsedRequest, choices: list[Choice], chat: bool):
+    async def _stream(self, rid: str, req: ParsedRequest, choices: list[Choice], chat: bool,
+                      streams: dict[int, GroupStream], t0: float):
         queue: asyncio.Queue = asyncio.Queue()
 
         async def drive(c: Choice) -> None:
             try:
-                await self._drive(c, req, queue)
+                await self._drive(c, streams[c.index], queue, t0)
                 queue.put_nowait(("done", c))
             except Exception as e:
                 queue.put_nowait(("error", e))
@@ -191,7 +235,7 @@ class Ingress:
                             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen,
                                       "total_tokens": n_prompt + n_gen}})
         except Exception as e:
-            err = e if isinstance(e, ApiError) else classify(e)
+            err = e if isinstance(e, ApiError) else self.classify(e)
             yield sse_event(err.body())
         finally:
             for t in tasks:
@@ -199,17 +243,36 @@ class Ingress:
         yield "data: [DONE]\n\n"
 
     @app.get("/v1/models")
-    async def models(self):
+    async def models(self, request: Request):
+        try:
+            check_api_key(request, self.server.api_key)
+        except ApiError as e:
+            return error_response(e)
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "mtp-ray", "max_model_len": (await self.info())[
                                                 "max_model_len"]}]}
 
     @app.get("/health")
     async def health(self):
+        """Open to load balancers: healthy or not, and the group's state; the details are at /admin/health."""
         try:
             h = await asyncio.wait_for(self.group.health.remote(), 10)
         except Exception as e:
-            return JSONResponse({"healthy": False, "error": str(e)}, status_code=503)
+            log.warning("health: no group answered: %s", first_line(cause_of(e)))
+            return JSONResponse({"healthy": False, "state": "unavailable"}, status_code=503)
+        return JSONResponse({"healthy": h["healthy"], "state": h["state"]}, status_code=200 if h["healthy"] else 503)
+
+    @app.get("/admin/health")
+    async def admin_health(self, request: Request):
+        """For operators (behind the API key): a group's full health, its last failure report included."""
+        try:
+            check_api_key(request, self.server.api_key)
+            h = await asyncio.wait_for(self.group.health.remote(), 10)
+        except ApiError as e:
+            return error_response(e)
+        except Exception as e:
+            return JSONResponse({"healthy": False, "state": "unavailable", "error": first_line(cause_of(e))},
+                                status_code=503)
         return JSONResponse(h, status_code=200 if h["healthy"] else 503)
 
     @app.get("/metrics")

@@ -3,6 +3,7 @@ Every problem is an ApiError with the OpenAI error body; nothing here touches th
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,9 +12,9 @@ from mtp_ray.engine.sampling_params import SamplingParams
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
-                 code: str | int | None = None):
+                 code: str | int | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.headers = status, message, param, headers
         self.type = type_ or {400: "invalid_request_error", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
             status, "internal_error")
         self.code = code if code is not None else status
@@ -21,6 +22,8 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+
+_DIGITS = re.compile(r"[0-9]+")  # str.isdigit() also takes "²", which int() refuses
 
 # body field -> (SamplingParams field, accepted python types)
 SAMPLING_FIELDS: dict[str, tuple[str, tuple]] = {
@@ -48,6 +51,28 @@ def bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param)
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for (config/server.py), checked before any engine work."""
+
+    max_n: int = 64
+    max_stop: int = 64
+    max_prompts: int = 256
+    max_prompt_chars: int | None = None  # a longer prompt string certainly exceeds max_model_len (not tokenised)
+
+
+NO_LIMITS = Limits()
+
+
+def _text(s: str, field: str) -> str:
+    """A string the tokenizer can take: UTF-8 encodable (JSON can carry lone surrogates, which it cannot)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(f"'{field}' is not valid Unicode text (a lone surrogate at position {e.start})", field) from None
+    return s
+
+
 def _check_type(body: dict, key: str, types: tuple) -> Any:
     v = body[key]
     ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in types)
@@ -56,7 +81,8 @@ def _check_type(body: dict, key: str, types: tuple) -> Any:
     return v
 
 
-def sampling_params(body: dict, max_tokens_key: str, logprobs: int | None) -> SamplingParams:
+def sampling_params(body: dict, max_tokens_key: str, logprobs: int | None, limits: Limits = NO_LIMITS
+                    ) -> SamplingParams:
     kw: dict[str, Any] = {}
     for key, (field_name, types) in SAMPLING_FIELDS.items():
         if body.get(key) is not None:
@@ -71,10 +97,15 @@ def sampling_params(body: dict, max_tokens_key: str, logprobs: int | None) -> Sa
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise bad("'stop' must be a string or a list of strings", "stop")
-        kw["stop"] = [s for s in stop if s]
+        if len(stop) > limits.max_stop:
+            raise bad(f"'stop' may hold at most {limits.max_stop} strings, got {len(stop)}", "stop")
+        kw["stop"] = [_text(s, "stop") for s in stop if s]
+    n = kw.get("n")
+    if n is not None and n > limits.max_n:
+        raise bad(f"'n' must be at most {limits.max_n}, got {n}", "n")
     bias = body.get("logit_bias")
     if bias is not None:  # JSON keys are strings: {"token id": bias}
-        if not isinstance(bias, dict) or not all(isinstance(k, str) and k.strip().isdigit() for k in bias):
+        if not isinstance(bias, dict) or not all(isinstance(k, str) and _DIGITS.fullmatch(k.strip()) for k in bias):
             raise bad("'logit_bias' must map token ids (as strings) to numbers in [-100, 100]", "logit_bias")
         kw["logit_bias"] = {int(k): v for k, v in bias.items()}
     _refuse_unsupported(body)
@@ -83,8 +114,7 @@ def sampling_params(body: dict, max_tokens_key: str, logprobs: int | None) -> Sa
     try:
         return SamplingParams(**kw)
     except ValueError as e:
-        field_name = str(e).split()[0]
-        raise bad(str(e), field_name) from e
+        raise bad(str(e), getattr(e, "param", None)) from e
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -113,7 +143,7 @@ def _stream_opts(body: dict) -> tuple[bool, bool]:
     return stream, bool(opts.get("include_usage", False))
 
 
-def parse_completion(body: dict, tokenizer) -> ParsedRequest:
+def parse_completion(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> ParsedRequest:
     if "prompt" not in body:
         raise bad("'prompt' is required", "prompt")
     p = body["prompt"]
@@ -125,10 +155,12 @@ def parse_completion(body: dict, tokenizer) -> ParsedRequest:
     else:
         raise bad("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists",
                   "prompt")
+    if len(items) > limits.max_prompts:
+        raise bad(f"'prompt' may hold at most {limits.max_prompts} prompts, got {len(items)}", "prompt")
     prompts, texts = [], []
     for it in items:
         if isinstance(it, str):
-            ids = tokenizer.encode(it, add_special_tokens=False)
+            ids = tokenizer.encode(_prompt_text(it, "prompt", limits), add_special_tokens=False)
             texts.append(it)
         elif isinstance(it, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in it):
             ids = list(it)
@@ -147,10 +179,17 @@ def parse_completion(body: dict, tokenizer) -> ParsedRequest:
     if echo and lp is not None:
         raise bad("'echo' with 'logprobs' is not supported (it needs the prompt's log-probs)", "echo")
     stream, usage = _stream_opts(body)
-    return ParsedRequest(prompts, texts, sampling_params(body, "max_tokens", lp), stream, usage, lp, echo)
+    return ParsedRequest(prompts, texts, sampling_params(body, "max_tokens", lp, limits), stream, usage, lp, echo)
 
 
-def parse_chat(body: dict, tokenizer) -> ParsedRequest:
+def _prompt_text(s: str, field: str, limits: Limits) -> str:
+    if limits.max_prompt_chars is not None and len(s) > limits.max_prompt_chars:
+        raise bad(f"'{field}' is too long: {len(s)} characters are more tokens than the model's context holds",
+                  field)
+    return _text(s, field)
+
+
+def parse_chat(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> ParsedRequest:
     if body.get("echo"):
         raise bad("'echo' is not supported for chat completions", "echo")
     msgs = body.get("messages")
@@ -169,7 +208,7 @@ def parse_chat(body: dict, tokenizer) -> ParsedRequest:
             c = ""
         if not isinstance(c, str):
             raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        clean.append({"role": m["role"], "content": c})
+        clean.append({"role": _text(m["role"], "messages"), "content": _prompt_text(c, "messages", limits)})
     tools = body.get("tools") or None
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise bad("'tools' must be a list of objects", "tools")
@@ -186,7 +225,7 @@ def parse_chat(body: dict, tokenizer) -> ParsedRequest:
         raise bad("'top_logprobs' must be an integer in 0..20", "top_logprobs")
     n_top = (top or 0) if lp_on else None
     stream, usage = _stream_opts(body)
-    params = sampling_params(body, "max_completion_tokens", n_top)
+    params = sampling_params(body, "max_completion_tokens", n_top, limits)
     if body.get("max_completion_tokens") is None and body.get("max_tokens") is None:
         params.max_tokens = None  # chat default: up to the context length
     return ParsedRequest([ids], [text], params, stream, usage, n_top)

@@ -1,0 +1,55 @@
+"""Request intake for the HTTP routes: the API key, the body read under its size limit, and JSON parsed off the
+event loop, so that one large or hostile request cannot stall the requests beside it."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+
+from fastapi import Request
+
+from mtp_ray.serve.openai_protocol import ApiError, bad
+
+
+def check_api_key(request: Request, api_key: str | None) -> None:
+    """vLLM's semantics: with a key configured, `Authorization: Bearer <key>` or 401."""
+    if api_key is None:
+        return
+    got = request.headers.get("authorization", "")
+    scheme, _, token = got.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise ApiError(401, "Unauthorized: a valid API key is required (Authorization: Bearer <key>)", None,
+                       "authentication_error", "invalid_api_key")
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to be larger than max_bytes (declared or as read)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise too_large(int(declared), max_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large(size, max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def too_large(size: int, max_bytes: int) -> ApiError:
+    return ApiError(413, f"the request body ({size} bytes or more) is larger than the server's limit of {max_bytes} "
+                         f"bytes", None, "invalid_request_error", "request_too_large")
+
+
+async def read_json_object(request: Request, max_bytes: int) -> dict:
+    raw = await read_body(request, max_bytes)
+    try:
+        body = await asyncio.to_thread(json.loads, raw)  # a large body parses while other requests go on
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"malformed JSON body: {e}") from e
+    except RecursionError:
+        raise bad("malformed JSON body: nested too deeply") from None
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    return body

@@ -1,0 +1,160 @@
+"""The front door under faults, through the in-process Serve app over HTTP: a request that has no token yet moves
+to another group when its group fails; with no group able to serve, a 503 with Retry-After comes within the queue
+timeout instead of an unbounded wait."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+PORT = 8014
+BASE = f"http://127.0.0.1:{PORT}"
+QUEUE_S = 2.0
+
+
+def app_args(groups: int) -> dict:
+    return {
+        "served_model_name": "tiny",
+        "engine": {"device": "cpu", "parallel": {"dp": 1, "cpus_per_rank": 0.2},
+                   "spec": {"num_speculative_tokens": 1}, "scheduler": {"max_model_len": 512},
+                   "timeouts": {"queue_s": QUEUE_S, "collective_s": 10, "progress_s": 20}},
+        "group": {"num_replicas": groups, "health_check_period_s": 2},
+        "ingress": {"num_replicas": 1},
+    }
+
+
+@pytest.fixture
+def app(ray_cluster, request):
+    from ray import serve
+
+    from mtp_ray.serve.app import build_app
+
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    serve.run(build_app(app_args(request.param)), name="faults", route_prefix="/")
+    yield ray_cluster
+    serve.delete("faults")
+    serve.shutdown()
+
+
+def rank_actors(ray) -> dict[str, str]:
+    """group id -> the name of its rank 0 actor (named mtp_ray_rank_<group>_e<epoch>_r<rank>)."""
+    return {a["name"].split("_")[3]: a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("mtp_ray_rank_") and a["name"].endswith("_r0")}
+
+
+def kill(ray, name: str) -> None:
+    ray.kill(ray.get_actor(name, namespace=next(a["namespace"] for a in ray.util.list_named_actors(True)
+                                               if a["name"] == name)))
+
+
+def stream_one(max_tokens: int) -> dict:
+    """One streamed completion: its status, whether a token came, the error event's message, the time taken."""
+    t0 = time.monotonic()
+    out = {"status": None, "tokens": 0, "error": None, "done": False, "retry_after": None}
+    try:
+        with requests.post(f"{BASE}/v1/completions", stream=True, timeout=60, json={
+                "model": "tiny", "prompt": "def f(x):", "max_tokens": max_tokens, "ignore_eos": True,
+                "stream": True}) as r:
+            out["status"], out["retry_after"] = r.status_code, r.headers.get("Retry-After")
+            if r.status_code != 200:
+                out["error"] = r.json()["error"]["message"]
+            else:
+                for line in r.iter_lines():
+                    if not line.startswith(b"data: "):
+                        continue
+                    data = line[len(b"data: "):]
+                    if data == b"[DONE]":
+                        out["done"] = True
+                        break
+                    ev = json.loads(data)
+                    if "error" in ev:
+                        out["error"] = ev["error"]["message"]
+                    elif ev["choices"] and ev["choices"][0]["text"]:
+                        out["tokens"] += 1
+    except requests.RequestException as e:
+        out["error"] = f"client: {e}"
+    out["s"] = time.monotonic() - t0
+    return out
+
+
+@pytest.mark.parametrize("app", [2], indirect=True)
+def test_killed_rank_fails_over_requests_without_tokens(app):
+    """Two groups, one request every 0.1 s for 8 s, rank 0 of one group killed after 2 s: no request that had no
+    token yet fails (it is admitted by, or sent again to, the other group); a stream that had tokens on the failed
+    group ends with an error naming the rank."""
+    ray = app
+    groups = rank_actors(ray)
+    assert len(groups) == 2, groups
+    victim = sorted(groups.values())[0]
+    results: list[dict] = []
+    with ThreadPoolExecutor(max_workers=96) as pool:
+        futs = []
+        t0 = time.monotonic()
+        killed = False
+        while time.monotonic() - t0 < 8:
+            futs.append(pool.submit(stream_one, 64))
+            if not killed and time.monotonic() - t0 > 2:
+                kill(ray, victim)
+                killed = True
+            time.sleep(0.1)
+        results = [f.result() for f in futs]
+    assert len(results) >= 60
+    failed_without_tokens = [r for r in results if r["tokens"] == 0 and not (r["status"] == 200 and r["done"]
+                                                                           and r["error"] is None)]
+    assert not failed_without_tokens, failed_without_tokens[:3]
+    cut = [r for r in results if r["error"] is not None]
+    assert all("rank 0" in r["error"] and r["tokens"] > 0 for r in cut), cut[:3]
+    ok = [r for r in results if r["status"] == 200 and r["done"] and r["error"] is None]
+    assert len(ok) + len(cut) == len(results)
+
+
+@pytest.mark.parametrize("app", [1], indirect=True)
+def test_no_group_able_to_serve_answers_503_within_the_queue_timeout(app):
+    """One group; its rank killed, and every new rank killed too for 12 s (a crash loop): every request meanwhile
+    is answered within the queue timeout (plus HTTP overhead), a 503 with Retry-After and the cause when no group
+    can take it; once the killing stops, requests are served again."""
+    ray = app
+    stop = threading.Event()
+    seen: set[str] = set()
+
+    def crash_loop() -> None:
+        while not stop.is_set():
+            for name in rank_actors(ray).values():
+                if name not in seen:
+                    seen.add(name)
+                    try:
+                        kill(ray, name)
+                    except Exception:
+                        pass
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=crash_loop, daemon=True)
+    killer.start()
+    try:
+        time.sleep(1.0)
+        results = []
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            while time.monotonic() - t0 < 10:
+                results += list(pool.map(stream_one, [8] * 4))
+    finally:
+        stop.set()
+        killer.join(10)
+    slow = [r for r in results if r["s"] > QUEUE_S + 1.5]
+    assert not slow, slow[:3]
+    unavailable = [r for r in results if r["status"] == 503]
+    assert unavailable, results[:3]
+    assert all(r["retry_after"] and "no engine group can serve" in r["error"] for r in unavailable), unavailable[:3]
+    assert all(r["status"] in (200, 503) for r in results), [r for r in results if r["status"] not in (200, 503)][:3]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        r = stream_one(4)
+        if r["status"] == 200 and r["done"] and r["error"] is None:
+            break
+        time.sleep(1)
+    assert r["status"] == 200 and r["done"] and r["error"] is None, r

@@ -1,0 +1,139 @@
+"""The front door of the in-process Serve app with an API key: authentication, request limits, hostile input (each
+a 4xx in OpenAI's error shape naming the field, streamed or not), and a large body that does not stall the others."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+
+PORT = 8015
+BASE = f"http://127.0.0.1:{PORT}"
+KEY = "sk-test-front-door"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_N, MAX_STOP = 4, 3
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster):
+    from ray import serve
+
+    from mtp_ray.serve.app import build_app
+
+    args = {"served_model_name": "tiny",
+            "engine": {"device": "cpu", "parallel": {"dp": 1, "cpus_per_rank": 0.2},
+                       "spec": {"num_speculative_tokens": 2}, "scheduler": {"max_model_len": 512}},
+            "group": {"num_replicas": 1}, "ingress": {"num_replicas": 1},
+            "server": {"api_key": KEY, "max_n": MAX_N, "max_stop": MAX_STOP}}
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    serve.run(build_app(args), name="front", route_prefix="/")
+    yield
+    serve.delete("front")
+    serve.shutdown()
+
+
+def post(body, path: str = "/v1/completions", headers: dict | None = None, **kw) -> requests.Response:
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return requests.post(f"{BASE}{path}", data=data, timeout=60,
+                         headers={"Content-Type": "application/json", **AUTH, **(headers or {})}, **kw)
+
+
+def error_of(r: requests.Response) -> dict:
+    """The OpenAI error object of a response, whether it came as a status or as a streamed event."""
+    if r.headers.get("content-type", "").startswith("text/event-stream"):
+        events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+        return next(e["error"] for e in events if "error" in e)
+    return r.json()["error"]
+
+
+def test_api_key_through_the_official_client(server):
+    from openai import AuthenticationError, OpenAI
+
+    ok = OpenAI(base_url=f"{BASE}/v1", api_key=KEY, max_retries=0)
+    out = ok.completions.create(model="tiny", prompt="def f(", max_tokens=4, temperature=0)
+    assert out.usage.completion_tokens == 4
+    assert [m.id for m in ok.models.list().data] == ["tiny"]
+    for key in ("wrong", ""):
+        bad = OpenAI(base_url=f"{BASE}/v1", api_key=key or "x", max_retries=0,
+                     default_headers={"Authorization": ""} if not key else None)
+        with pytest.raises(AuthenticationError):
+            bad.completions.create(model="tiny", prompt="def f(", max_tokens=4)
+        with pytest.raises(AuthenticationError):
+            bad.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        with pytest.raises(AuthenticationError):
+            bad.models.list()
+
+
+def test_open_and_closed_routes(server):
+    h = requests.get(f"{BASE}/health")
+    assert h.status_code == 200 and h.json() == {"healthy": True, "state": "ready"}  # no internals
+    assert requests.get(f"{BASE}/admin/health").status_code == 401
+    detail = requests.get(f"{BASE}/admin/health", headers=AUTH)
+    assert detail.status_code == 200 and "ranks" in detail.json()
+    for path in ("/docs", "/redoc", "/openapi.json", "/v1/nothing"):
+        r = requests.get(f"{BASE}{path}")
+        assert r.status_code == 404 and r.json()["error"]["code"] == 404, (path, r.text)
+    assert requests.post(f"{BASE}/tokenize", json={"prompt": "x"}).status_code == 401
+
+
+BAD = [  # (body, status, param)
+    ({"model": "tiny", "prompt": "a\ud800b", "max_tokens": 4}, 400, "prompt"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x\udfff"}], "max_tokens": 4}, 400, "messages"),
+    ({"model": "tiny", "prompt": [5, 6, 10**6], "max_tokens": 4}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"\u00b2": 5}}, 400, "logit_bias"),
+    ({"model": "tiny", "prompt": "x", "n": MAX_N + 1}, 400, "n"),
+    ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d"]}, 400, "stop"),
+    ({"model": "tiny", "prompt": "x", "stop_token_ids": [10**7], "max_tokens": 4}, 400, "stop_token_ids"),
+    ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": "tiny", "prompt": ["x"] * 300, "max_tokens": 1}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "x" * 200_000, "max_tokens": 1}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("case", range(len(BAD)))
+def test_bad_input_is_a_4xx_naming_the_field(server, case, stream):
+    body, status, param = BAD[case]
+    chat = "messages" in body
+    r = post({**body, "stream": stream}, "/v1/chat/completions" if chat else "/v1/completions")
+    assert r.status_code == status, r.text[:300]
+    err = error_of(r)
+    assert err["param"] == param and err["message"] and err["type"], err
+
+
+def test_hostile_bodies(server):
+    deep = ("[" * 100_000) + ("]" * 100_000)
+    r = post(deep)
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+    r = post(b"\xff\xfe not json")
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    big = b'{"prompt": "' + b"x" * (17 << 20) + b'"}'
+    r = post(big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    # a seed near 2**64 with n > 1: each choice's seed stays valid
+    r = post({"model": "tiny", "prompt": "x", "n": 2, "seed": 2**64 - 1, "max_tokens": 3})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+
+
+def test_a_10_mb_body_does_not_stall_a_normal_request(server):
+    """A 10 MB token-id prompt (parsed off the event loop, then refused: too long) and a normal request sent at the
+    same time: the normal one is served in under 2 s."""
+    big = json.dumps({"model": "tiny", "prompt": list(range(1000, 4000)) * 600, "max_tokens": 1})
+    assert 10_000_000 < len(big) < 16 << 20
+    out = {}
+
+    def send_big() -> None:
+        out["big"] = post(big)
+
+    t = threading.Thread(target=send_big)
+    t.start()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    r = post({"model": "tiny", "prompt": "def f(", "max_tokens": 8, "temperature": 0})
+    elapsed = time.monotonic() - t0
+    t.join(60)
+    assert r.status_code == 200 and elapsed < 2.0, (r.status_code, elapsed)
+    assert out["big"].status_code == 400 and out["big"].json()["error"]["param"] == "prompt"
