@@ -338,3 +338,24 @@ def test_abort_that_overtakes_its_add_drops_the_request():
             if t.name == "rank0-engine":
                 t.join(30)
         w.ctx.shutdown()
+
+
+def test_rendezvous_store_listens_on_the_given_address_only():
+    """Rank 0's TCPStore is bound to the address the group rendezvous on (the node's IP), not every interface: bound
+    to 127.0.0.2, it is not reachable at 127.0.0.1 (both loopback addresses on Linux)."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from mtp_ray.parallel.context import DistContext, free_port
+
+    port = free_port()
+    ctx = DistContext(0, 1, 4, torch.device("cpu"), 10.0)
+    ctx.init("127.0.0.2", port)
+    try:
+        socket.create_connection(("127.0.0.2", port), timeout=2).close()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    finally:
+        dist.destroy_process_group()

@@ -158,3 +158,58 @@ def test_no_group_able_to_serve_answers_503_within_the_queue_timeout(app):
             break
         time.sleep(1)
     assert r["status"] == 200 and r["done"] and r["error"] is None, r
+
+
+def scrape() -> dict[str, float]:
+    text = requests.get(f"{BASE}/metrics", timeout=10).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+@pytest.mark.parametrize("app", [2], indirect=True)
+def test_metrics_cover_every_group_and_stay_monotonic(app):
+    """Two groups under load: /metrics (answered by any ingress, fed by every group) shows both groups, every counter
+    is monotonic over 20 scrapes, the KV usage gauge rises under load and returns to 0, a client that goes away is
+    counted as aborted."""
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            stream_one(96)
+
+    threads = [threading.Thread(target=load, daemon=True) for _ in range(6)]
+    for t in threads:
+        t.start()
+    with requests.post(f"{BASE}/v1/completions", stream=True, timeout=60, json={
+            "model": "tiny", "prompt": "def f(x):", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+        next(r.iter_lines())  # then the client goes away
+    scrapes = []
+    try:
+        for _ in range(20):
+            scrapes.append(scrape())
+            time.sleep(0.4)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    counters = ("_total", "_count", "_sum", "_bucket")
+    for before, after in zip(scrapes, scrapes[1:]):
+        back = {s: (before[s], after[s]) for s in before.keys() & after.keys()
+                if s.split("{")[0].endswith(counters) and after[s] < before[s]}
+        assert not back, back
+    groups = {s.split('group="')[1].split('"')[0] for s in scrapes[-1] if s.startswith("mtp_ray:dpmeta_steps_total")}
+    assert len(groups - {"retired"}) == 2, groups
+    kv = [v for sc in scrapes for s, v in sc.items() if s.startswith("mtp_ray:kv_cache_usage_perc")]
+    assert kv and max(kv) > 0, kv
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        last = scrape()
+        if all(v == 0 for s, v in last.items() if s.startswith("mtp_ray:kv_cache_usage_perc")):
+            break
+        time.sleep(0.5)
+    assert all(v == 0 for s, v in last.items() if s.startswith("mtp_ray:kv_cache_usage_perc")), last
+    aborted = sum(v for s, v in last.items() if s.startswith("mtp_ray:request_aborted_total"))
+    assert aborted >= 1, aborted
+    for name in ("request_prompt_tokens_bucket", "request_params_n_count", "num_preemptions_total",
+                 "request_retried_total", "request_success_total", "time_to_first_token_seconds_count"):
+        assert any(s.startswith(f"mtp_ray:{name}") for s in last), name

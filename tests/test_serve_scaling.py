@@ -96,6 +96,9 @@ def test_cluster_yaml_passes_ray_validation():
     types = prepared["available_node_types"]
     assert types["gpu_worker"]["max_workers"] > types["gpu_worker"]["min_workers"] >= 0
     assert any("serve deploy deployments/qwen35_gpu.yaml" in c for c in prepared["head_start_ray_commands"])
+    # safe defaults: dashboard (job submission runs code) on loopback, Ray's token authentication not turned off
+    cmds = " ".join(prepared["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in cmds and "RAY_AUTH_MODE=disabled" not in cmds
 
 
 def test_gpu_profile_yaml_is_a_valid_engine_config():
@@ -104,3 +107,5 @@ def test_gpu_profile_yaml_is_a_valid_engine_config():
     spec = yaml.safe_load((ROOT / "deployments" / "qwen35_gpu.yaml").read_text())["applications"][0]
     cfg = EngineConfig.from_dict(spec["args"]["engine"])
     assert cfg.device == "cuda" and cfg.parallel.dp == 2 and cfg.spec.k == 3
+    full = yaml.safe_load((ROOT / "deployments" / "qwen35_gpu.yaml").read_text())
+    assert full["http_options"]["host"] == "127.0.0.1"  # loopback unless the operator opens it

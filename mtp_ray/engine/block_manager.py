@@ -16,6 +16,10 @@ class BlockManager:
         self.free_blocks: deque[int] = deque(range(1, num_blocks))
         self.free_slots: deque[int] = deque(range(1, num_state_slots))
 
+    def usage(self) -> float:
+        """The share of KV blocks held by sequences (block 0, the dummy block, not counted)."""
+        return 1.0 - len(self.free_blocks) / (self.num_blocks - 1)
+
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)

@@ -68,8 +68,16 @@ class DistContext:
 
         timeout = datetime.timedelta(seconds=self.timeout_s)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
-                                world_size=self.world, timeout=timeout)
+        if self.rank == 0:  # the rendezvous store listens on the node's address only (tcp:// init: every interface)
+            sock = socket.socket(socket.AF_INET6 if ":" in master_addr else socket.AF_INET)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((master_addr, master_port))
+            sock.listen(128)
+            store = dist.TCPStore(master_addr, master_port, self.world, True, timeout,
+                                  master_listen_fd=sock.detach(), use_libuv=False)  # the store owns the socket
+        else:
+            store = dist.TCPStore(master_addr, master_port, self.world, False, timeout)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world, timeout=timeout)
         self.group = dist.group.WORLD
         self.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
         log.info("rank %d/%d joined (%s), experts %s", self.rank, self.world, backend, self.expert_range)

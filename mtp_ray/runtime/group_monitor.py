@@ -129,6 +129,7 @@ class GroupMonitor:
                 "ranks": [{"step": p.get("step", 0), "wave": p.get("wave", 0), "counters": p.get("counters", {}),
                            "collectives": p.get("collectives", 0), "num_running": p.get("num_running", 0),
                            "num_waiting": p.get("num_waiting", 0), "spec": p.get("spec", {}),
+                           "kv_usage": p.get("kv_usage", 0.0), "num_preemptions": p.get("num_preemptions", 0),
                            "aborts": p.get("aborts", {})}
                           for p in self.last_poll]}
 

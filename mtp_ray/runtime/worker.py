@@ -165,6 +165,8 @@ class RankWorker:
         return {"rank": self.rank, "msgs": msgs, "error": self.error, "wave": self.wave, "running": self.running,
                 "step": sync.step if sync else 0, "counters": dict(sync.counters) if sync else {},
                 "num_running": len(self.core.scheduler.running) if self.core else 0,
+                "num_preemptions": self.core.scheduler.num_preemptions if self.core else 0,
+                "kv_usage": self.core.blocks.usage() if self.core else 0.0,
                 "num_waiting": len(self.core.scheduler.waiting) + self.inbox.qsize() if self.core else 0,
                 "spec": self.core.stats.snapshot() if self.core else {}, "aborts": dict(self.aborts),
                 "collectives": self.ctx.collectives if self.ctx else 0}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
@@ -42,10 +42,11 @@ def unavailable(e: BaseException) -> bool:
 
 
 class GroupClient:
-    def __init__(self, handle, queue_s: float, retry_after_s: int, max_resends: int = 3):
+    def __init__(self, handle, queue_s: float, retry_after_s: int, on_resend: Callable[[], None] = lambda: None,
+                 max_resends: int = 3):
         self.handle = handle
         self.queue_s, self.retry_after_s, self.max_resends = queue_s, retry_after_s, max_resends
-        self.resent = 0  # requests sent again because their group could not serve them (metrics)
+        self.on_resend = on_resend  # a request is sent again because its group could not serve it (metrics)
 
     def unavailable_error(self, cause: BaseException | str) -> ApiError:
         text = first_line(cause_of(cause)) if isinstance(cause, BaseException) else cause
@@ -73,7 +74,7 @@ class GroupClient:
                 if not unavailable(e):
                     raise
                 cause = e
-                self.resent += 1
+                self.on_resend()
                 await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(2 * delay, 0.5)
                 continue
@@ -115,5 +116,5 @@ class GroupStream:
                 if got_tokens or not unavailable(e) or self.resends >= self.client.max_resends:
                     raise
                 self.resends += 1
-                self.client.resent += 1
+                self.client.on_resend()
                 self.gen = None

@@ -18,9 +18,11 @@ from mtp_ray.config.server import ServerConfig
 from mtp_ray.engine.detok import Detokenizer
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.llm import load_tokenizer
+from mtp_ray.runtime.batcher import detached
 from mtp_ray.serve.groups import GroupClient, GroupStream, cause_of, first_line, unavailable
 from mtp_ray.serve.intake import check_api_key, read_json_object
-from mtp_ray.serve.metrics import Metrics
+from mtp_ray.serve.metrics import Metrics, render
+from mtp_ray.serve.metrics_hub import hub_for
 from mtp_ray.serve.openai_protocol import (
     ApiError,
     Limits,
@@ -67,10 +69,13 @@ class Ingress:
                  queue_s: float = 5.0):
         self.group = group
         self.server = server or ServerConfig()
-        self.groups = GroupClient(group, queue_s, retry_after_s=max(1, round(queue_s)))
+        self.metrics = Metrics()
+        self.groups = GroupClient(group, queue_s, retry_after_s=max(1, round(queue_s)),
+                                  on_resend=lambda: self.metrics.count("request_retried_total"))
+        self.reporter_id = uuid.uuid4().hex[:8]
+        self._hub = self._reporting = None
         self.model_name = model_name
         self.tok = load_tokenizer(tokenizer)
-        self.metrics = Metrics(model_name)
         self._info: dict | None = None
         self._limits: Limits | None = None
 
@@ -85,6 +90,25 @@ class Ingress:
         ref = uuid.uuid4().hex[:12]  # the details go to the log, not to the client
         log.error("internal error %s: %s: %s", ref, type(cause).__name__, cause, exc_info=cause)
         return ApiError(500, f"internal error (reference {ref} in the server log)")
+
+    def refused(self, e: ApiError) -> JSONResponse:
+        self.metrics.count(f'request_failed_total{{status="{e.status}"}}')
+        return error_response(e)
+
+    def start_reporting(self) -> None:
+        """Report this replica's metrics to the application's hub once a second (from the first request on)."""
+        if self._reporting is None:
+            self._hub = hub_for(serve.get_replica_context().app_name)
+            self._reporting = detached(self._report_loop())
+
+    async def _report_loop(self) -> None:
+        while True:
+            try:
+                await self._hub.report.remote("ingress", self.reporter_id, self.metrics.snapshot())
+            except Exception as e:  # the hub is being recreated: the next report goes to the new one
+                log.warning("metrics report failed: %s", first_line(cause_of(e)))
+                self._hub = hub_for(serve.get_replica_context().app_name)
+            await asyncio.sleep(1.0)
 
     async def limits(self) -> Limits:
         """Per-request limits; a prompt string longer than the context could hold even at the vocabulary's longest
@@ -118,6 +142,7 @@ class Ingress:
         return await self.generate(request, chat=True)
 
     async def generate(self, request: Request, chat: bool):
+        self.start_reporting()
         try:
             body = await self._body(request)
             # tokenising / templating a large prompt off the event loop
@@ -127,9 +152,10 @@ class Ingress:
             for ids in req.prompts:
                 check_length(ids, req.params, max_len)
         except ApiError as e:
-            return error_response(e)
+            return self.refused(e)
         except Exception as e:
-            return error_response(self.classify(e))
+            return self.refused(self.classify(e))
+        self.metrics.admitted(req.params.n, req.params.max_tokens)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         choices = [Choice(i * req.params.n + j, p, Detokenizer(self.tok, req.params.stop,
                                                               req.params.skip_special_tokens,
@@ -145,7 +171,7 @@ class Ingress:
             for s in opened:
                 if isinstance(s, GroupStream):
                     s.cancel()
-            return error_response(failed if isinstance(failed, ApiError) else self.classify(failed))
+            return self.refused(failed if isinstance(failed, ApiError) else self.classify(failed))
         streams = dict(zip((c.index for c in choices), opened, strict=True))
         if req.stream:
             return StreamingResponse(self._stream(rid, req, choices, chat, streams, t0),
@@ -153,7 +179,7 @@ class Ingress:
         try:
             await asyncio.gather(*[self._drive(c, streams[c.index], None, t0) for c in choices])
         except Exception as e:
-            return error_response(e if isinstance(e, ApiError) else self.classify(e))
+            return self.refused(e if isinstance(e, ApiError) else self.classify(e))
         return JSONResponse(final_response(rid, self.model_name, chat, choices, req, self.tok))
 
     def _echo_text(self, req: ParsedRequest, i: int) -> str:
@@ -185,7 +211,8 @@ class Ingress:
                     break
             self.metrics.e2e.observe(time.monotonic() - t0)
             self.metrics.finished(len(c.prompt), len(c.token_ids), c.spec, c.finish_reason)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the client went away
+            self.metrics.count("request_aborted_total")
             stream.cancel()
             raise
         finally:
@@ -236,6 +263,7 @@ class Ingress:
                                       "total_tokens": n_prompt + n_gen}})
         except Exception as e:
             err = e if isinstance(e, ApiError) else self.classify(e)
+            self.metrics.count(f'request_failed_total{{status="{err.status}"}}')
             yield sse_event(err.body())
         finally:
             for t in tasks:
@@ -277,11 +305,16 @@ class Ingress:
 
     @app.get("/metrics")
     async def metrics_text(self):
+        """Every ingress replica and every group of the application, from the hub (this replica's own counters as
+        they are now); without the hub, this replica's alone."""
+        self.start_reporting()
         try:
-            group = await asyncio.wait_for(self.group.health.remote(), 5)
-        except Exception:
-            group = None
-        return PlainTextResponse(self.metrics.render(group), media_type="text/plain; version=0.0.4")
+            view = await asyncio.wait_for(self._hub.view.remote(), 5)
+        except Exception as e:
+            log.warning("metrics hub unreachable: %s", first_line(cause_of(e)))
+            view = {"live": {"ingress": {}, "group": {}}, "retired": {}}
+        view["live"]["ingress"][self.reporter_id] = self.metrics.snapshot()
+        return PlainTextResponse(render(view, self.model_name), media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request):

@@ -1,14 +1,21 @@
-"""Prometheus text exposition for the ingress: vLLM-named request metrics plus the group's per-rank counters."""
+"""Prometheus text exposition: vLLM's metric names (prefix `mtp_ray:`) plus the DP / MTP ones, over every ingress
+replica and every engine group of the application (serve/metrics_hub.py collects their reports).
+
+A series is named as in the exposition ('name' or 'name{a="b"}'); rendering adds model_name, and for a group's
+series group="<id>" (group="retired" holds the totals of groups that went away, so every counter is monotonic)."""
 
 from __future__ import annotations
 
 import bisect
 from collections import defaultdict
+from typing import Any
 
 PREFIX = "mtp_ray:"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 class Histogram:
@@ -23,65 +30,112 @@ class Histogram:
         self.sum += v
         self.n += 1
 
-    def lines(self, name: str, labels: str) -> list[str]:
-        out, acc = [], 0
+    def series(self, name: str) -> dict[str, float]:
+        out, acc = {}, 0
         for b, c in zip(self.buckets, self.counts):
             acc += c
-            out.append(f'{name}_bucket{{{labels},le="{b}"}} {acc}')
-        out.append(f'{name}_bucket{{{labels},le="+Inf"}} {self.n}')
-        out += [f"{name}_sum{{{labels}}} {self.sum}", f"{name}_count{{{labels}}} {self.n}"]
+            out[f'{name}_bucket{{le="{b}"}}'] = acc
+        out[f'{name}_bucket{{le="+Inf"}}'] = self.n
+        out[f"{name}_sum"], out[f"{name}_count"] = self.sum, self.n
         return out
 
 
 class Metrics:
-    def __init__(self, model_name: str):
-        self.labels = f'model_name="{model_name}"'
-        self.counters: dict[str, float] = defaultdict(float)
+    """One ingress replica's request metrics (monotonic totals and the running gauge), reported to the hub."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
         for name in ("prompt_tokens_total", "generation_tokens_total", "spec_decode_num_drafts_total",
-                     "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total"):
-            self.counters[name] = 0.0  # exported from the start, as Prometheus counters should be
-        self.accepted_per_pos: dict[int, int] = defaultdict(int)
+                     "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
+                     "request_aborted_total", "request_failed_total", "request_retried_total"):
+            self.totals[name] = 0.0  # exported from the start, as Prometheus counters should be
         self.running = 0
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.itl = Histogram(ITL_BUCKETS)
-        self.e2e = Histogram(E2E_BUCKETS)
+        self.hist = {"time_to_first_token_seconds": Histogram(TTFT_BUCKETS),
+                     "inter_token_latency_seconds": Histogram(ITL_BUCKETS),
+                     "e2e_request_latency_seconds": Histogram(E2E_BUCKETS),
+                     "request_prompt_tokens": Histogram(TOKEN_BUCKETS),
+                     "request_generation_tokens": Histogram(TOKEN_BUCKETS),
+                     "request_params_max_tokens": Histogram(TOKEN_BUCKETS),
+                     "request_params_n": Histogram(N_BUCKETS)}
+        self.ttft, self.itl, self.e2e = (self.hist[k] for k in ("time_to_first_token_seconds",
+                                                                "inter_token_latency_seconds",
+                                                                "e2e_request_latency_seconds"))
+
+    def count(self, series: str, v: float = 1.0) -> None:
+        self.totals[series] += v
+
+    def admitted(self, n: int, max_tokens: int | None) -> None:
+        self.hist["request_params_n"].observe(n)
+        if max_tokens is not None:
+            self.hist["request_params_max_tokens"].observe(max_tokens)
 
     def finished(self, prompt_tokens: int, gen_tokens: int, spec: dict, reason: str | None) -> None:
-        c = self.counters
+        c = self.totals
         c["prompt_tokens_total"] += prompt_tokens
         c["generation_tokens_total"] += gen_tokens
-        c[f"request_success_total|{reason or 'unknown'}"] += 1
+        c[f'request_success_total{{finished_reason="{reason or "unknown"}"}}'] += 1
         c["spec_decode_num_drafts_total"] += spec.get("num_drafts", 0)
         c["spec_decode_num_draft_tokens_total"] += spec.get("num_draft_tokens", 0)
         c["spec_decode_num_accepted_tokens_total"] += spec.get("num_accepted_tokens", 0)
         for i, n in enumerate(spec.get("accepted_per_pos", [])):
-            self.accepted_per_pos[i] += n
+            c[f'spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] += n
+        self.hist["request_prompt_tokens"].observe(prompt_tokens)
+        self.hist["request_generation_tokens"].observe(gen_tokens)
 
-    def render(self, group: dict | None) -> str:
-        L = self.labels
-        out = [f"{PREFIX}num_requests_running{{{L}}} {self.running}"]
-        waiting = sum(r.get("num_waiting", 0) for r in (group or {}).get("ranks", []))
-        out.append(f"{PREFIX}num_requests_waiting{{{L}}} {waiting}")
-        for key, v in sorted(self.counters.items()):
-            name, _, reason = key.partition("|")
-            lab = f'{L},finished_reason="{reason}"' if reason else L
-            out.append(f"{PREFIX}{name}{{{lab}}} {v}")
-        for i, n in sorted(self.accepted_per_pos.items()) or [(0, 0)]:
-            out.append(f'{PREFIX}spec_decode_num_accepted_tokens_per_pos_total{{{L},position="{i}"}} {n}')
-        out += self.ttft.lines(f"{PREFIX}time_to_first_token_seconds", L)
-        out += self.itl.lines(f"{PREFIX}inter_token_latency_seconds", L)
-        out += self.e2e.lines(f"{PREFIX}e2e_request_latency_seconds", L)
-        if group:
-            out.append(f"{PREFIX}group_restarts_total{{{L}}} {group.get('restarts', 0)}")
-            out.append(f"{PREFIX}group_healthy{{{L}}} {int(bool(group.get('healthy')))}")
-            for r, rank in enumerate(group.get("ranks", [])):
-                rl = f'{L},rank="{r}"'
-                c = rank.get("counters", {})
-                out.append(f"{PREFIX}dpmeta_steps_total{{{rl}}} {rank.get('step', 0)}")
-                out.append(f"{PREFIX}dpmeta_gathers_total{{{rl}}} {c.get('gathers', 0)}")
-                out.append(f"{PREFIX}dummy_forwards_total{{{rl}}} {c.get('dummy_forwards', 0)}")
-                out.append(f"{PREFIX}waves_total{{{rl}}} {c.get('waves', 0)}")
-                out.append(f"{PREFIX}ep_collectives_total{{{rl}}} {rank.get('collectives', 0)}")
-                out.append(f"{PREFIX}rank_num_requests_running{{{rl}}} {rank.get('num_running', 0)}")
-                out.append(f"{PREFIX}rank_num_requests_waiting{{{rl}}} {rank.get('num_waiting', 0)}")
-        return "\n".join(out) + "\n"
+    def snapshot(self) -> dict[str, Any]:
+        totals = dict(self.totals)
+        for name, h in self.hist.items():
+            totals.update(h.series(name))
+        return {"totals": totals, "gauges": {"num_requests_running": self.running}}
+
+
+def group_snapshot(health: dict) -> dict[str, Any]:
+    """A group's report (from EngineGroup.monitor.health()): its counters per rank and its gauges."""
+    totals: dict[str, float] = {"group_restarts_total": health.get("restarts", 0),
+                                "abort_calls_total": sum(health.get("abort_calls", [])),
+                                "abort_errors_total": sum(health.get("abort_errors", []))}
+    gauges: dict[str, float] = {"group_healthy": int(bool(health.get("healthy"))),
+                                "num_requests_waiting": sum(r.get("num_waiting", 0) for r in health.get("ranks", []))}
+    for r, rank in enumerate(health.get("ranks", [])):
+        c, lab = rank.get("counters", {}), f'{{rank="{r}"}}'
+        totals.update({f"dpmeta_steps_total{lab}": rank.get("step", 0),
+                       f"dpmeta_gathers_total{lab}": c.get("gathers", 0),
+                       f"dummy_forwards_total{lab}": c.get("dummy_forwards", 0),
+                       f"waves_total{lab}": c.get("waves", 0),
+                       f"ep_collectives_total{lab}": rank.get("collectives", 0),
+                       f"num_preemptions_total{lab}": rank.get("num_preemptions", 0)})
+        gauges.update({f"kv_cache_usage_perc{lab}": rank.get("kv_usage", 0.0),
+                       f"rank_num_requests_running{lab}": rank.get("num_running", 0),
+                       f"rank_num_requests_waiting{lab}": rank.get("num_waiting", 0)})
+    return {"totals": totals, "gauges": gauges}
+
+
+def with_labels(series: str, labels: str) -> str:
+    """'name{a="b"}' + 'c="d"' -> 'name{c="d",a="b"}'."""
+    name, brace, rest = series.partition("{")
+    return f"{name}{{{labels},{rest}" if brace else f"{name}{{{labels}}}"
+
+
+def render(view: dict[str, Any], model_name: str) -> str:
+    """The exposition text of a hub view: ingress series summed over the ingress replicas (live and retired),
+    group series per group."""
+    L = f'model_name="{model_name}"'
+    ingress: dict[str, float] = defaultdict(float, view["retired"].get("ingress", {}))
+    running = 0
+    for snap in view["live"].get("ingress", {}).values():
+        for s, v in snap["totals"].items():
+            ingress[s] += v
+        running += snap["gauges"].get("num_requests_running", 0)
+    out = [f"{PREFIX}num_requests_running{{{L}}} {running}"]
+    out += [f"{PREFIX}{with_labels(s, L)} {v}" for s, v in sorted(ingress.items())]
+    waiting = 0
+    for gid, snap in sorted(view["live"].get("group", {}).items()):
+        gl = f'{L},group="{gid}"'
+        out += [f"{PREFIX}{with_labels(s, gl)} {v}" for s, v in sorted(snap["totals"].items())]
+        out += [f"{PREFIX}{with_labels(s, gl)} {v}" for s, v in sorted(snap["gauges"].items())
+                if s != "num_requests_waiting"]
+        waiting += snap["gauges"].get("num_requests_waiting", 0)
+    rl = f'{L},group="retired"'
+    out += [f"{PREFIX}{with_labels(s, rl)} {v}" for s, v in sorted(view["retired"].get("group", {}).items())]
+    out.append(f"{PREFIX}num_requests_waiting{{{L}}} {waiting}")
+    return "\n".join(out) + "\n"
