@@ -210,6 +210,10 @@ def test_metrics_cover_every_group_and_stay_monotonic(app):
     assert all(v == 0 for s, v in last.items() if s.startswith("mtp_ray:kv_cache_usage_perc")), last
     aborted = sum(v for s, v in last.items() if s.startswith("mtp_ray:request_aborted_total"))
     assert aborted >= 1, aborted
+    served = sum(v for s, v in last.items() if s.startswith("mtp_ray:request_inference_time_seconds_count"))
+    assert served > 0, served  # observed at every finished request, from the engine's own timestamps
     for name in ("request_prompt_tokens_bucket", "request_params_n_count", "num_preemptions_total",
-                 "request_retried_total", "request_success_total", "time_to_first_token_seconds_count"):
+                 "request_retried_total", "request_success_total", "time_to_first_token_seconds_count",
+                 "request_queue_time_seconds_count", "request_prefill_time_seconds_count",
+                 "request_decode_time_seconds_count", "request_inference_time_seconds_count"):
         assert any(s.startswith(f"mtp_ray:{name}") for s in last), name

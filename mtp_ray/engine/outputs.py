@@ -28,6 +28,7 @@ class StepOutput:
     num_prompt_tokens: int = 0
     spec: dict = field(default_factory=dict)
     error: str | None = None  # the request was refused (finish_reason "error"): why, for the caller's exception
+    timings: dict = field(default_factory=dict)  # at the end: Request.timings() (queue / prefill / decode seconds)
 
     def then(self, later: StepOutput) -> StepOutput:
         """This delta followed by a later one of the same request, as one (its end state is the later one's)."""
@@ -35,7 +36,7 @@ class StepOutput:
         return StepOutput(self.request_id, self.new_token_ids + later.new_token_ids,
                           self.new_logprobs + later.new_logprobs, self.new_top_logprobs + later.new_top_logprobs,
                           later.finished, later.finish_reason, later.stop_reason, later.num_prompt_tokens, later.spec,
-                          later.error)
+                          later.error, later.timings)
 
 
 class OutputProcessor:
@@ -59,8 +60,9 @@ class OutputProcessor:
             req.first_token_time = time.monotonic()
         req.drafts = []
         self._append(req, [token], [(logprob, {})])
-        return StepOutput(req.request_id, [token], [logprob], [{}], req.finished, req.finish_reason, req.stop_reason,
-                          len(req.prompt_ids), req.spec_stats() if req.finished else {})
+        done = req.finished
+        return StepOutput(req.request_id, [token], [logprob], [{}], done, req.finish_reason, req.stop_reason,
+                          len(req.prompt_ids), req.spec_stats() if done else {}, None, req.timings() if done else {})
 
     def commit_spec(self, req: Request, accepted: int, k: int) -> None:
         """GDN rollback: the state after token `accepted` of the verify becomes the sequence's state."""
@@ -104,4 +106,5 @@ class OutputProcessor:
             new_top_logprobs=req.top_logprobs[len(req.top_logprobs) - n:] if n else [],
             finished=req.finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             num_prompt_tokens=len(req.prompt_ids), spec=req.spec_stats() if req.finished else {},
+            timings=req.timings() if req.finished else {},
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,7 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # when it first left the waiting queue (queue time ends)
 
     @property
     def all_ids(self) -> list[int]:
@@ -95,6 +97,15 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    def timings(self) -> dict[str, float]:
+        """vLLM's per-request phases, in seconds, at its end: queue (arrival -> first scheduled), prefill (-> first
+        token), decode (-> now), inference (first scheduled -> now)."""
+        now = time.monotonic()
+        sched = self.first_scheduled_time if self.first_scheduled_time is not None else now
+        first = self.first_token_time if self.first_token_time is not None else now
+        return {"queue_s": sched - self.arrival, "prefill_s": first - sched, "decode_s": now - first,
+                "inference_s": now - sched}
 
     def spec_stats(self) -> dict:
         return {

@@ -12,6 +12,7 @@ Blocks are reserved for `lookahead` positions past the step so the MTP draft loo
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -124,6 +125,8 @@ class Scheduler:
             if not self.blocks.ensure(req, self._need(req, n)):
                 break  # FCFS: nobody jumps the queue
             self.waiting.popleft()
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             req.status = Status.RUNNING
             self.running.append(req)
             out.append(Scheduled(req, n, False))

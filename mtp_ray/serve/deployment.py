@@ -6,23 +6,17 @@ update_weights, ...), plus `stream` for the HTTP ingress."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import AsyncIterator
 
 import ray
-from ray import serve
 
 from mtp_ray.config.engine import EngineConfig
 from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.rl.engine import RolloutEngine
-from mtp_ray.runtime.batcher import detached
 from mtp_ray.runtime.group import EngineGroup
 from mtp_ray.serve.metrics import group_snapshot
-from mtp_ray.serve.metrics_hub import hub_for
-
-log = logging.getLogger("mtp_ray.group")
+from mtp_ray.serve.metrics_hub import HubReporter
 
 
 class GroupDeployment(RolloutEngine):
@@ -32,19 +26,9 @@ class GroupDeployment(RolloutEngine):
         self.group = EngineGroup(self.cfg, pg, bundle_offset=1 if pg is not None else 0, restart_on_failure=False)
         self._started = None
         await self.start()
-        self._reporting = detached(self._report_loop())
-
-    async def _report_loop(self) -> None:
-        """This group's counters and gauges to the application's metrics hub, once a second."""
-        app = serve.get_replica_context().app_name
-        hub = hub_for(app)
-        while self.group.state != "stopped":
-            try:
-                await hub.report.remote("group", self.group.group_id, group_snapshot(self.group.monitor.health()))
-            except Exception as e:  # the hub is being recreated: report to the new one
-                log.warning("metrics report failed: %s", e)
-                hub = hub_for(app)
-            await asyncio.sleep(1.0)
+        # this group's counters and gauges to the application's metrics hub, once a second
+        self.reporter = HubReporter("group", self.group.group_id, lambda: group_snapshot(self.group.monitor.health()))
+        self.reporter.start()
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
                      ) -> AsyncIterator[StepOutput]:

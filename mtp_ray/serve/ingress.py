@@ -3,8 +3,6 @@ deployment, detokenises and applies stop strings, streams server-sent events, ke
 
 
 import asyncio
-import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -16,13 +14,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mtp_ray.config.server import ServerConfig
 from mtp_ray.engine.detok import Detokenizer
-from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.llm import load_tokenizer
-from mtp_ray.runtime.batcher import detached
 from mtp_ray.serve.groups import GroupClient, GroupStream, cause_of, first_line, unavailable
 from mtp_ray.serve.intake import check_api_key, read_json_object
 from mtp_ray.serve.metrics import Metrics, render
-from mtp_ray.serve.metrics_hub import hub_for
+from mtp_ray.serve.metrics_hub import HubReporter
 from mtp_ray.serve.openai_protocol import (
     ApiError,
     Limits,
@@ -32,7 +28,7 @@ from mtp_ray.serve.openai_protocol import (
     parse_chat,
     parse_completion,
 )
-from mtp_ray.serve.responses import Choice, chunk, final_response
+from mtp_ray.serve.responses import Choice, choice_params, chunk, error_response, final_response, sse_event
 
 # no /docs, /redoc or /openapi.json: the API is OpenAI's, and an open schema browser is one more thing to expose
 app = FastAPI(title="mtp-ray", docs_url=None, redoc_url=None, openapi_url=None)
@@ -44,21 +40,6 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> JSONRespo
     """Unknown routes and methods answer in OpenAI's error shape, like every other error here."""
     return error_response(ApiError(exc.status_code, str(exc.detail), None,
                                    "NotFoundError" if exc.status_code == 404 else "invalid_request_error"))
-
-
-def sse_event(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-def error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-def choice_params(p: SamplingParams, index: int) -> SamplingParams:
-    """One choice's own request (n = 1): a seeded request's choices draw from seed, seed + 1, ... (wrapping at
-    2**64, so every seed the parameters accept stays valid)."""
-    seed = p.seed if p.seed is None else p.seed + index % p.n
-    return dataclasses.replace(p, n=1, seed=seed - 2**64 if seed is not None and seed >= 2**64 else seed)
 
 
 @serve.ingress(app)  # at import time, so that the driver and every replica see the same class-based routes
@@ -73,7 +54,7 @@ class Ingress:
         self.groups = GroupClient(group, queue_s, retry_after_s=max(1, round(queue_s)),
                                   on_resend=lambda: self.metrics.count("request_retried_total"))
         self.reporter_id = uuid.uuid4().hex[:8]
-        self._hub = self._reporting = None
+        self.reporter = HubReporter("ingress", self.reporter_id, self.metrics.snapshot)
         self.model_name = model_name
         self.tok = load_tokenizer(tokenizer)
         self._info: dict | None = None
@@ -94,21 +75,6 @@ class Ingress:
     def refused(self, e: ApiError) -> JSONResponse:
         self.metrics.count(f'request_failed_total{{status="{e.status}"}}')
         return error_response(e)
-
-    def start_reporting(self) -> None:
-        """Report this replica's metrics to the application's hub once a second (from the first request on)."""
-        if self._reporting is None:
-            self._hub = hub_for(serve.get_replica_context().app_name)
-            self._reporting = detached(self._report_loop())
-
-    async def _report_loop(self) -> None:
-        while True:
-            try:
-                await self._hub.report.remote("ingress", self.reporter_id, self.metrics.snapshot())
-            except Exception as e:  # the hub is being recreated: the next report goes to the new one
-                log.warning("metrics report failed: %s", first_line(cause_of(e)))
-                self._hub = hub_for(serve.get_replica_context().app_name)
-            await asyncio.sleep(1.0)
 
     async def limits(self) -> Limits:
         """Per-request limits; a prompt string longer than the context could hold even at the vocabulary's longest
@@ -142,7 +108,7 @@ class Ingress:
         return await self.generate(request, chat=True)
 
     async def generate(self, request: Request, chat: bool):
-        self.start_reporting()
+        self.reporter.start()
         try:
             body = await self._body(request)
             # tokenising / templating a large prompt off the event loop
@@ -210,7 +176,7 @@ class Ingress:
                 if c.finish_reason is not None:
                     break
             self.metrics.e2e.observe(time.monotonic() - t0)
-            self.metrics.finished(len(c.prompt), len(c.token_ids), c.spec, c.finish_reason)
+            self.metrics.finished(len(c.prompt), len(c.token_ids), c.spec, c.finish_reason, c.timings)
         except asyncio.CancelledError:  # the client went away
             self.metrics.count("request_aborted_total")
             stream.cancel()
@@ -287,7 +253,8 @@ class Ingress:
             h = await asyncio.wait_for(self.group.health.remote(), 10)
         except Exception as e:
             log.warning("health: no group answered: %s", first_line(cause_of(e)))
-            return JSONResponse({"healthy": False, "state": "unavailable"}, status_code=503)
+            return JSONResponse({"healthy": False, "state": "unavailable",
+                                 "detail": "no engine group answered: starting, or being replaced"}, status_code=503)
         return JSONResponse({"healthy": h["healthy"], "state": h["state"]}, status_code=200 if h["healthy"] else 503)
 
     @app.get("/admin/health")
@@ -307,9 +274,9 @@ class Ingress:
     async def metrics_text(self):
         """Every ingress replica and every group of the application, from the hub (this replica's own counters as
         they are now); without the hub, this replica's alone."""
-        self.start_reporting()
+        self.reporter.start()
         try:
-            view = await asyncio.wait_for(self._hub.view.remote(), 5)
+            view = await asyncio.wait_for(self.reporter.hub.view.remote(), 5)
         except Exception as e:
             log.warning("metrics hub unreachable: %s", first_line(cause_of(e)))
             view = {"live": {"ingress": {}, "group": {}}, "retired": {}}

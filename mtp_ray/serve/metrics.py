@@ -56,7 +56,12 @@ class Metrics:
                      "request_prompt_tokens": Histogram(TOKEN_BUCKETS),
                      "request_generation_tokens": Histogram(TOKEN_BUCKETS),
                      "request_params_max_tokens": Histogram(TOKEN_BUCKETS),
-                     "request_params_n": Histogram(N_BUCKETS)}
+                     "request_params_n": Histogram(N_BUCKETS),
+                     # the engine's phases of each request (Request.timings)
+                     "request_queue_time_seconds": Histogram(E2E_BUCKETS),
+                     "request_prefill_time_seconds": Histogram(E2E_BUCKETS),
+                     "request_decode_time_seconds": Histogram(E2E_BUCKETS),
+                     "request_inference_time_seconds": Histogram(E2E_BUCKETS)}
         self.ttft, self.itl, self.e2e = (self.hist[k] for k in ("time_to_first_token_seconds",
                                                                 "inter_token_latency_seconds",
                                                                 "e2e_request_latency_seconds"))
@@ -69,7 +74,8 @@ class Metrics:
         if max_tokens is not None:
             self.hist["request_params_max_tokens"].observe(max_tokens)
 
-    def finished(self, prompt_tokens: int, gen_tokens: int, spec: dict, reason: str | None) -> None:
+    def finished(self, prompt_tokens: int, gen_tokens: int, spec: dict, reason: str | None,
+                 timings: dict[str, float] | None = None) -> None:
         c = self.totals
         c["prompt_tokens_total"] += prompt_tokens
         c["generation_tokens_total"] += gen_tokens
@@ -81,6 +87,8 @@ class Metrics:
             c[f'spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] += n
         self.hist["request_prompt_tokens"].observe(prompt_tokens)
         self.hist["request_generation_tokens"].observe(gen_tokens)
+        for phase, v in (timings or {}).items():  # queue_s -> request_queue_time_seconds, ...
+            self.hist[f"request_{phase[:-2]}_time_seconds"].observe(v)
 
     def snapshot(self) -> dict[str, Any]:
         totals = dict(self.totals)

@@ -6,13 +6,20 @@ its counters stay in the totals, so every total is monotonic."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray import serve
+
+from mtp_ray.runtime.batcher import detached
 
 NAMESPACE = "mtp_ray"
+log = logging.getLogger("mtp_ray.metrics")
 
 
 class MetricsHub:
@@ -46,3 +53,27 @@ def hub_for(app_name: str):
     """The application's hub (created by whoever asks first; detached, so replacing any replica keeps it)."""
     return ray.remote(MetricsHub).options(name=f"hub_{app_name}", namespace=NAMESPACE, get_if_exists=True,
                                           lifetime="detached", num_cpus=0).remote()
+
+
+class HubReporter:
+    """Sends `snapshot()` to the application's hub once a second from a detached task (an ingress replica, a
+    group replica), started on the first `start()` (a Serve replica's event loop must be running)."""
+
+    def __init__(self, kind: str, reporter: str, snapshot: Callable[[], dict[str, Any]]):
+        self.kind, self.reporter, self.snapshot = kind, reporter, snapshot
+        self.hub = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self.hub = hub_for(serve.get_replica_context().app_name)
+            self._task = detached(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.hub.report.remote(self.kind, self.reporter, self.snapshot())
+            except Exception as e:  # the hub is being recreated: the next report goes to the new one
+                log.warning("metrics report to the hub failed: %s", e)
+                self.hub = hub_for(serve.get_replica_context().app_name)
+            await asyncio.sleep(1.0)

@@ -1,12 +1,18 @@
-"""One choice's accumulated state and the OpenAI response / stream-chunk bodies built from it."""
+"""One choice's accumulated state and the OpenAI response / stream-chunk / error bodies built from it."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from dataclasses import dataclass, field
 
+from fastapi.responses import JSONResponse
+
 from mtp_ray.engine.detok import Detokenizer
 from mtp_ray.engine.outputs import StepOutput
+from mtp_ray.engine.sampling_params import SamplingParams
+from mtp_ray.serve.openai_protocol import ApiError
 
 
 @dataclass
@@ -20,6 +26,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     spec: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)  # the engine's queue / prefill / decode / inference seconds
     sent_lp: int = 0  # logprob entries already streamed
     sent_finish: bool = False
     echo: str = ""  # the prompt's text, sent before the completion's (completions with echo)
@@ -34,6 +41,7 @@ class Choice:
             self.finish_reason = "stop" if stopped is not None else out.finish_reason
             self.stop_reason = stopped if stopped is not None else out.stop_reason
             self.spec = out.spec or {}
+            self.timings = out.timings or {}
 
     @property
     def pending_logprobs(self) -> bool:
@@ -104,3 +112,18 @@ def final_response(rid: str, model: str, chat: bool, choices: list[Choice], req,
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": out,
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}}
+
+
+def sse_event(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def choice_params(p: SamplingParams, index: int) -> SamplingParams:
+    """One choice's own request (n = 1): a seeded request's choices draw from seed, seed + 1, ... (wrapping at
+    2**64, so every seed the parameters accept stays valid)."""
+    seed = p.seed if p.seed is None else p.seed + index % p.n
+    return dataclasses.replace(p, n=1, seed=seed - 2**64 if seed is not None and seed >= 2**64 else seed)
