@@ -215,5 +215,6 @@ def test_metrics_cover_every_group_and_stay_monotonic(app):
     for name in ("request_prompt_tokens_bucket", "request_params_n_count", "num_preemptions_total",
                  "request_retried_total", "request_success_total", "time_to_first_token_seconds_count",
                  "request_queue_time_seconds_count", "request_prefill_time_seconds_count",
-                 "request_decode_time_seconds_count", "request_inference_time_seconds_count"):
+                 "request_decode_time_seconds_count", "request_inference_time_seconds_count",
+                 "iteration_tokens_total_bucket", "iteration_tokens_total_count"):
         assert any(s.startswith(f"mtp_ray:{name}") for s in last), name

@@ -138,7 +138,8 @@ class EngineCore:
                 uniform = uniform and bool(sched)
                 clock.lap("resolve")
             decodes = len(sched) if uniform else sum(s.req.is_decode for s in sched)
-            self.stats.count_step(uniform, bool(table.graph_size), mixed=0 < decodes < len(sched))
+            self.stats.count_step(uniform, bool(table.graph_size), mixed=0 < decodes < len(sched),
+                                  tokens=sum(s.num_new for s in sched))
             inp = self._inputs(sched, uniform, table)
             clock.lap("inputs")
             hidden, all_logits = self._forward(inp, sched, table)

@@ -4,7 +4,11 @@ greedy path its graph steps and waits, the draft loop its graphs after eager ste
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import bisect
+from dataclasses import asdict, dataclass, field
+
+# vLLM's iteration_tokens_total buckets: tokens a step feeds its target forward
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass
@@ -24,8 +28,15 @@ class EngineStats:
     step_s: float = 0.0  # wall time of the steps that ran a forward, host work included
     graph_step_s: float = 0.0  # the part of step_s spent in steps that replayed a CUDA graph
     graph_wait_s: float = 0.0  # the part of graph_step_s the host waited for the device's results
+    # steps by the tokens they scheduled (dummy forwards not counted): one count per bucket, the last one past
+    # ITERATION_TOKEN_BUCKETS[-1]; and the tokens in all
+    iteration_tokens: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
+    iteration_tokens_sum: int = 0
 
-    def count_step(self, uniform: bool, graph: bool, mixed: bool) -> None:
+    def count_step(self, uniform: bool, graph: bool, mixed: bool, tokens: int) -> None:
+        if tokens:
+            self.iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
+            self.iteration_tokens_sum += tokens
         self.steps += 1
         self.uniform_steps += int(uniform)
         self.graph_steps += int(graph)

@@ -10,6 +10,8 @@ import bisect
 from collections import defaultdict
 from typing import Any
 
+from mtp_ray.engine.stats import ITERATION_TOKEN_BUCKETS
+
 PREFIX = "mtp_ray:"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -112,10 +114,25 @@ def group_snapshot(health: dict) -> dict[str, Any]:
                        f"waves_total{lab}": c.get("waves", 0),
                        f"ep_collectives_total{lab}": rank.get("collectives", 0),
                        f"num_preemptions_total{lab}": rank.get("num_preemptions", 0)})
+        totals.update(_iteration_tokens(rank.get("spec", {}), r))
         gauges.update({f"kv_cache_usage_perc{lab}": rank.get("kv_usage", 0.0),
                        f"rank_num_requests_running{lab}": rank.get("num_running", 0),
                        f"rank_num_requests_waiting{lab}": rank.get("num_waiting", 0)})
     return {"totals": totals, "gauges": gauges}
+
+
+def _iteration_tokens(stats: dict, rank: int) -> dict[str, float]:
+    """vLLM's iteration_tokens_total histogram of one rank, from its EngineStats counts."""
+    counts = stats.get("iteration_tokens")
+    if not counts:
+        return {}
+    out, acc = {}, 0
+    for b, c in zip((*ITERATION_TOKEN_BUCKETS, "+Inf"), counts, strict=True):
+        acc += c
+        out[f'iteration_tokens_total_bucket{{rank="{rank}",le="{b}"}}'] = acc
+    out[f'iteration_tokens_total_sum{{rank="{rank}"}}'] = stats.get("iteration_tokens_sum", 0)
+    out[f'iteration_tokens_total_count{{rank="{rank}"}}'] = acc
+    return out
 
 
 def with_labels(series: str, labels: str) -> str:
