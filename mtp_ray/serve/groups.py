@@ -69,6 +69,9 @@ class GroupClient:
             except asyncio.TimeoutError:
                 gen.cancel()
                 raise self.unavailable_error(cause) from None
+            except asyncio.CancelledError:  # the client went away while it was being admitted: abort it there too
+                gen.cancel()
+                raise
             except Exception as e:
                 gen.cancel()
                 if not unavailable(e):

@@ -130,8 +130,17 @@ class Ingress:
                    for i, p in enumerate(req.prompts) for j in range(req.params.n)]
         t0 = time.monotonic()
         # every choice admitted by a group before the response starts: a 503 is a status, not an SSE error event
-        opened = await asyncio.gather(*[self.groups.open(c.prompt, choice_params(req.params, c.index))
-                                        for c in choices], return_exceptions=True)
+        tasks = [asyncio.ensure_future(self.groups.open(c.prompt, choice_params(req.params, c.index)))
+                 for c in choices]
+        try:
+            opened = await asyncio.gather(*tasks, return_exceptions=True)
+        except asyncio.CancelledError:  # the client went away: abort the choices already admitted, stop the rest
+            for t in tasks:
+                if t.done() and not t.cancelled() and t.exception() is None:
+                    t.result().cancel()
+                else:
+                    t.cancel()
+            raise
         failed = next((e for e in opened if isinstance(e, BaseException)), None)
         if failed is not None:
             for s in opened:
