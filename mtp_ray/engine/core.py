@@ -139,7 +139,7 @@ class EngineCore:
                 clock.lap("resolve")
             decodes = len(sched) if uniform else sum(s.req.is_decode for s in sched)
             self.stats.count_step(uniform, bool(table.graph_size), mixed=0 < decodes < len(sched),
-                                  tokens=sum(s.num_new for s in sched))
+                                  tokens=0 if local.is_dummy else local.num_tokens)  # the tokens it scheduled
             inp = self._inputs(sched, uniform, table)
             clock.lap("inputs")
             hidden, all_logits = self._forward(inp, sched, table)

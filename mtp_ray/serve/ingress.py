@@ -186,9 +186,8 @@ class Ingress:
                     break
             self.metrics.e2e.observe(time.monotonic() - t0)
             self.metrics.finished(len(c.prompt), len(c.token_ids), c.spec, c.finish_reason, c.timings)
-        except asyncio.CancelledError:  # the client went away
+        except asyncio.CancelledError:  # the client went away (the stream cancels its request on its rank)
             self.metrics.count("request_aborted_total")
-            stream.cancel()
             raise
         finally:
             self.metrics.running -= 1
