@@ -33,6 +33,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    # prompt_logprobs: per prompt position None (the first) or {token: logprob} (the prompt token and the top-n)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def engine_config(model: str = BUNDLED_MODEL, *, num_speculative_tokens: int = 0, dtype: str = "auto",
@@ -131,6 +133,9 @@ class LLM:
 
     def _apply(self, out: StepOutput, detok: dict) -> None:
         ro, co, dt = detok[out.request_id]
+        if out.prompt_logprobs is not None and ro.prompt_logprobs is None:
+            ro.prompt_logprobs = [None if e is None else {t: e[0], **dict(e[1])}
+                                  for e, t in zip(out.prompt_logprobs, ro.prompt_token_ids, strict=True)]
         co.token_ids += out.new_token_ids
         co.logprobs += out.new_logprobs
         co.top_logprobs += out.new_top_logprobs

@@ -309,7 +309,7 @@ def test_append_equals_a_per_token_reference():
         for i, t in enumerate(toks):
             out.append(t)
             if (t in eos and not ignore_eos) or t in stop_ids:
-                return i + 1, "stop", t
+                return i + 1, "stop", t if t in stop_ids else None
             if (max_tokens is not None and len(out) >= max_tokens) or len(prompt) + len(out) >= max_len:
                 return i + 1, "length", None
         return len(toks), None, None

@@ -1,4 +1,5 @@
-"""ServerConfig: the HTTP front door's settings (the YAML's `args.server`): authentication and request limits."""
+"""ServerConfig: the HTTP front door's settings (the YAML's `args.server`): authentication, request limits, and the
+chat output parsers (vLLM's --reasoning-parser / --tool-call-parser / --chat-template)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+REASONING_PARSER_NAMES = frozenset({"qwen3", "deepseek_r1"})  # serve/reasoning.py
+TOOL_PARSER_NAMES = frozenset({"qwen3_coder", "hermes"})  # serve/tool_parsers.py
 API_KEY_ENV = "MTP_RAY_API_KEY"  # as vLLM's VLLM_API_KEY: used when the YAML sets no api_key
 
 
@@ -17,12 +20,21 @@ class ServerConfig:
     max_n: int = 64  # choices per request (n); each is a request of its own on the engine
     max_stop: int = 64  # stop strings per request
     max_prompts: int = 256  # prompts in one completions request (a batch)
+    reasoning_parser: str | None = None  # "qwen3" (alias "deepseek_r1"): <think> ... </think> -> reasoning_content
+    tool_call_parser: str | None = None  # "qwen3_coder" (Qwen3.5's XML calls) or "hermes" (JSON in <tool_call>)
+    chat_template: str | None = None  # a Jinja file or the template itself; None: the tokenizer's
 
     def __post_init__(self) -> None:
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("server.api_key must be a non-empty string")
+        for name, known in (("reasoning_parser", REASONING_PARSER_NAMES), ("tool_call_parser", TOOL_PARSER_NAMES)):
+            v = getattr(self, name)
+            if v is not None and v not in known:
+                raise ValueError(f"server.{name} must be one of {sorted(known)}, got {v!r}")
+        if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template):
+            raise ValueError("server.chat_template must be a file path or a Jinja template")
         for f in fields(self):
-            if f.name != "api_key":
+            if isinstance(f.default, int):
                 v = getattr(self, f.name)
                 if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                     raise ValueError(f"server.{f.name} must be an integer >= 1, got {v!r}")
@@ -36,3 +48,12 @@ class ServerConfig:
         if raw.get("api_key") is None and os.environ.get(API_KEY_ENV):
             raw["api_key"] = os.environ[API_KEY_ENV]
         return cls(**raw)
+
+    def template(self) -> str | None:
+        """The chat template's text: a path is read, anything else is the template."""
+        from pathlib import Path
+
+        t = self.chat_template
+        if t is not None and "{" not in t and Path(t).is_file():
+            return Path(t).read_text()
+        return t

@@ -21,6 +21,7 @@ from mtp_ray.config.engine import EngineConfig
 from mtp_ray.config.model import ModelConfig
 from mtp_ray.engine.block_manager import BlockManager
 from mtp_ray.engine.device_greedy import DeviceGreedy
+from mtp_ray.engine.grammar import GrammarCompiler
 from mtp_ray.engine.inputs import StepInputs, build, build_uniform, dummy_inputs, is_uniform, target_pieces
 from mtp_ray.engine.mtp import DraftItem, MTPProposer
 from mtp_ray.engine.outputs import OutputProcessor, StepOutput
@@ -51,6 +52,7 @@ class EngineCore:
         self.k = cfg.spec.k
         self.runner = ModelRunner(cfg, self.max_model_len, expert_range, dispatch, self.sync.barrier)
         self.eos_ids = tuple(self.runner.model_config.eos_token_ids)
+        self.grammars = GrammarCompiler(cfg.tokenizer or cfg.model, self.runner.model_config.vocab_size, self.eos_ids)
         shape = self.runner.cache_shape
         self.blocks = BlockManager(shape.num_blocks, shape.block_size, shape.num_state_slots, self.runner.slots_per_seq)
         split = cfg.scheduler.split_prefill
@@ -81,6 +83,12 @@ class EngineCore:
         check_request(prompt_ids, params, self.runner.model_config.vocab_size, self.max_model_len)
         gen = torch.Generator().manual_seed(params.seed if params.seed is not None else next(self._seeds))
         req = Request(request_id, list(prompt_ids), params, arrival=time.monotonic(), generator=gen)
+        if params.structured_outputs is not None:
+            req.grammar = self.grammars.grammar(params.structured_outputs, self._stop_ids(params))
+        if params.allowed_token_ids is not None:
+            req.allowed = torch.zeros(self.runner.model_config.vocab_size, dtype=torch.bool)
+            req.allowed[params.allowed_token_ids] = True
+            req.allowed[list(self._stop_ids(params))] = True  # a request restricted to some tokens can still end
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -209,9 +217,11 @@ class EngineCore:
 
     @staticmethod
     def _plain_greedy(req: Request) -> bool:
-        """Greedy on the raw logits (nothing reshapes them) and no top-n log-probs: the device argmax decides."""
+        """Greedy on the raw logits (nothing reshapes or masks them) and no top-n or prompt log-probs: the device
+        argmax decides."""
         p = req.params
-        return p.greedy and not p.reshapes_logits and not p.logprobs and len(req.output_ids) >= p.min_tokens
+        return (p.greedy and not p.reshapes_logits and not p.logprobs and p.prompt_logprobs is None
+                and len(req.output_ids) >= p.min_tokens)
 
     def drain(self) -> None:
         """Before anything that must see every token committed (group commands): the results in flight go out with
@@ -277,6 +287,8 @@ class EngineCore:
         if req.finished:  # it stopped at the step that was in flight (async scheduling): this row is dropped
             return None, None
         logits, logprobs, g_ids, g_lp = lg if lg is not None else (None, None, [], [])
+        if req.params.prompt_logprobs is not None and logprobs is not None and not s.verify:
+            self._prompt_logprobs(req, start, logprobs)
         if s.verify:
             assert g_ids and (fast or logits is not None)
             k = len(req.drafts)
@@ -285,7 +297,8 @@ class EngineCore:
                 emitted = req.drafts[:a] + [g_ids[a]]
             else:
                 out_before = len(req.output_ids)
-                rows = [self._row(req, req.drafts[:i], out_before + i) for i in range(k + 1)]
+                masks = req.grammar.masks_along(req.drafts) if req.grammar is not None else [req.allowed] * (k + 1)
+                rows = [self._row(req, req.drafts[:i], out_before + i, masks[i]) for i in range(k + 1)]
                 emitted = verify(logits, req.drafts, req.draft_probs, rows, req.generator)
             a = len(emitted) - 1
             self.out.commit_spec(req, a, k)
@@ -297,7 +310,7 @@ class EngineCore:
             if fast:
                 emitted = [g_ids[-1]]
             else:
-                emitted = [sample_row(logits[-1], self._row(req, [], len(req.output_ids)), req.generator)]
+                emitted = [sample_row(logits[-1], self._row(req, [], len(req.output_ids), req.mask()), req.generator)]
                 logprobs = logprobs[-1:]
             g_lp = g_lp[-1:]
             req.num_computed = start + s.num_new
@@ -309,11 +322,29 @@ class EngineCore:
         else:
             info = [logprob_info(logprobs[i], t, req.params.logprobs) for i, t in enumerate(emitted)]
         out = self.out.emit(req, emitted, info)
+        if req.params.prompt_logprobs is not None and not req.prompt_lps_sent:  # with the first token
+            out.prompt_logprobs, req.prompt_lps_sent = [None, *req.prompt_lps], True
         item = DraftItem(req, start, hidden, True, index, committed) if self.k and not req.finished else None
         return out, item
 
-    def _row(self, req: Request, extra: list[int], num_output: int) -> Row:
+    def _stop_ids(self, p: SamplingParams) -> tuple[int, ...]:
+        return (() if p.ignore_eos else self.eos_ids) + tuple(p.stop_token_ids)
+
+    def _row(self, req: Request, extra: list[int], num_output: int, allowed: torch.Tensor | None) -> Row:
         p = req.params
-        stop = (() if p.ignore_eos else self.eos_ids) + tuple(p.stop_token_ids)
         history = req.all_ids + extra if p.penalized else []
-        return Row(p, history, num_output, stop)
+        return Row(p, history, num_output, self._stop_ids(p), allowed)
+
+    @staticmethod
+    def _prompt_logprobs(req: Request, start: int, logprobs: torch.Tensor) -> None:
+        """Rows of a prefill piece (positions start ..): row j's distribution scores prompt token start + j + 1.
+        Positions already scored (a recompute after preemption) are skipped."""
+        prompt = req.prompt_ids
+        for j in range(logprobs.shape[0]):
+            pos = start + j + 1  # the prompt token this row scores
+            if pos >= len(prompt):
+                break
+            if pos == len(req.prompt_lps) + 1:
+                lp, top = logprob_info(logprobs[j], prompt[pos], req.params.prompt_logprobs)
+                rank = int((logprobs[j] > lp).sum()) + 1  # 1: the most likely token
+                req.prompt_lps.append((lp, top, rank))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 WINDOW = 48  # tokens decoded together at most (beyond it the older ones are committed as text)
@@ -17,6 +18,8 @@ class Detokenizer:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""  # output text so far, cut at the stop string once one matched
     stopped_by: str | None = None
+    stop_regex: list[str] = field(default_factory=list)  # SGLang's stop_regex: a match ends the text like a stop
+    stop_tokens: int | None = None  # tokens up to the one that completed the stop (the rest are not output)
     emitted: int = 0  # characters already handed out by delta()
     # text of token_ids[:committed] (decoding only the tail keeps a long generation linear, not quadratic)
     committed: int = 0
@@ -48,14 +51,31 @@ class Detokenizer:
         if len(self.token_ids) - self.committed > WINDOW:
             tail = self._commit(tail)
         full = self.committed_text + tail
+        hit = self._find_stop(full)
+        if hit is not None:
+            i, j, self.stopped_by = hit
+            self.stop_tokens = self._tokens_through(j, len(self.token_ids) - len(new_ids))
+            full = full[: j if self.include_stop_str_in_output else i]
+        self.text = full
+
+    def _find_stop(self, full: str) -> tuple[int, int, str] | None:
+        """The first stop in the new text -> (start, end, what matched)."""
+        hits = []
         if self.stop:
             start = max(0, len(self.text) - max(len(s) for s in self.stop))
-            hits = [(i, s) for s in self.stop if (i := full.find(s, start)) >= 0]
-            if hits:
-                i, s = min(hits)
-                self.stopped_by = s
-                full = full[: i + len(s) if self.include_stop_str_in_output else i]
-        self.text = full
+            hits = [(i, i + len(s), s) for s in self.stop if (i := full.find(s, start)) >= 0]
+        for pattern in self.stop_regex:
+            m = re.compile(pattern).search(full, max(0, len(self.text) - 256))
+            if m is not None and m.end() > m.start():
+                hits.append((m.start(), m.end(), m.group()))
+        return min(hits) if hits else None
+
+    def _tokens_through(self, end: int, before: int) -> int:
+        """The fewest tokens whose text reaches `end` (they hold the whole stop): usage counts only these."""
+        for m in range(before + 1, len(self.token_ids)):
+            if len(self._decode(self.token_ids[:m])) >= end:
+                return m
+        return len(self.token_ids)
 
     def delta(self, finished: bool) -> str:
         """New text to stream. Until the request ends, hold back what could still become a stop string or an

@@ -29,6 +29,8 @@ class StepOutput:
     spec: dict = field(default_factory=dict)
     error: str | None = None  # the request was refused (finish_reason "error"): why, for the caller's exception
     timings: dict = field(default_factory=dict)  # at the end: Request.timings() (queue / prefill / decode seconds)
+    # with the first token, when asked: per prompt position None (the first) or (logprob, {token: logprob} top-n)
+    prompt_logprobs: list | None = None
 
     def then(self, later: StepOutput) -> StepOutput:
         """This delta followed by a later one of the same request, as one (its end state is the later one's)."""
@@ -36,7 +38,8 @@ class StepOutput:
         return StepOutput(self.request_id, self.new_token_ids + later.new_token_ids,
                           self.new_logprobs + later.new_logprobs, self.new_top_logprobs + later.new_top_logprobs,
                           later.finished, later.finish_reason, later.stop_reason, later.num_prompt_tokens, later.spec,
-                          later.error, later.timings)
+                          later.error, later.timings,
+                          self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
 
 
 class OutputProcessor:
@@ -87,8 +90,12 @@ class OutputProcessor:
             req.output_logprobs.append(lp)
             req.top_logprobs.append(top)
             reason = None
-            if (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
-                reason, req.stop_reason = "stop", t
+            if t in p.stop_token_ids:
+                reason, req.stop_reason = "stop", t  # vLLM: the stop token id; None for the end-of-sequence token
+            elif t in self.eos_ids and not p.ignore_eos:
+                reason = "stop"
+            elif req.grammar is not None and self._completes_grammar(req, t):
+                reason = "stop"  # the output is complete (nothing but the end may follow): as an end token would
             elif p.max_tokens is not None and len(req.output_ids) >= p.max_tokens:
                 reason = "length"
             elif req.num_known >= self.max_model_len:  # tokens still in flight (async scheduling) do not count
@@ -98,6 +105,12 @@ class OutputProcessor:
                 self.requests.pop(req.request_id, None)
                 return i + 1
         return len(tokens)
+
+    @staticmethod
+    def _completes_grammar(req: Request, token: int) -> bool:
+        assert req.grammar is not None
+        req.grammar.commit(token)
+        return req.grammar.finished
 
     def output(self, req: Request, new: list[int], n: int) -> StepOutput:
         return StepOutput(

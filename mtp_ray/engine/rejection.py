@@ -15,7 +15,7 @@ from mtp_ray.engine.sampler import Row, draw, probs, process
 def accept_or_resample(p: torch.Tensor, q: torch.Tensor, d: int, gen: torch.Generator | None) -> tuple[bool, int]:
     """p, q: [V] target / draft distributions; d ~ q. Returns (accepted, token)."""
     u = torch.rand((), generator=gen).item()
-    if u * float(q[d]) <= float(p[d]) and float(q[d]) > 0:
+    if u * float(q[d]) <= float(p[d]) and float(q[d]) > 0 and float(p[d]) > 0:  # p(d) = 0: masked, never taken
         return True, d
     residual = (p - q).clamp_min(0.0)
     total = float(residual.sum())

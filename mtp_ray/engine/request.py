@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mtp_ray.engine.grammar import Grammar, check_grammar
 from mtp_ray.engine.sampling_params import ParamError, SamplingParams
 
 
@@ -47,6 +48,19 @@ class Request:
     generator: torch.Generator | None = None
     first_token_time: float | None = None
     first_scheduled_time: float | None = None  # when it first left the waiting queue (queue time ends)
+    # output constraints: the grammar after the committed output, and allowed_token_ids as a mask [V]
+    grammar: Grammar | None = None
+    allowed: torch.Tensor | None = None
+    # prompt_logprobs: (logprob, {token: logprob} top-n, rank) of prompt token p + 1, for p = 0 .. as computed
+    prompt_lps: list[tuple[float, dict[int, float], int]] = field(default_factory=list)
+    prompt_lps_sent: bool = False
+
+    def mask(self) -> torch.Tensor | None:
+        """bool [V] of the tokens this request may sample next (None: any)."""
+        if self.grammar is None:
+            return self.allowed
+        m = self.grammar.allowed()
+        return m if self.allowed is None else m & self.allowed
 
     @property
     def all_ids(self) -> list[int]:
@@ -129,3 +143,5 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
         raise ParamError(f"prompt has {len(prompt_ids)} tokens; the maximum context length is {max_model_len} "
                          f"(prompt + at least one generated token)", "prompt")
     params.check_vocab(vocab_size)
+    if params.structured_outputs is not None:
+        check_grammar(params.structured_outputs)

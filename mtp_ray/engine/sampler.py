@@ -21,13 +21,14 @@ class Row:
     history: list[int]  # prompt + output (+ drafts before this position) for the penalties; [] without them
     num_output: int  # output tokens before this position (min_tokens)
     stop_ids: tuple[int, ...]  # eos (unless ignore_eos) + stop_token_ids
+    allowed: torch.Tensor | None = None  # bool [V]: the only tokens it may sample (grammar, allowed_token_ids)
 
 
 def process(logits: torch.Tensor, row: Row) -> torch.Tensor:
     """logits: [V] fp32 -> processed logits (temperature not applied)."""
     p = row.params
     mask_stops = row.num_output < p.min_tokens and bool(row.stop_ids)
-    if not (p.reshapes_logits or mask_stops):
+    if not (p.reshapes_logits or mask_stops or row.allowed is not None):
         return logits
     logits = logits.clone()  # one copy for every change below: the step's row stays as the model computed it
     if p.repetition_penalty != 1.0 and row.history:
@@ -40,8 +41,15 @@ def process(logits: torch.Tensor, row: Row) -> torch.Tensor:
         logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
     if p.logit_bias:
         logits[list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+    allowed = row.allowed
     if mask_stops:
-        logits[list(row.stop_ids)] = float("-inf")
+        if allowed is None:
+            logits[list(row.stop_ids)] = float("-inf")
+        elif bool(allowed.sum() > allowed[list(row.stop_ids)].sum()):  # a grammar that must end now ends
+            allowed = allowed.clone()
+            allowed[list(row.stop_ids)] = False
+    if allowed is not None:
+        logits.masked_fill_(~allowed, float("-inf"))
     return logits
 
 

@@ -14,6 +14,49 @@ class ParamError(ValueError):
         self.param = param
 
 
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the output (vLLM's StructuredOutputsParams): exactly one of a JSON schema, any JSON object,
+    a regular expression, a choice of strings, or a grammar (Lark or GBNF). Enforced by engine/grammar.py."""
+
+    json: dict | str | None = None  # a JSON schema (an object, or its JSON text)
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark (llguidance) or GBNF (llama.cpp) text
+
+    def __post_init__(self) -> None:
+        set_ = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        set_ += ["json_object"] if self.json_object is True else []
+        if len(set_) != 1:
+            raise ParamError(f"structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {set_ or 'none'}", "structured_outputs")
+        if not isinstance(self.json_object, bool):
+            raise ParamError("structured_outputs.json_object must be a boolean", "structured_outputs")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ParamError("structured_outputs.json must be a JSON schema (an object or its text)",
+                             "structured_outputs")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ParamError(f"structured_outputs.{name} must be a non-empty string", "structured_outputs")
+        if self.choice is not None and not (isinstance(self.choice, list) and self.choice
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            raise ParamError("structured_outputs.choice must be a non-empty list of non-empty strings",
+                             "structured_outputs")
+
+    @classmethod
+    def coerce(cls, v: StructuredOutputs | dict | None) -> StructuredOutputs | None:
+        if v is None or isinstance(v, cls):
+            return v
+        if not isinstance(v, dict):
+            raise ParamError("structured_outputs must be an object", "structured_outputs")
+        unknown = set(v) - {"json", "json_object", "regex", "choice", "grammar"}
+        if unknown:
+            raise ParamError(f"structured_outputs: unknown field(s) {sorted(unknown)}", "structured_outputs")
+        return cls(**v)
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -34,10 +77,14 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> added to its logit, in [-100, 100]
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None  # a grammar every sampled token must follow
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    prompt_logprobs: int | None = None  # log-probs of the prompt's tokens (+ n top alternatives per position)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self.structured_outputs = StructuredOutputs.coerce(self.structured_outputs)
         self.validate()
 
     @property
@@ -51,12 +98,14 @@ class SamplingParams:
 
     @property
     def reshapes_logits(self) -> bool:
-        """The greedy token is not the raw argmax: penalties or a logit bias."""
-        return self.penalized or bool(self.logit_bias)
+        """The greedy token is not the raw argmax: penalties, a logit bias or a mask (grammar, allowed tokens)."""
+        return (self.penalized or bool(self.logit_bias) or self.structured_outputs is not None
+                or self.allowed_token_ids is not None)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids named by the parameters exist (an id past the vocabulary would fail the step that uses it)."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ())):
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ()),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
             if any(t >= vocab_size for t in ids):
                 raise ParamError(f"{name} token ids must be in [0, {vocab_size})", name)
 
@@ -108,3 +157,8 @@ class SamplingParams:
         need(bias is None or (isinstance(bias, dict) and all(is_int(t) and t >= 0 and is_num(v) and -100 <= v <= 100
                                                              for t, v in bias.items())),
              "logit_bias", f"must map token ids to numbers in [-100, 100], got {bias!r}")
+        allowed = self.allowed_token_ids
+        need(allowed is None or (isinstance(allowed, list) and allowed and all(is_int(t) and t >= 0 for t in allowed)),
+             "allowed_token_ids", f"must be a non-empty list of token ids, got {allowed!r}")
+        need(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+             "prompt_logprobs", f"must be an integer in 0..20, got {self.prompt_logprobs!r}")

@@ -18,7 +18,7 @@ from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableE
 from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.runtime.group_monitor import GroupFailed, GroupUnavailable
-from mtp_ray.serve.openai_protocol import ApiError
+from mtp_ray.serve.errors import ApiError
 
 # a group that cannot serve right now: failed or restarting, a rank or the group replica gone, Serve without a replica
 UNAVAILABLE = (GroupFailed, GroupUnavailable, RayActorError, ActorUnavailableError, DeploymentUnavailableError,

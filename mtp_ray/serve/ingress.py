@@ -3,6 +3,7 @@ deployment, detokenises and applies stop strings, streams server-sent events, ke
 
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -15,20 +16,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mtp_ray.config.server import ServerConfig
 from mtp_ray.engine.detok import Detokenizer
 from mtp_ray.llm import load_tokenizer
+from mtp_ray.serve.chat_output import ChatDelta, ChatOutput
+from mtp_ray.serve.chat_request import ChatServing, parse_chat, render_chat
+from mtp_ray.serve.errors import ApiError, bad
+from mtp_ray.serve.fields import CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
 from mtp_ray.serve.groups import GroupClient, GroupStream, cause_of, first_line, unavailable
 from mtp_ray.serve.intake import check_api_key, read_json_object
 from mtp_ray.serve.metrics import Metrics, render
 from mtp_ray.serve.metrics_hub import HubReporter
-from mtp_ray.serve.openai_protocol import (
-    ApiError,
-    Limits,
-    ParsedRequest,
-    bad,
-    check_length,
-    parse_chat,
-    parse_completion,
-)
-from mtp_ray.serve.responses import Choice, choice_params, chunk, error_response, final_response, sse_event
+from mtp_ray.serve.openai_protocol import Limits, ParsedRequest, check_length, parse_completion
+from mtp_ray.serve.responses import Choice, Render, choice_params, chunk, error_response, final_response, sse_event
+from mtp_ray.serve.responses import usage as usage_of
 
 # no /docs, /redoc or /openapi.json: the API is OpenAI's, and an open schema browser is one more thing to expose
 app = FastAPI(title="mtp-ray", docs_url=None, redoc_url=None, openapi_url=None)
@@ -57,6 +55,9 @@ class Ingress:
         self.reporter = HubReporter("ingress", self.reporter_id, self.metrics.snapshot)
         self.model_name = model_name
         self.tok = load_tokenizer(tokenizer)
+        if self.server.template() is not None:
+            self.tok.chat_template = self.server.template()
+        self.serving = ChatServing(self.server.reasoning_parser, self.server.tool_call_parser)
         self._info: dict | None = None
         self._limits: Limits | None = None
 
@@ -91,9 +92,10 @@ class Ingress:
             self._info = await self.group.info.remote()
         return self._info
 
-    async def _body(self, request: Request) -> dict:
+    async def _body(self, request: Request, known: set[str]) -> dict:
         check_api_key(request, self.server.api_key)
         body = await read_json_object(request, self.server.max_body_bytes)
+        check_fields(body, known)
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise ApiError(404, f"The model `{model}` does not exist.", "model", "NotFoundError", "model_not_found")
@@ -110,10 +112,12 @@ class Ingress:
     async def generate(self, request: Request, chat: bool):
         self.reporter.start()
         try:
-            body = await self._body(request)
+            body = await self._body(request, CHAT_FIELDS if chat else COMPLETION_FIELDS)
             # tokenising / templating a large prompt off the event loop
-            req = await asyncio.to_thread(parse_chat if chat else parse_completion, body, self.tok,
-                                          await self.limits())
+            limits = await self.limits()
+            req = await asyncio.to_thread(
+                lambda: parse_chat(body, self.tok, limits, self.serving) if chat else parse_completion(
+                    body, self.tok, limits))
             max_len = (await self.info())["max_model_len"]
             for ids in req.prompts:
                 check_length(ids, req.params, max_len)
@@ -123,11 +127,13 @@ class Ingress:
             return self.refused(self.classify(e))
         self.metrics.admitted(req.params.n, req.params.max_tokens)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        choices = [Choice(i * req.params.n + j, p, Detokenizer(self.tok, req.params.stop,
-                                                              req.params.skip_special_tokens,
-                                                              req.params.include_stop_str_in_output),
-                          echo=self._echo_text(req, i))
-                   for i, p in enumerate(req.prompts) for j in range(req.params.n)]
+        sp = req.params
+        choices = [Choice(i * sp.n + j, p, Detokenizer(self.tok, sp.stop, sp.skip_special_tokens,
+                                                       sp.include_stop_str_in_output, stop_regex=req.stop_regex),
+                          echo=self._echo_text(req, i),
+                          chat=ChatOutput(req.chat, self.serving.reasoning_parser, self.serving.tool_call_parser)
+                          if chat else None)
+                   for i, p in enumerate(req.prompts) for j in range(sp.n)]
         t0 = time.monotonic()
         # every choice admitted by a group before the response starts: a 503 is a status, not an SSE error event
         tasks = [asyncio.ensure_future(self.groups.open(c.prompt, choice_params(req.params, c.index)))
@@ -160,6 +166,8 @@ class Ingress:
     def _echo_text(self, req: ParsedRequest, i: int) -> str:
         if not req.echo:
             return ""
+        if req.chat is not None:  # chat echo: the final assistant message's content (vLLM)
+            return req.chat.echo
         text = req.prompt_texts[i]
         return text if text is not None else self.tok.decode(req.prompts[i])
 
@@ -206,13 +214,27 @@ class Ingress:
         tasks = [asyncio.create_task(drive(c)) for c in choices]
         created = int(time.time())
         live = len(choices)
+        r = Render(self.tok, req)
+
+        def usage_event() -> str:
+            return sse_event({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                              "created": created, "model": self.model_name, "choices": [],
+                              "usage": usage_of(req, choices)})
+
         try:
+            def event(body: dict) -> str:
+                if req.continuous_usage:
+                    body["usage"] = usage_of(req, choices)
+                return sse_event(body)
+
             if chat:
                 for c in choices:
-                    yield sse_event(chunk(rid, self.model_name, created, chat, c, role=True))
+                    yield event(chunk(rid, self.model_name, created, c, r, role=True))
+            echo_lp = req.echo and req.top_logprobs is not None  # the prompt's log-probs come with the first output
             for c in choices:  # echo: the prompt's text first
-                if c.echo:
-                    yield sse_event(chunk(rid, self.model_name, created, chat, c, text=c.echo))
+                if c.echo and not echo_lp:
+                    yield event(chunk(rid, self.model_name, created, c, r, text=c.echo,
+                                      delta=ChatDelta(content=c.echo) if chat else None))
             while live:
                 item = await queue.get()
                 if isinstance(item, tuple):
@@ -223,18 +245,21 @@ class Ingress:
                     c = val
                 else:
                     c = item
-                text = c.detok.delta(c.finish_reason is not None)
-                lp_due = req.top_logprobs is not None and c.pending_logprobs
-                if text or lp_due or (c.finish_reason is not None and not c.sent_finish):
-                    yield sse_event(chunk(rid, self.model_name, created, chat, c, text=text, top_n=req.top_logprobs,
-                                     tok=self.tok))
+                if echo_lp and c.echo:
+                    body = chunk(rid, self.model_name, created, c, r, text=c.echo)
+                    body["choices"][0]["logprobs"] = r.completion_logprobs(
+                        dataclasses.replace(c, token_ids=[], logprobs=[], top=[]), 0, 0, True)
+                    c.echo = ""
+                    yield event(body)
+                done = c.finish_reason is not None
+                text = "" if req.drop_output else c.detok.delta(done)
+                delta = c.chat.feed(text, done) if c.chat is not None else None
+                lp_due = req.top_logprobs is not None and c.pending_logprobs and not req.drop_output
+                has = bool(delta.content or delta.reasoning or delta.tool_calls) if delta is not None else bool(text)
+                if has or lp_due or (done and not c.sent_finish):
+                    yield event(chunk(rid, self.model_name, created, c, r, text=text, delta=delta))
             if req.include_usage:
-                n_prompt = sum(len(p) for p in req.prompts)
-                n_gen = sum(len(c.token_ids) for c in choices)
-                yield sse_event({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                            "created": created, "model": self.model_name, "choices": [],
-                            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen,
-                                      "total_tokens": n_prompt + n_gen}})
+                yield usage_event()
         except Exception as e:
             err = e if isinstance(e, ApiError) else self.classify(e)
             self.metrics.count(f'request_failed_total{{status="{err.status}"}}')
@@ -244,15 +269,28 @@ class Ingress:
                 t.cancel()
         yield "data: [DONE]\n\n"
 
+    def _model_card(self, max_len: int) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "mtp-ray", "root": self.model_name,
+                "parent": None, "max_model_len": max_len}
+
     @app.get("/v1/models")
     async def models(self, request: Request):
         try:
             check_api_key(request, self.server.api_key)
         except ApiError as e:
             return error_response(e)
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "mtp-ray", "max_model_len": (await self.info())[
-                                                "max_model_len"]}]}
+        return {"object": "list", "data": [self._model_card((await self.info())["max_model_len"])]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request):
+        try:
+            check_api_key(request, self.server.api_key)
+            if model_id != self.model_name:
+                raise ApiError(404, f"The model `{model_id}` does not exist.", "model", "NotFoundError",
+                               "model_not_found")
+        except ApiError as e:
+            return error_response(e)
+        return self._model_card((await self.info())["max_model_len"])
 
     @app.get("/health")
     async def health(self):
@@ -293,22 +331,29 @@ class Ingress:
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request):
+        """vLLM's /tokenize: a prompt, or chat messages through the chat template (with tools and its options)."""
         try:
-            body = await self._body(request)
+            body = await self._body(request, TOKENIZE_FIELDS)
+            special = body.get("add_special_tokens", "messages" not in body)
+            if not isinstance(special, bool):
+                raise bad("'add_special_tokens' must be a boolean", "add_special_tokens")
             if "messages" in body:
-                ids = parse_chat(body, self.tok).prompts[0]
+                ids = self.tok.encode(render_chat(body, self.tok)[0], add_special_tokens=special)
             elif isinstance(body.get("prompt"), str):
-                ids = self.tok.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", False)))
+                ids = self.tok.encode(body["prompt"], add_special_tokens=special)
             else:
                 raise bad("'prompt' (a string) or 'messages' is required", "prompt")
         except ApiError as e:
             return error_response(e)
-        return {"tokens": ids, "count": len(ids), "max_model_len": (await self.info())["max_model_len"]}
+        out = {"tokens": ids, "count": len(ids), "max_model_len": (await self.info())["max_model_len"]}
+        if body.get("return_token_strs"):
+            out["token_strs"] = self.tok.convert_ids_to_tokens(ids)
+        return out
 
     @app.post("/detokenize")
     async def detokenize(self, request: Request):
         try:
-            body = await self._body(request)
+            body = await self._body(request, DETOKENIZE_FIELDS)
             toks = body.get("tokens")
             vocab = (await self.info())["vocab_size"]
             if not isinstance(toks, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in toks):

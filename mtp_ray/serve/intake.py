@@ -9,7 +9,7 @@ import json
 
 from fastapi import Request
 
-from mtp_ray.serve.openai_protocol import ApiError, bad
+from mtp_ray.serve.errors import ApiError, bad
 
 
 def check_api_key(request: Request, api_key: str | None) -> None:

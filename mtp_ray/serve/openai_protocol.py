@@ -4,24 +4,12 @@ Every problem is an ApiError with the OpenAI error body; nothing here touches th
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mtp_ray.engine.sampling_params import SamplingParams
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
-                 code: str | int | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers
-        self.type = type_ or {400: "invalid_request_error", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
-            status, "internal_error")
-        self.code = code if code is not None else status
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
+from mtp_ray.serve.errors import bad
+from mtp_ray.serve.structured import constraint
 
 _DIGITS = re.compile(r"[0-9]+")  # str.isdigit() also takes "²", which int() refuses
 
@@ -34,6 +22,7 @@ SAMPLING_FIELDS: dict[str, tuple[str, tuple]] = {
     "ignore_eos": ("ignore_eos", (bool,)), "min_tokens": ("min_tokens", (int,)),
     "skip_special_tokens": ("skip_special_tokens", (bool,)),
     "include_stop_str_in_output": ("include_stop_str_in_output", (bool,)),
+    "allowed_token_ids": ("allowed_token_ids", (list,)),
 }
 
 @dataclass
@@ -44,11 +33,14 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     top_logprobs: int | None  # None: no logprobs in the response
-    echo: bool = False  # completions: the prompt's text goes before each choice's text
-
-
-def bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param)
+    echo: bool = False  # the prompt's text goes before each choice's text
+    continuous_usage: bool = False  # usage in every stream chunk
+    return_token_ids: bool = False  # prompt_token_ids / token_ids in the response
+    tokens_as_ids: bool = False  # logprob tokens as "token_id:<id>"
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the prompt's log-probs in the response
+    drop_output: bool = False  # echo with max_tokens 0: the prompt only (one token is generated and dropped)
+    stop_regex: list[str] = field(default_factory=list)  # SGLang's: a match ends the output like a stop string
+    chat: Any = None  # chat_request.ChatOptions for chat completions
 
 
 @dataclass(frozen=True)
@@ -81,8 +73,8 @@ def _check_type(body: dict, key: str, types: tuple) -> Any:
     return v
 
 
-def sampling_params(body: dict, max_tokens_key: str, logprobs: int | None, limits: Limits = NO_LIMITS
-                    ) -> SamplingParams:
+def sampling_params(body: dict, max_tokens_key: str, logprobs: int | None, limits: Limits = NO_LIMITS,
+                    tool_schema: dict | None = None) -> SamplingParams:
     kw: dict[str, Any] = {}
     for key, (field_name, types) in SAMPLING_FIELDS.items():
         if body.get(key) is not None:
@@ -111,6 +103,9 @@ def sampling_params(body: dict, max_tokens_key: str, logprobs: int | None, limit
     _refuse_unsupported(body)
     if logprobs is not None:
         kw["logprobs"] = logprobs
+    if body.get("no_stop_trim") is not None:  # SGLang's name for include_stop_str_in_output
+        kw["include_stop_str_in_output"] = _check_type(body, "no_stop_trim", (bool,))
+    kw["structured_outputs"] = constraint(body, tool_schema)
     try:
         return SamplingParams(**kw)
     except ValueError as e:
@@ -124,23 +119,63 @@ def _refuse_unsupported(body: dict) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of not in (1, body.get("n") or 1):
         raise bad("'best_of' other than n is not supported", "best_of")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad("'response_format': structured output is not supported (only {\"type\": \"text\"})",
-                  "response_format")
-    if body.get("tools") and body.get("tool_choice", "auto") != "none":
-        raise bad("tool calling is not supported: with 'tools', set tool_choice to 'none' (the tools are then "
-                  "rendered into the prompt by the chat template and the reply is plain text)", "tool_choice")
 
 
-def _stream_opts(body: dict) -> tuple[bool, bool]:
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad("'stream' must be a boolean", "stream")
+def _flag(body: dict, key: str) -> bool:
+    v = body.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad(f"'{key}' must be a boolean", key)
+    return v
+
+
+def _stream_opts(body: dict) -> tuple[bool, bool, bool]:
+    stream = _flag(body, "stream")
     opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-        raise bad("'stream_options' must be an object", "stream_options")
-    return stream, bool(opts.get("include_usage", False))
+    if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+        raise bad("'stream_options' must be an object with include_usage and continuous_usage_stats",
+                  "stream_options")
+    return stream, _flag(opts, "include_usage"), _flag(opts, "continuous_usage_stats")
+
+
+def _int_field(body: dict, key: str, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
+        raise bad(f"'{key}' must be an integer in {lo}..{hi if hi is not None else 'any'}", key)
+    return v
+
+
+def parse_common(body: dict, prompts: list[list[int]], texts: list[str | None], max_tokens_key: str,
+                 top_logprobs: int | None, limits: Limits, tool_schema: dict | None = None,
+                 prompt_logprobs: int | None = None) -> ParsedRequest:
+    """The fields completions and chat share -> ParsedRequest (prompts already tokenised)."""
+    stream, usage, continuous = _stream_opts(body)
+    truncate = _int_field(body, "truncate_prompt_tokens", 1)
+    if truncate is not None:
+        prompts = [p[-truncate:] for p in prompts]
+        texts = [None] * len(texts)
+    plp = _int_field(body, "prompt_logprobs", 0, 20)
+    params = sampling_params(body, max_tokens_key, top_logprobs, limits, tool_schema)
+    want_plp = max((x for x in (plp, prompt_logprobs) if x is not None), default=None)
+    if want_plp is not None:
+        params.prompt_logprobs = want_plp
+    stop_regex = body.get("stop_regex")
+    if stop_regex is not None:
+        stop_regex = [stop_regex] if isinstance(stop_regex, str) else stop_regex
+        if not isinstance(stop_regex, list) or not all(isinstance(r, str) and r for r in stop_regex):
+            raise bad("'stop_regex' must be a regular expression or a list of them", "stop_regex")
+        for r in stop_regex:
+            try:
+                re.compile(r)
+            except re.error as e:
+                raise bad(f"'stop_regex' {r!r} is not a valid regular expression: {e}", "stop_regex") from None
+    return ParsedRequest(prompts, texts, params, stream, usage, top_logprobs, continuous_usage=continuous,
+                         return_token_ids=_flag(body, "return_token_ids"),
+                         tokens_as_ids=_flag(body, "return_tokens_as_token_ids"), prompt_logprobs=plp,
+                         stop_regex=stop_regex or [])
 
 
 def parse_completion(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> ParsedRequest:
@@ -157,10 +192,11 @@ def parse_completion(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> Parse
                   "prompt")
     if len(items) > limits.max_prompts:
         raise bad(f"'prompt' may hold at most {limits.max_prompts} prompts, got {len(items)}", "prompt")
+    special = _flag(body, "add_special_tokens") if "add_special_tokens" in body else False
     prompts, texts = [], []
     for it in items:
         if isinstance(it, str):
-            ids = tokenizer.encode(_prompt_text(it, "prompt", limits), add_special_tokens=False)
+            ids = tokenizer.encode(prompt_text(it, "prompt", limits), add_special_tokens=special)
             texts.append(it)
         elif isinstance(it, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in it):
             ids = list(it)
@@ -170,65 +206,25 @@ def parse_completion(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> Parse
         if not ids:
             raise bad("prompt must not be empty", "prompt")
         prompts.append(ids)
-    lp = body.get("logprobs")
-    if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= 20):
-        raise bad("'logprobs' must be an integer in 0..20", "logprobs")
-    echo = body.get("echo", False)
-    if not isinstance(echo, bool):
-        raise bad("'echo' must be a boolean", "echo")
-    if echo and lp is not None:
-        raise bad("'echo' with 'logprobs' is not supported (it needs the prompt's log-probs)", "echo")
-    stream, usage = _stream_opts(body)
-    return ParsedRequest(prompts, texts, sampling_params(body, "max_tokens", lp, limits), stream, usage, lp, echo)
+    lp = _int_field(body, "logprobs", 0, 20)
+    echo = _flag(body, "echo")
+    drop = False
+    if body.get("max_tokens") == 0:  # vLLM: the prompt only, with echo (lm-eval's scoring requests)
+        if not echo:
+            raise bad("'max_tokens' must be at least 1 (0 only with 'echo')", "max_tokens")
+        body = {**body, "max_tokens": 1}
+        drop = True
+    req = parse_common(body, prompts, texts, "max_tokens", lp, limits,
+                       prompt_logprobs=lp if echo and lp is not None else None)
+    req.echo, req.drop_output = echo, drop
+    return req
 
 
-def _prompt_text(s: str, field: str, limits: Limits) -> str:
+def prompt_text(s: str, field: str, limits: Limits) -> str:
     if limits.max_prompt_chars is not None and len(s) > limits.max_prompt_chars:
         raise bad(f"'{field}' is too long: {len(s)} characters are more tokens than the model's context holds",
                   field)
     return _text(s, field)
-
-
-def parse_chat(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> ParsedRequest:
-    if body.get("echo"):
-        raise bad("'echo' is not supported for chat completions", "echo")
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad("'messages' must be a non-empty list", "messages")
-    clean = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
-        c = m.get("content")
-        if isinstance(c, list):  # content parts: text only
-            if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str) for x in c):
-                raise bad(f"messages[{i}].content: only text parts are supported", "messages")
-            c = "".join(x["text"] for x in c)
-        if c is None:
-            c = ""
-        if not isinstance(c, str):
-            raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        clean.append({"role": _text(m["role"], "messages"), "content": _prompt_text(c, "messages", limits)})
-    tools = body.get("tools") or None
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise bad("'tools' must be a list of objects", "tools")
-    try:
-        text = tokenizer.apply_chat_template(clean, tools=tools, add_generation_prompt=True, tokenize=False)
-    except Exception as e:  # a template that rejects the roles / order
-        raise bad(f"chat template failed: {e}", "messages") from e
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    lp_on = body.get("logprobs", False)
-    if not isinstance(lp_on, bool):
-        raise bad("'logprobs' must be a boolean for chat completions", "logprobs")
-    top = body.get("top_logprobs")
-    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20):
-        raise bad("'top_logprobs' must be an integer in 0..20", "top_logprobs")
-    n_top = (top or 0) if lp_on else None
-    stream, usage = _stream_opts(body)
-    params = sampling_params(body, "max_completion_tokens", n_top, limits)
-    if body.get("max_completion_tokens") is None and body.get("max_tokens") is None:
-        params.max_tokens = None  # chat default: up to the context length
-    return ParsedRequest([ids], [text], params, stream, usage, n_top)
 
 
 def check_length(ids: list[int], params: SamplingParams, max_model_len: int) -> None:

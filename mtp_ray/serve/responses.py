@@ -12,7 +12,9 @@ from fastapi.responses import JSONResponse
 from mtp_ray.engine.detok import Detokenizer
 from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.sampling_params import SamplingParams
-from mtp_ray.serve.openai_protocol import ApiError
+from mtp_ray.serve.chat_output import ChatDelta, ChatOutput, call_id
+from mtp_ray.serve.errors import ApiError
+from mtp_ray.serve.openai_protocol import ParsedRequest
 
 
 @dataclass
@@ -28,14 +30,23 @@ class Choice:
     spec: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)  # the engine's queue / prefill / decode / inference seconds
     sent_lp: int = 0  # logprob entries already streamed
+    sent_ids: int = 0  # token ids already streamed (return_token_ids)
     sent_finish: bool = False
     echo: str = ""  # the prompt's text, sent before the completion's (completions with echo)
+    prompt_logprobs: list | None = None  # from the engine: None | [logprob, {token: logprob}, rank] per position
+    chat: ChatOutput | None = None  # reads the text back as an assistant message (chat completions)
+    calls_sent: int = 0  # streamed tool calls
 
     def add(self, out: StepOutput) -> None:
+        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.token_ids += out.new_token_ids
         self.logprobs += out.new_logprobs
         self.top += [list(t.items()) for t in out.new_top_logprobs]
         self.detok.add(out.new_token_ids)
+        if self.detok.stop_tokens is not None:  # tokens past the stop string are not output (nor counted)
+            n = self.detok.stop_tokens
+            del self.token_ids[n:], self.logprobs[n:], self.top[n:]
         if out.finished and self.finish_reason is None:
             stopped = self.detok.stopped_by
             self.finish_reason = "stop" if stopped is not None else out.finish_reason
@@ -48,70 +59,154 @@ class Choice:
         return len(self.logprobs) > self.sent_lp
 
 
-def _tok(tok, t: int) -> str:
-    return tok.decode([t])
+class Render:
+    """Token strings and log-prob sections of one request's responses."""
+
+    def __init__(self, tok, req: ParsedRequest):
+        self.tok, self.req = tok, req
+
+    def s(self, t: int) -> str:
+        return f"token_id:{t}" if self.req.tokens_as_ids else self.tok.decode([t])
+
+    def completion_logprobs(self, c: Choice, start: int, offset0: int, with_prompt: bool) -> dict:
+        """OpenAI legacy logprobs; with the prompt (echo): its tokens first, the first one without a log-prob. The
+        top_logprobs map holds the chosen token as well (vLLM: logprobs 0 still names it)."""
+        top_n = self.req.top_logprobs or 0
+        ids, lps, tops = c.token_ids[start : len(c.logprobs)], c.logprobs[start:], c.top[start:]
+        entries: list[tuple[int, float | None, list | None]] = []
+        if with_prompt and c.prompt_logprobs is not None:
+            entries = [(t, None, None) if e is None else (t, e[0], list(e[1].items()))
+                       for t, e in zip(c.prompt, c.prompt_logprobs, strict=True)]
+        entries += list(zip(ids, lps, tops, strict=True))
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        off = offset0
+        for t, lp, top in entries:
+            s = self.s(t)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append(None if top is None else {
+                **{self.s(a): b for a, b in top[:top_n]}, s: lp})
+            out["text_offset"].append(off)
+            off += len(s)
+        return out
+
+    def chat_logprobs(self, c: Choice, start: int) -> dict:
+        top_n = self.req.top_logprobs or 0
+
+        def entry(t: int, lp: float) -> dict:
+            s = self.s(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top[:top_n]]}
+                            for t, lp, top in zip(c.token_ids[start:], c.logprobs[start:], c.top[start:])]}
+
+    def prompt_logprobs(self, c: Choice) -> list | None:
+        """vLLM's prompt_logprobs: per position None (the first) or {token id: {logprob, rank, decoded_token}}."""
+        if self.req.prompt_logprobs is None or c.prompt_logprobs is None:
+            return None
+        out: list = []
+        for t, e in zip(c.prompt, c.prompt_logprobs, strict=True):
+            if e is None:
+                out.append(None)
+                continue
+            lp, top, rank = e
+            d = {str(a): {"logprob": b, "rank": i + 1, "decoded_token": self.s(a)}
+                 for i, (a, b) in enumerate(list(top.items())[: self.req.prompt_logprobs])}
+            d[str(t)] = {"logprob": lp, "rank": rank, "decoded_token": self.s(t)}
+            out.append(d)
+        return out
 
 
-def completion_logprobs(c: Choice, tok, start: int, top_n: int, offset0: int) -> dict:
-    toks = [_tok(tok, t) for t in c.token_ids[start : len(c.logprobs)]]
-    offsets, off = [], offset0
-    for s in toks:
-        offsets.append(off)
-        off += len(s)
-    return {"tokens": toks, "token_logprobs": c.logprobs[start:],
-            "top_logprobs": [{_tok(tok, t): lp for t, lp in top[:top_n]} for top in c.top[start:]],
-            "text_offset": offsets}
+def usage(req: ParsedRequest, choices: list[Choice]) -> dict:
+    n_prompt = sum(len(p) for p in req.prompts)
+    n_gen = 0 if req.drop_output else sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
 
 
-def chat_logprobs(c: Choice, tok, start: int, top_n: int) -> dict:
-    def entry(t: int, lp: float) -> dict:
-        s = _tok(tok, t)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
-
-    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top[:top_n]]}
-                        for t, lp, top in zip(c.token_ids[start:], c.logprobs[start:], c.top[start:])]}
+def _tool_calls(calls, first: int = 0, stream: bool = False) -> list[dict]:
+    return [{**({"index": first + i} if stream else {}), "id": call_id(), "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls)]
 
 
-def chunk(rid: str, model: str, created: int, chat: bool, c: Choice, text: str = "", role: bool = False,
-          top_n: int | None = None, tok=None) -> dict:
+def _finish(c: Choice, has_calls: bool) -> str | None:
+    if has_calls and c.finish_reason == "stop" and c.chat is not None and c.chat.opts.tool_choice != "named":
+        return "tool_calls"
+    return c.finish_reason
+
+
+def chunk(rid: str, model: str, created: int, c: Choice, r: Render, text: str = "", role: bool = False,
+          delta: ChatDelta | None = None) -> dict:
+    """A stream chunk of one choice: its new text (or, for chat, the parsed delta) and log-probs."""
+    req, chat = r.req, delta is not None or role
     lp = None
-    if top_n is not None and c.pending_logprobs and tok is not None:
-        lp = chat_logprobs(c, tok, c.sent_lp, top_n) if chat else completion_logprobs(
-            c, tok, c.sent_lp, top_n, len(c.detok.text) - len(text))
+    if req.top_logprobs is not None and c.pending_logprobs:
+        lp = r.chat_logprobs(c, c.sent_lp) if chat else r.completion_logprobs(
+            c, c.sent_lp, len(c.detok.text) - len(text), False)
         c.sent_lp = len(c.logprobs)
     finish = None
     if c.finish_reason is not None and not c.sent_finish and not role:
         finish, c.sent_finish = c.finish_reason, True
+    body: dict = {"index": c.index}
     if chat:
-        delta = {"role": "assistant", "content": ""} if role else {"content": text}
-        body = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        if finish is not None:
-            body["stop_reason"] = c.stop_reason
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [body]}
-    body = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}
+        if role:
+            d: dict = {"role": "assistant", "content": ""}
+        else:
+            d = {}
+            if delta.reasoning:
+                d["reasoning_content"] = delta.reasoning
+            if delta.content or not (delta.reasoning or delta.tool_calls):
+                d["content"] = delta.content
+            if delta.tool_calls:
+                d["tool_calls"] = _tool_calls(delta.tool_calls, c.calls_sent, stream=True)
+                c.calls_sent += len(delta.tool_calls)
+        body.update(delta=d, logprobs=lp, finish_reason=finish if finish is None else _finish(c, c.calls_sent > 0))
+    else:
+        body.update(text=text, logprobs=lp, finish_reason=finish)
     if finish is not None:
         body["stop_reason"] = c.stop_reason
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [body]}
+    if req.return_token_ids and not role:
+        body["token_ids"] = c.token_ids[c.sent_ids :]
+        c.sent_ids = len(c.token_ids)
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return {"id": rid, "object": kind, "created": created, "model": model, "choices": [body]}
 
 
-def final_response(rid: str, model: str, chat: bool, choices: list[Choice], req, tok) -> dict:
-    n_prompt = sum(len(p) for p in req.prompts)
-    n_gen = sum(len(c.token_ids) for c in choices)
+def final_response(rid: str, model: str, chat: bool, choices: list[Choice], req: ParsedRequest, tok) -> dict:
+    r = Render(tok, req)
     out = []
     for c in sorted(choices, key=lambda c: c.index):
-        lp = None
-        if req.top_logprobs is not None:
-            lp = chat_logprobs(c, tok, 0, req.top_logprobs) if chat else completion_logprobs(
-                c, tok, 0, req.top_logprobs, 0)
+        text = "" if req.drop_output else c.detok.text
         if chat:
-            out.append({"index": c.index, "message": {"role": "assistant", "content": c.detok.text},
-                        "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            lp = r.chat_logprobs(c, 0) if req.top_logprobs is not None else None
+            reasoning, content, calls = c.chat.whole(text) if c.chat is not None else (None, text, [])
+            if c.echo:
+                content = c.echo + (content or "")
+            msg: dict = {"role": "assistant", "content": content, "tool_calls": _tool_calls(calls)}
+            if c.chat is not None and c.chat.reasoning is not None:
+                msg["reasoning_content"] = reasoning
+            body = {"index": c.index, "message": msg, "logprobs": lp, "finish_reason": _finish(c, bool(calls)),
+                    "stop_reason": c.stop_reason}
         else:
-            out.append({"index": c.index, "text": c.echo + c.detok.text, "logprobs": lp,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": out,
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}}
+            lp = None
+            if req.top_logprobs is not None:
+                if req.drop_output:
+                    c = dataclasses.replace(c, token_ids=[], logprobs=[], top=[])
+                lp = r.completion_logprobs(c, 0, 0, req.echo)
+            body = {"index": c.index, "text": c.echo + text, "logprobs": lp, "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason, "prompt_logprobs": r.prompt_logprobs(c)}
+            if req.return_token_ids:
+                body["prompt_token_ids"] = c.prompt
+        if req.return_token_ids:
+            body["token_ids"] = [] if req.drop_output else c.token_ids
+        out.append(body)
+    resp = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": out, "usage": usage(req, choices)}
+    if chat:
+        first = min(choices, key=lambda c: c.index)
+        resp["prompt_logprobs"] = r.prompt_logprobs(first)
+        if req.return_token_ids:
+            resp["prompt_token_ids"] = first.prompt
+    return resp
 
 
 def sse_event(obj: dict) -> str:

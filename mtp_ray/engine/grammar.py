@@ -1,0 +1,162 @@
+"""Grammar-constrained decoding (structured outputs) with llguidance: a per-request token mask.
+
+One `Grammar` per constrained request, local to its rank (no collective depends on it). Its state is the grammar
+after the request's committed output: the sampler masks every row with it, a verify step asks for the masks along
+the drafts (the state after each accepted draft prefix) and rolls back, and the output processor advances it with
+the tokens a step commits. A draft the grammar forbids has probability 0 under the masked target, so it is
+rejected, and greedy output is the same token sequence for every k.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+
+import torch
+
+from mtp_ray.engine.sampling_params import ParamError, StructuredOutputs
+
+log = logging.getLogger(__name__)
+
+
+# json.dumps' layout: no free whitespace (a small model could otherwise emit newlines until max_tokens)
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def closed(schema):
+    """An object schema with `properties` and no word on others gets additionalProperties: false, as in OpenAI's
+    strict mode and xgrammar's default (vLLM): otherwise a model may add keys until max_tokens cuts the JSON."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k in _SUBSCHEMAS else v for k, v in schema.items()}
+    for k in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(schema.get(k), dict):
+            out[k] = {name: closed(sub) for name, sub in schema[k].items()}
+    if "properties" in schema and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMAS = {"items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "additionalProperties",
+               "contains"}
+
+
+def grammar_text(spec: StructuredOutputs) -> str:
+    """The llguidance grammar for a constraint; ParamError when it is not one llguidance can compile."""
+    import llguidance as lg
+
+    try:
+        if spec.json is not None or spec.json_object:
+            schema = {"type": "object"} if spec.json_object else spec.json
+            if isinstance(schema, str):
+                schema = json.loads(schema)
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("a JSON schema is an object")
+            schema = closed(schema)
+            return lg.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_STYLE)
+        if spec.regex is not None:
+            return lg.grammar_from("regex", spec.regex)
+        if spec.choice is not None:
+            return lg.grammar_from("choice", json.dumps(spec.choice))
+        return lg.grammar_from("grammar", spec.grammar or "")
+    except (ValueError, TypeError) as e:
+        raise ParamError(f"structured_outputs: {e}", "structured_outputs") from None
+
+
+@functools.lru_cache(maxsize=256)
+def _checked(key: str) -> str:
+    import llguidance as lg
+
+    spec = StructuredOutputs.coerce(json.loads(key))
+    text = grammar_text(spec)
+    err = lg.LLMatcher.validate_grammar(text)
+    if err:
+        raise ParamError(f"structured_outputs: invalid constraint: {err.strip().splitlines()[0]}",
+                         "structured_outputs")
+    return text
+
+
+def _key(spec: StructuredOutputs) -> str:
+    raw = {k: v for k, v in vars(spec).items() if v is not None and v is not False}
+    return json.dumps(raw, sort_keys=True)
+
+
+def check_grammar(spec: StructuredOutputs) -> str:
+    """Compiles (once per distinct constraint) -> the grammar text; ParamError naming the problem."""
+    return _checked(_key(spec))
+
+
+class Grammar:
+    """One request's grammar state over the model's vocabulary."""
+
+    def __init__(self, matcher, vocab_size: int, stop_ids: tuple[int, ...]):
+        self.m, self.vocab_size, self.stop_ids = matcher, vocab_size, list(stop_ids)
+
+    def allowed(self) -> torch.Tensor:
+        """bool [V]: the tokens the grammar allows next; every stop token once the grammar may end here."""
+        bias = torch.frombuffer(bytearray(self.m.compute_logit_bias()), dtype=torch.uint8)
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        n = min(bias.numel(), self.vocab_size)
+        mask[:n] = bias[:n] != 0
+        if self.stop_ids and (mask[self.stop_ids].any() or self.m.is_accepting()):
+            mask[self.stop_ids] = True
+        return mask
+
+    def masks_along(self, drafts: list[int]) -> list[torch.Tensor]:
+        """k + 1 masks: after the committed output, then after each draft prefix while the grammar accepts the
+        drafts (a forbidden draft is rejected there, so the later masks are never read: the last one repeats).
+        The state is rolled back: only commit() advances it."""
+        masks = [self.allowed()]
+        taken = 0
+        for d in drafts:
+            if not masks[-1][d] or d in self.stop_ids or not self.m.consume_token(d):
+                break
+            taken += 1
+            masks.append(self.allowed())
+        if taken:
+            self.m.rollback(taken)
+        return masks + [masks[-1]] * (len(drafts) + 1 - len(masks))
+
+    def commit(self, token: int) -> None:
+        """A committed output token (not a stop token: the request ends there)."""
+        if not self.m.consume_token(token):
+            log.warning("grammar refused committed token %d: %s", token, self.m.get_error())
+
+    @property
+    def finished(self) -> bool:
+        """Nothing but the end can follow (a complete JSON value, one of the choices), or the matcher failed."""
+        return self.m.is_stopped() or self.m.is_error()
+
+
+class GrammarCompiler:
+    """Builds request grammars against one tokenizer (loaded on first use: an engine without structured requests
+    never pays for it)."""
+
+    def __init__(self, tokenizer_path: str, vocab_size: int, eos_ids: tuple[int, ...]):
+        self.path, self.vocab_size, self.eos_ids = tokenizer_path, vocab_size, eos_ids
+        self._tok = None
+
+    def _tokenizer(self):
+        if self._tok is None:
+            import llguidance.hf
+            from transformers import AutoTokenizer
+
+            try:
+                hf = AutoTokenizer.from_pretrained(self.path)
+            except Exception as e:  # a checkpoint without tokenizer files serves token ids only
+                raise ParamError(f"structured_outputs need the model's tokenizer, which did not load: {e}",
+                                 "structured_outputs") from None
+            eos = list(self.eos_ids) or None
+            self._tok = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=eos)
+        return self._tok
+
+    def grammar(self, spec: StructuredOutputs, stop_ids: tuple[int, ...]) -> Grammar:
+        import llguidance as lg
+
+        m = lg.LLMatcher(self._tokenizer(), check_grammar(spec), log_level=0)
+        if m.is_error():
+            raise ParamError(f"structured_outputs: {m.get_error()}", "structured_outputs")
+        return Grammar(m, self.vocab_size, stop_ids)

@@ -1,0 +1,95 @@
+"""One chat choice's text read back as an assistant message: reasoning split off (reasoning parser), then tool calls
+parsed from the content (tool_choice auto, the tool-call parser) or read from the JSON a forced tool_choice's grammar
+produced (required: an array of {name, parameters}; named: the function's arguments). Streamed or whole."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from mtp_ray.serve.chat_request import ChatOptions
+from mtp_ray.serve.reasoning import REASONING_PARSERS
+from mtp_ray.serve.tool_parsers import TOOL_PARSERS, ToolCall
+
+
+@dataclass
+class ChatDelta:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def forced_calls(text: str, opts: ChatOptions) -> list[ToolCall] | None:
+    """The calls in a forced tool_choice's output (None: it is not the JSON the grammar allows, e.g. cut by
+    max_tokens)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if opts.tool_choice == "named":
+        return [ToolCall(opts.tool_name or "", json.dumps(value, ensure_ascii=False))] if isinstance(
+            value, dict) else None
+    if not isinstance(value, list) or not all(isinstance(v, dict) and "name" in v for v in value):
+        return None
+    return [ToolCall(v["name"], json.dumps(v.get("parameters", {}), ensure_ascii=False)) for v in value]
+
+
+class ChatOutput:
+    def __init__(self, opts: ChatOptions, reasoning_parser: str | None, tool_call_parser: str | None):
+        self.opts = opts
+        self.reasoning = (REASONING_PARSERS[reasoning_parser](opts.opens_reasoning)
+                          if opts.reasoning and reasoning_parser else None)
+        self.tools = (TOOL_PARSERS[tool_call_parser](opts.tools)
+                      if opts.tool_choice == "auto" and tool_call_parser else None)
+        self.forced = opts.tool_choice in ("required", "named")
+        self.buffer = ""  # a forced call's JSON, read whole at the end
+        self.ended = False
+
+    def whole(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
+        """(reasoning, content, tool calls) of a finished choice."""
+        reasoning, content = self.reasoning.split(text) if self.reasoning else (None, text)
+        calls: list[ToolCall] = []
+        if self.forced and content is not None:
+            found = forced_calls(content, self.opts)
+            if found is not None:
+                content, calls = None, found
+        elif self.tools is not None and content is not None:
+            content, calls = self.tools.parse(content)
+        return (reasoning if self.opts.include_reasoning else None), content, calls
+
+    def feed(self, delta: str, final: bool) -> ChatDelta:
+        """The next piece of a streamed choice; final: the choice ended (everything held back is released)."""
+        out = ChatDelta()
+        if self.ended:  # the choice's end may be seen twice (its last delta, then its end): released once
+            return out
+        self.ended = final
+        if self.reasoning is not None:
+            r, c = self.reasoning.feed(delta)
+            if final:
+                r2, c2 = self.reasoning.flush()
+                r, c = r + r2, c + c2
+            out.reasoning = r if self.opts.include_reasoning else ""
+        else:
+            c = delta
+        if self.forced:
+            self.buffer += c
+            if final:
+                found = forced_calls(self.buffer, self.opts)
+                if found is None:
+                    out.content = self.buffer
+                else:
+                    out.tool_calls = found
+            return out
+        if self.tools is not None:
+            c, calls = self.tools.feed(c)
+            if final:
+                c2, calls2 = self.tools.flush()
+                c, calls = c + c2, calls + calls2
+            out.tool_calls = calls
+        out.content = c
+        return out

@@ -1,0 +1,197 @@
+"""Chat completions requests: messages (tool calls and tool results in the history), tools and tool_choice, the
+chat template's options (chat_template_kwargs, add_generation_prompt, continue_final_message), and what the
+response's parsers need to know (ChatOptions)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from mtp_ray.serve.openai_protocol import NO_LIMITS, Limits, ParsedRequest, _text, bad, parse_common, prompt_text
+from mtp_ray.serve.reasoning import opens_reasoning
+from mtp_ray.serve.structured import tool_call_schema
+
+# template arguments a request may not set through chat_template_kwargs: the server sets them
+_RESERVED = {"conversation", "messages", "tools", "documents", "chat_template", "tokenize", "return_dict",
+             "add_generation_prompt", "continue_final_message", "tokenizer_kwargs", "return_assistant_tokens_mask"}
+
+
+@dataclass
+class ChatOptions:
+    """How a chat response is read back: reasoning split off, tool calls parsed (auto) or forced by a grammar."""
+
+    tools: list[dict] | None = None
+    tool_choice: str = "none"  # "none" | "auto" | "required" | "named"
+    tool_name: str | None = None  # the named function
+    opens_reasoning: bool = False  # the prompt ends inside a <think> block
+    reasoning: bool = False  # split reasoning_content off the text (a reasoning parser is configured)
+    include_reasoning: bool = True  # vLLM's include_reasoning: false drops it from the response
+    echo: str = ""  # echo: the final assistant message's content, which the reply continues (vLLM)
+
+
+@dataclass(frozen=True)
+class ChatServing:
+    """The server's chat settings (config/server.py)."""
+
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+
+
+def _bool(body: dict, key: str, default: bool) -> bool:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(f"'{key}' must be a boolean", key)
+    return v
+
+
+def _content(c: Any, i: int, limits: Limits) -> str:
+    if isinstance(c, list):  # content parts: text only
+        if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str) for x in c):
+            raise bad(f"messages[{i}].content: only text parts are supported", "messages")
+        c = "".join(x["text"] for x in c)
+    if c is None:
+        return ""
+    if not isinstance(c, str):
+        raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+    return prompt_text(c, "messages", limits)
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict]:
+    """An assistant message's tool_calls, arguments as an object where they are one (templates iterate them)."""
+    if not isinstance(calls, list):
+        raise bad(f"messages[{i}].tool_calls must be a list", "messages")
+    out = []
+    for c in calls:
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise bad(f"messages[{i}].tool_calls: each call needs a function with a 'name'", "messages")
+        args = f.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args) if args.strip() else {}
+                args = parsed if isinstance(parsed, dict) else args
+            except ValueError:
+                pass  # not JSON: the template renders the string as it is
+        elif not isinstance(args, dict):
+            raise bad(f"messages[{i}].tool_calls: arguments must be a JSON string or an object", "messages")
+        out.append({"id": c.get("id"), "type": "function", "function": {"name": _text(f["name"], "messages"),
+                                                                        "arguments": args}})
+    return out
+
+
+def messages(msgs: Any, limits: Limits) -> list[dict]:
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("'messages' must be a non-empty list", "messages")
+    clean = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
+        role = _text(m["role"], "messages")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise bad(f"messages[{i}].role {role!r} is not one of system, developer, user, assistant, tool",
+                      "messages")
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                               "content": _content(m.get("content"), i, limits)}
+        if m.get("tool_calls") is not None:
+            if role != "assistant":
+                raise bad(f"messages[{i}]: only assistant messages carry tool_calls", "messages")
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        for key in ("tool_call_id", "name"):
+            if isinstance(m.get(key), str):
+                msg[key] = _text(m[key], "messages")
+        reasoning = m.get("reasoning_content", m.get("reasoning"))
+        if isinstance(reasoning, str) and role == "assistant":
+            msg["reasoning_content"] = _text(reasoning, "messages")
+        clean.append(msg)
+    return clean
+
+
+def _tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
+    tools = body.get("tools")
+    if tools is not None and tools != []:
+        ok = isinstance(tools, list) and all(
+            isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str)
+            and isinstance(t["function"].get("parameters", {}), dict) for t in tools)
+        if not ok:
+            raise bad("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\", \"parameters\"}}",
+                      "tools")
+    tools = tools or None
+    choice = body.get("tool_choice")
+    if choice is None:
+        return tools, "auto" if tools else "none", None
+    if tools is None:
+        raise bad("'tool_choice' is only allowed when 'tools' are given", "tool_choice")
+    if choice in ("none", "auto", "required"):
+        return tools, choice, None
+    if (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+            and isinstance(choice["function"].get("name"), str)):
+        return tools, "named", choice["function"]["name"]
+    raise bad("'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": "
+              "{\"name\": ...}}", "tool_choice")
+
+
+def template_kwargs(body: dict) -> dict:
+    kw = body.get("chat_template_kwargs") or {}
+    if not isinstance(kw, dict):
+        raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    reserved = sorted(set(kw) & _RESERVED)
+    if reserved:
+        raise bad(f"'chat_template_kwargs' may not set {reserved}: they are request fields", "chat_template_kwargs")
+    if body.get("reasoning_effort") is not None:
+        if body["reasoning_effort"] not in ("minimal", "low", "medium", "high"):
+            raise bad("'reasoning_effort' must be minimal, low, medium or high", "reasoning_effort")
+        kw = {"reasoning_effort": body["reasoning_effort"], **kw}
+    return kw
+
+
+def render_chat(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> tuple[str, list[dict] | None, str, str | None]:
+    """The prompt text from the chat template -> (text, tools, tool_choice kind, named function)."""
+    msgs = messages(body.get("messages"), limits)
+    tools, choice, name = _tools(body)
+    cont = _bool(body, "continue_final_message", False)
+    gen = _bool(body, "add_generation_prompt", not cont)
+    if cont and gen:
+        raise bad("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                  "continue_final_message")
+    if cont and msgs[-1]["role"] != "assistant":
+        raise bad("'continue_final_message' needs an assistant message last", "continue_final_message")
+    kwargs = template_kwargs(body)
+    try:
+        text = tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen, tokenize=False,
+                                             continue_final_message=cont, **kwargs)
+    except Exception as e:  # a template that rejects the roles / order
+        raise bad(f"chat template failed: {e}", "messages") from e
+    return text, tools, choice, name
+
+
+def parse_chat(body: dict, tokenizer, limits: Limits = NO_LIMITS, serving: ChatServing = ChatServing()
+               ) -> ParsedRequest:
+    text, tools, choice, name = render_chat(body, tokenizer, limits)
+    if choice == "auto" and serving.tool_call_parser is None:
+        raise bad("\"auto\" tool choice needs a tool-call parser: set server.tool_call_parser (hermes, "
+                  "qwen3_coder), or send tool_choice \"none\"", "tool_choice")
+    parallel = _bool(body, "parallel_tool_calls", True)
+    schema, _ = tool_call_schema(tools or [], body.get("tool_choice") if choice != "auto" else None, parallel)
+    ids = tokenizer.encode(text, add_special_tokens=_bool(body, "add_special_tokens", False))
+    lp_on = _bool(body, "logprobs", False)
+    top = body.get("top_logprobs")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20):
+        raise bad("'top_logprobs' must be an integer in 0..20", "top_logprobs")
+    if top and not lp_on:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    req = parse_common(body, [ids], [text], "max_completion_tokens", (top or 0) if lp_on else None, limits,
+                       tool_schema=schema)
+    if body.get("max_completion_tokens") is None and body.get("max_tokens") is None:
+        req.params.max_tokens = None  # chat default: up to the context length
+    reasoning = serving.reasoning_parser is not None and _bool(body, "separate_reasoning", True)
+    last = body["messages"][-1]
+    echo = _content(last.get("content"), 0, limits) if _bool(body, "echo", False) and last["role"] == "assistant" \
+        else ""
+    req.chat = ChatOptions(tools, choice, name, opens_reasoning(text), reasoning,
+                           _bool(body, "include_reasoning", True), echo)
+    req.echo = bool(echo)
+    return req

@@ -1,0 +1,77 @@
+"""Strict request fields: every field of a request is honoured, accepted as harmless to ignore, or a 400 naming it.
+
+A silently ignored field changes what the client gets without telling it (a typo such as "temprature" would sample
+at temperature 1), so unknown fields are refused, with the nearest known name as a hint.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from mtp_ray.serve.errors import bad
+
+# honoured by both endpoints: OpenAI's sampling fields and vLLM's / SGLang's extras
+_COMMON = {
+    "model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "stop", "seed", "logit_bias",
+    "presence_penalty", "frequency_penalty", "logprobs", "response_format",
+    # vLLM sampling extras
+    "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
+    "include_stop_str_in_output", "spaces_between_special_tokens", "prompt_logprobs", "allowed_token_ids",
+    "return_token_ids", "return_tokens_as_token_ids", "structured_outputs", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "add_special_tokens",
+    "truncate_prompt_tokens", "use_beam_search", "echo", "priority",
+    # SGLang extras
+    "regex", "ebnf", "json_schema", "stop_regex", "no_stop_trim",
+}
+# accepted and ignored: they cannot change the generated text (bookkeeping, caching hints, routing)
+IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+           "safety_identifier", "request_id", "prediction", "verbosity", "modalities"}
+
+COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "suffix"}
+CHAT_FIELDS = _COMMON | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "chat_template_kwargs",
+    "add_generation_prompt", "continue_final_message", "include_reasoning", "reasoning_effort",
+    "separate_reasoning", "chat_template", "documents", "functions", "function_call", "audio",
+    "web_search_options", "mm_processor_kwargs",
+}
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                   "continue_final_message", "chat_template_kwargs", "tools", "return_token_strs"}
+DETOKENIZE_FIELDS = {"model", "tokens"}
+
+# known names that are refused with a reason, rather than honoured (checked by the parsers: value-dependent)
+REFUSED = {
+    "chat_template": "a chat template from the request is not accepted (the server's template renders every "
+                     "request); set engine.tokenizer or server.chat_template",
+    "documents": "'documents' (retrieval-augmented templates) is not supported",
+    "functions": "'functions' is deprecated: send 'tools'",
+    "function_call": "'function_call' is deprecated: send 'tool_choice'",
+    "audio": "audio output is not supported",
+    "web_search_options": "web search is not supported",
+    "mm_processor_kwargs": "this model takes text only",
+    "guided_whitespace_pattern": "'guided_whitespace_pattern' is not supported (JSON is generated in json.dumps' "
+                                 "layout)",
+}
+
+
+def check_fields(body: dict, known: set[str]) -> None:
+    """400 naming the first unknown field (with the nearest known name), or the first known one that is refused."""
+    for key in body:
+        if key in IGNORED:
+            continue
+        if key not in known:
+            near = difflib.get_close_matches(key, sorted(known | IGNORED), n=1)
+            hint = f" (did you mean '{near[0]}'?)" if near else ""
+            raise bad(f"unknown field '{key}'{hint}", key)
+        if key in REFUSED and body[key] is not None:
+            raise bad(REFUSED[key], key)
+    mods = body.get("modalities")
+    if mods is not None and mods != ["text"]:
+        raise bad("only text output is supported: 'modalities' must be [\"text\"]", "modalities")
+    if body.get("use_beam_search"):
+        raise bad("beam search is not supported", "use_beam_search")
+    if body.get("priority") not in (None, 0):
+        raise bad("request priorities are not supported (scheduling is first come, first served)", "priority")
+    if body.get("spaces_between_special_tokens") is False:
+        raise bad("'spaces_between_special_tokens': false is not supported", "spaces_between_special_tokens")
+    if body.get("stream_options") is not None and not body.get("stream"):
+        raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")

@@ -1,0 +1,122 @@
+"""Reasoning parsers: split a model's output into ``reasoning_content`` and ``content``.
+
+Qwen3 / Qwen3.5 think inside ``<think>...</think>``; Qwen3.5's template opens the block in the generation prompt
+when thinking is on, so the output may start inside it (``opens_reasoning`` tells from the rendered prompt).
+Same behaviour as vLLM's ``--reasoning-parser qwen3`` (``deepseek_r1`` is an alias here). Streaming never emits
+part of a tag and yields exactly what ``split`` gives for the whole text.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+
+def opens_reasoning(prompt_text: str) -> bool:
+    """True when the rendered prompt ends inside an open think block (looks only at the last turn)."""
+    tail = prompt_text[prompt_text.rfind("<|im_start|>") + 1:] if "<|im_start|>" in prompt_text else prompt_text
+    return tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)
+
+
+def _held(buf: str, tag: str) -> int:
+    """Length of the longest suffix of ``buf`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(buf), len(tag) - 1), 0, -1):
+        if tag.startswith(buf[-n:]):
+            return n
+    return 0
+
+
+class ReasoningParser(ABC):
+    """One request's parser: ``split`` for whole text, ``feed``/``flush`` for streaming (reasoning, content)."""
+
+    def __init__(self, in_reasoning: bool = False) -> None:
+        self.in_reasoning = in_reasoning
+
+    @abstractmethod
+    def split(self, text: str) -> tuple[str | None, str | None]: ...
+
+    @abstractmethod
+    def feed(self, delta: str) -> tuple[str, str]: ...
+
+    @abstractmethod
+    def flush(self) -> tuple[str, str]: ...
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    """``<think>`` reasoning ``</think>`` content: reasoning loses the newlines around it, content its leading ones."""
+
+    def __init__(self, in_reasoning: bool = False) -> None:
+        super().__init__(in_reasoning)
+        self._state = "start"  # start -> reasoning -> content, or start -> content
+        self._buf = ""
+        self._nl = ""  # trailing newlines of reasoning, emitted only if more reasoning follows
+        self._r_started = False
+        self._strip_content = False  # content after </think>: leading newlines dropped
+        self._c_started = False
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        in_r = self.in_reasoning
+        if text.startswith(THINK_OPEN):
+            text, in_r = text[len(THINK_OPEN):], True
+        if not in_r:
+            return None, text or None
+        reasoning, sep, content = text.partition(THINK_CLOSE)
+        return reasoning.strip("\n") or None, (content.lstrip("\n") or None) if sep else None
+
+    def _reason(self, s: str) -> str:
+        if not self._r_started:
+            s = s.lstrip("\n")
+        s = self._nl + s
+        out = s.rstrip("\n")
+        self._nl = s[len(out):]
+        self._r_started = self._r_started or bool(out)
+        return out
+
+    def _content(self, s: str) -> str:
+        if self._strip_content and not self._c_started:
+            s = s.lstrip("\n")
+        self._c_started = self._c_started or bool(s)
+        return s
+
+    def _step(self, final: bool) -> tuple[str, str]:
+        r, c = [], []
+        while True:
+            buf = self._buf
+            if self._state == "start":
+                if not final and THINK_OPEN.startswith(buf):
+                    break  # could still become <think>
+                if buf.startswith(THINK_OPEN):
+                    self._buf, self._state = buf[len(THINK_OPEN):], "reasoning"
+                else:
+                    self._state = "reasoning" if self.in_reasoning else "content"
+            elif self._state == "reasoning":
+                i = buf.find(THINK_CLOSE)
+                if i >= 0:
+                    r.append(self._reason(buf[:i]))
+                    self._nl, self._buf, self._state = "", buf[i + len(THINK_CLOSE):], "content"
+                    self._strip_content = True
+                    continue
+                keep = 0 if final else _held(buf, THINK_CLOSE)
+                r.append(self._reason(buf[:len(buf) - keep]))
+                self._buf = buf[len(buf) - keep:]
+                break
+            else:
+                c.append(self._content(buf))
+                self._buf = ""
+                break
+        return "".join(r), "".join(c)
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        self._buf += delta
+        return self._step(final=False)
+
+    def flush(self) -> tuple[str, str]:
+        return self._step(final=True)
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    "qwen3": Qwen3ReasoningParser,
+    "deepseek_r1": Qwen3ReasoningParser,
+}

@@ -1,0 +1,354 @@
+"""Issue 23's acceptance through the official openai client against the served app (deployments/qwen35_mtp.yaml:
+dp = 2, the Qwen3 reasoning parser and the qwen3_coder tool parser), with MTP at k = 3: structured output (JSON
+schema, regex, choice), forced and parsed tool calls, reasoning, prompt log-probs, strict fields."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import requests
+import yaml
+
+from mtp_ray import LLM, SamplingParams
+from mtp_ray.engine.sampling_params import StructuredOutputs
+
+PORT = 8016
+BASE = f"http://127.0.0.1:{PORT}"
+MODEL = "tiny-qwen35-mtp"
+K = 3
+YAML = Path(__file__).resolve().parent.parent / "deployments" / "qwen35_mtp.yaml"
+USER = [{"role": "user", "content": "Describe a person."}]
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                               "minItems": 1, "maxItems": 3},
+                                      "ok": {"type": "boolean"}}, "required": ["tags", "ok"]},
+    {"type": "object", "properties": {"point": {"type": "object", "properties": {
+        "x": {"type": "number", "minimum": -10, "maximum": 10}, "y": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["x", "y"], "additionalProperties": False},
+        "label": {"anyOf": [{"type": "null"}, {"type": "string", "pattern": "^[a-z]{1,6}$"}]}},
+     "required": ["point", "label"], "additionalProperties": False},
+]
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "unit", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+             "additionalProperties": False}}}]
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster):
+    from ray import serve
+
+    from mtp_ray.serve.app import build_app
+
+    spec = yaml.safe_load(YAML.read_text())["applications"][0]
+    args = spec["args"]
+    assert args["engine"]["parallel"]["dp"] == 2
+    args["engine"]["spec"]["num_speculative_tokens"] = K
+    args["group"], args["ingress"] = {"num_replicas": 1}, {"num_replicas": 1}
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    serve.run(build_app(args), name="structured", route_prefix="/")
+    yield args
+    serve.delete("structured")
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def post(body: dict, path: str = "/v1/chat/completions") -> requests.Response:
+    return requests.post(f"{BASE}{path}", json=body, timeout=120)
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+def test_json_schema_output_validates(client, schema):
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}
+    out = client.chat.completions.create(model=MODEL, messages=USER, response_format=fmt, max_tokens=120,
+                                         temperature=0)
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    stream = client.chat.completions.create(model=MODEL, messages=USER, response_format=fmt, max_tokens=120,
+                                            temperature=0.8, seed=5, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), schema)
+    # the completions endpoint, through vLLM's guided_json
+    comp = client.completions.create(model=MODEL, prompt="data = ", max_tokens=120, temperature=1.0, seed=3,
+                                     extra_body={"guided_json": schema})
+    jsonschema.validate(json.loads(comp.choices[0].text), schema)
+
+
+def test_json_object_regex_and_choice_hold(client):
+    obj = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=60, temperature=0,
+                                         response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    pattern = r"[A-Z][a-z]{2,6}-\d{2,4}"
+    for extra in ({"guided_regex": pattern}, {"structured_outputs": {"regex": pattern}}, {"regex": pattern}):
+        out = client.completions.create(model=MODEL, prompt="id = ", max_tokens=20, temperature=0.9, seed=1,
+                                        extra_body=extra)
+        assert re.fullmatch(pattern, out.choices[0].text), (extra, out.choices[0].text)
+    options = ["alpha beta", "gamma", "delta_epsilon"]
+    for seed in range(4):
+        out = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=20, temperature=1.0, seed=seed,
+                                             extra_body={"guided_choice": options})
+        assert out.choices[0].message.content in options and out.choices[0].finish_reason == "stop"
+
+
+def test_greedy_structured_output_is_token_identical_for_k0_and_k3(client):
+    """The served group (k = 3, dp = 2) and offline engines at k = 0 and k = 3 give the same tokens."""
+    prompts = ["def f(x):\n", "import json\n"]
+    cons = [StructuredOutputs(json=SCHEMAS[0]), StructuredOutputs(regex=r"(\w+ ){2,5}\w+\."),
+            StructuredOutputs(json=SCHEMAS[2])]
+    served = []
+    for p in prompts:
+        for c in cons:
+            extra = {"structured_outputs": {k: v for k, v in vars(c).items() if v not in (None, False)},
+                     "return_token_ids": True}
+            r = client.completions.create(model=MODEL, prompt=p, max_tokens=60, temperature=0, extra_body=extra)
+            served.append(r.choices[0].model_extra["token_ids"])
+    for k in (0, K):
+        llm = LLM(num_speculative_tokens=k, device="cpu", max_model_len=2048)
+        res = llm.generate([p for p in prompts for _ in cons],
+                           [SamplingParams(temperature=0, max_tokens=60, structured_outputs=c)
+                            for _ in prompts for c in cons])
+        assert [r.outputs[0].token_ids for r in res] == served, k
+        if k:
+            assert sum(r.outputs[0].spec["num_accepted_tokens"] for r in res) > 0  # MTP did accept drafts
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_calls_validate(client, stream):
+    def calls(**kw):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                           tools=TOOLS, max_tokens=150, temperature=0.7, seed=11, stream=stream, **kw)
+        if not stream:
+            m = r.choices[0].message
+            assert not m.content
+            return [(c.function.name, c.function.arguments) for c in m.tool_calls], r.choices[0].finish_reason
+        got: dict[int, list] = {}
+        finish = None
+        for ch in r:
+            if not ch.choices:
+                continue
+            finish = ch.choices[0].finish_reason or finish
+            for tc in ch.choices[0].delta.tool_calls or []:
+                entry = got.setdefault(tc.index, ["", ""])
+                entry[0] += tc.function.name or ""
+                entry[1] += tc.function.arguments or ""
+        return [tuple(v) for _, v in sorted(got.items())], finish
+
+    named, finish = calls(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert len(named) == 1 and named[0][0] == "get_weather" and finish == "stop"
+    jsonschema.validate(json.loads(named[0][1]), WEATHER)
+    required, finish = calls(tool_choice="required")
+    assert required and finish == "tool_calls"
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for name, args in required:
+        jsonschema.validate(json.loads(args), schemas[name])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_call_and_reasoning_are_parsed(client, stream):
+    """A scripted output (a regex constraint on tool_choice auto) in Qwen3.5's XML call format, after a reasoning
+    block (enable_thinking on): reasoning_content, content and the call come back split."""
+    script = ("Oslo is a city\\.\n</think>\n\nLet me check\\.\n<tool_call>\n<function=get_weather>\n"
+              "<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+              "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>")
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS, max_tokens=200,
+              temperature=0, extra_body={"guided_regex": script, "chat_template_kwargs": {"enable_thinking": True}})
+    if not stream:
+        m = client.chat.completions.create(**kw).choices[0]
+        assert m.finish_reason == "tool_calls"
+        msg = m.message
+        assert msg.model_extra["reasoning_content"] == "Oslo is a city."
+        assert msg.content.strip() == "Let me check."
+        call = msg.tool_calls[0]
+    else:
+        reasoning = content = args = name = ""
+        for ch in client.chat.completions.create(stream=True, **kw):
+            if not ch.choices:
+                continue
+            d = ch.choices[0].delta
+            reasoning += (d.model_extra or {}).get("reasoning_content") or ""
+            content += d.content or ""
+            for tc in d.tool_calls or []:
+                name += tc.function.name or ""
+                args += tc.function.arguments or ""
+        assert reasoning == "Oslo is a city." and content.strip() == "Let me check."
+        call = type("C", (), {"function": type("F", (), {"name": name, "arguments": args})})
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Oslo", "days": 3, "unit": "celsius"}
+
+
+def test_enable_thinking_reaches_the_template_and_tool_history_renders(client):
+    def prompt(kwargs):
+        r = requests.post(f"{BASE}/tokenize", json={"model": MODEL, "messages": USER, "chat_template_kwargs": kwargs,
+                                                    "return_token_strs": True}, timeout=30).json()
+        return "".join(r["token_strs"]).replace("Ġ", " ").replace("Ċ", "\n")
+
+    assert prompt({"enable_thinking": True}).endswith("<think>\n")
+    assert prompt({"enable_thinking": False}).endswith("<think>\n\n</think>\n\n")
+    off = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, temperature=0,
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    on = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, temperature=0,
+                                        extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert off.usage.prompt_tokens > on.usage.prompt_tokens
+    assert on.choices[0].message.model_extra["reasoning_content"]  # never closed: all of it is reasoning
+    history = USER + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    r = requests.post(f"{BASE}/tokenize", json={"model": MODEL, "messages": history, "tools": TOOLS}, timeout=30)
+    text = requests.post(f"{BASE}/detokenize", json={"model": MODEL, "tokens": r.json()["tokens"]}).json()["prompt"]
+    assert "<function=get_time>\n<parameter=zone>\nUTC\n</parameter>" in text
+    assert "<tool_response>\n12:00\n</tool_response>" in text and '"name": "get_weather"' in text
+    out = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=5, temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+def test_prompt_logprobs_and_echo_equal_the_engine(client):
+    prompt = "def add(a, b):\n    return a + b\n"
+    llm = LLM(num_speculative_tokens=K, device="cpu", max_model_len=2048)
+    ref = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ref.prompt_token_ids)
+    for t, want, got in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:], plp[1:], strict=True):
+        assert got[str(t)]["logprob"] == pytest.approx(want[t], abs=1e-4)
+        assert len(got) in (2, 3)  # the prompt token (+ the top 2, which may include it)
+    # lm-eval's scoring request: echo + logprobs with max_tokens 0 -> the prompt only, its log-probs
+    e = requests.post(f"{BASE}/v1/completions", json={"model": MODEL, "prompt": ref.prompt_token_ids, "echo": True,
+                                                      "logprobs": 1, "max_tokens": 0, "temperature": 0}).json()
+    lp = e["choices"][0]["logprobs"]
+    assert e["choices"][0]["text"] == prompt and e["usage"]["completion_tokens"] == 0
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert sum(lp["token_logprobs"][1:]) == pytest.approx(sum(ref.prompt_logprobs[i][t] for i, t in enumerate(
+        ref.prompt_token_ids) if i), abs=1e-3)
+    zero = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=0)
+    assert len(zero.choices[0].logprobs.top_logprobs[0]) == 1  # logprobs 0: the sampled token itself
+
+
+def test_usage_counts_only_returned_tokens_and_stop_reason(client):
+    full = client.completions.create(model=MODEL, prompt="def f(x):\n", max_tokens=30, temperature=0,
+                                     extra_body={"return_token_ids": True})
+    ids = full.choices[0].model_extra["token_ids"]
+    text = full.choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = client.completions.create(model=MODEL, prompt="def f(x):\n", max_tokens=30, temperature=0, stop=[stop],
+                                    extra_body={"return_token_ids": True})
+    c = cut.choices[0]
+    assert c.finish_reason == "stop" and c.model_extra["stop_reason"] == stop
+    assert cut.usage.completion_tokens == len(c.model_extra["token_ids"]) < len(ids)
+    assert c.model_extra["token_ids"] == ids[: cut.usage.completion_tokens]
+
+
+EXTRA_FIELDS = {  # every extra the issue lists -> a value; each is honoured (200) or a 400 naming it
+    "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"],
+    "guided_grammar": 'start: "ab"', "structured_outputs": {"choice": ["x"]}, "regex": "b+",
+    "stop_regex": "\\n", "prompt_logprobs": 1, "allowed_token_ids": [300, 301], "use_beam_search": True,
+    "return_token_ids": True, "return_tokens_as_token_ids": True, "continue_final_message": True,
+    "add_generation_prompt": True, "chat_template_kwargs": {"enable_thinking": False},
+    "stream_options": {"include_usage": True, "continuous_usage_stats": True}, "echo": True,
+    "user": "u", "metadata": {"a": "b"}, "store": False, "service_tier": "auto", "parallel_tool_calls": False,
+}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("field", list(EXTRA_FIELDS))
+def test_every_extra_field_is_honoured_or_refused_by_name(server, path, field):
+    chat = path.endswith("chat/completions")
+    base = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+    base.update({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]}
+                if chat and field == "continue_final_message" else
+                {"messages": USER} if chat else {"prompt": "def f("})
+    body = {**base, field: EXTRA_FIELDS[field]}
+    if field == "stream_options":
+        body["stream"] = True
+    if field == "continue_final_message":
+        body["add_generation_prompt"] = False
+    r = post(body, path)
+    if r.status_code == 400:
+        assert r.json()["error"]["param"] == field, r.text
+        assert field in ("use_beam_search",) or (not chat and field in (
+            "continue_final_message", "add_generation_prompt", "chat_template_kwargs")), r.text
+        return
+    assert r.status_code == 200, r.text
+    if field == "stream_options":
+        events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+        assert all("usage" in e for e in events)
+        return
+    c = r.json()["choices"][0]
+    text = c["message"]["content"] if chat else c["text"]
+    if field in ("guided_regex",):
+        assert re.fullmatch("a+", text)
+    if field == "regex":
+        assert re.fullmatch("b+", text)
+    if field == "guided_choice":
+        assert text in ("a", "b")
+    if field == "guided_grammar":
+        assert text == "ab"
+    if field == "structured_outputs":
+        assert text == "x"
+    if field == "guided_json":
+        assert text.startswith("{")
+    if field == "prompt_logprobs":
+        plp = r.json()["prompt_logprobs"] if chat else c["prompt_logprobs"]
+        assert plp[0] is None and len(plp) == r.json()["usage"]["prompt_tokens"]
+    if field == "return_token_ids":
+        assert len(c["token_ids"]) == r.json()["usage"]["completion_tokens"]
+    if field == "allowed_token_ids":
+        assert set(c["token_ids"] if "token_ids" in c else []) <= {300, 301}
+    if field == "echo" and not chat:
+        assert text.startswith("def f(")
+
+
+def test_allowed_token_ids_and_tokens_as_ids(client):
+    out = client.completions.create(model=MODEL, prompt="x", max_tokens=6, temperature=0.9, seed=2, logprobs=1,
+                                    extra_body={"allowed_token_ids": [300, 301], "return_token_ids": True,
+                                                "return_tokens_as_token_ids": True})
+    c = out.choices[0]
+    assert set(c.model_extra["token_ids"]) <= {300, 301, 0}
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in c.logprobs.tokens)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"temprature": 0}, "temprature"), ({"guided_json": 42}, "guided_json"), ({"guided_regex": "[a-"}, None),
+    ({"response_format": {"type": "json_schema"}}, "response_format"), ({"tool_choice": "auto"}, "tool_choice"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"), ({"chat_template": "{{ x }}"}, "chat_template"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, None), ({"functions": []}, "functions"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ({"structured_outputs": {"json": "{bad"}}, "structured_outputs"),
+])
+def test_bad_fields_are_a_400_naming_them(server, body, param):
+    r = post({"model": MODEL, "messages": USER, "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"]
+    if param:
+        assert err["param"] == param, err
+    if "temprature" in body:
+        assert "temperature" in err["message"]
+
+
+def test_models_by_id_and_unknown_routes(server):
+    card = requests.get(f"{BASE}/v1/models/{MODEL}", timeout=10).json()
+    assert card["id"] == MODEL and card["root"] == MODEL
+    assert requests.get(f"{BASE}/v1/models", timeout=10).json()["data"][0]["root"] == MODEL
+    r = requests.get(f"{BASE}/v1/models/other", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = requests.post(f"{BASE}/v1/nope", json={}, timeout=10)
+    assert r.status_code == 404 and set(r.json()["error"]) >= {"message", "type", "code"}
