@@ -100,6 +100,18 @@ def prompt_logprobs_sum(a, ids: list[int], lo: int, hi: int) -> float:
     return tot
 
 
+def engine_sums(model: str, checks: list[dict]) -> None:
+    """The offline engine's prompt log-probs of every item, summed over its scored span (one batch)."""
+    from mtp_ray import LLM, SamplingParams
+
+    llm = LLM(model, device="cpu")
+    outs = llm.generate([c["ids"] for c in checks], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    for c, o in zip(checks, outs, strict=True):
+        lo, hi = c["span"]
+        c["engine_prompt_logprobs"] = float(sum(o.prompt_logprobs[i][t] for i, t in enumerate(c["ids"])
+                                                if lo <= i < hi))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -112,6 +124,9 @@ def main() -> None:
     ap.add_argument("--num-concurrent", type=int, default=1, help="lm-eval's num_concurrent model arg")
     ap.add_argument("--max-tokens", type=int, default=1, choices=(0, 1), help="max_tokens of the direct echo asks")
     ap.add_argument("--prompt-logprobs", action="store_true", help="also check vLLM's prompt_logprobs field")
+    ap.add_argument("--engine", default=None, metavar="MODEL_DIR",
+                    help="also score every item with an offline engine (mtp_ray.LLM) of this model: lm-eval's "
+                         "log-likelihood must equal the sum of the engine's own prompt log-probs")
     ap.add_argument("--limit", type=int, default=0, help="lm-eval --limit (items per task); 0: all")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--output-path", default=None, help="keep lm-eval's output here (default: a temp dir)")
@@ -144,7 +159,8 @@ def main() -> None:
         ids = enc(text)
         if len(ids) > max_seq:
             sys.exit(f"pycode_ppl doc {s['doc_id']}: {len(ids)} tokens > {max_seq}: more than one rolling window")
-        c = {"task": "pycode_ppl", "doc_id": s["doc_id"], "n_tokens": len(ids),
+        c = {"task": "pycode_ppl", "doc_id": s["doc_id"], "n_tokens": len(ids), "ids": [prefix] + ids,
+             "span": [1, 1 + len(ids)],
              "lm_eval": float(s["resps"][0][0]), "server_echo": echo_sum(a, [prefix] + ids, 1, 1 + len(ids))}
         if a.prompt_logprobs:
             c["server_prompt_logprobs"] = prompt_logprobs_sum(a, [prefix] + ids, 1, 1 + len(ids))
@@ -157,14 +173,18 @@ def main() -> None:
             if n_sp:
                 ctx, cont = ctx[:-n_sp], ctx[-n_sp:] + cont
             whole, ctx_ids = enc(ctx + cont), enc(ctx)
-            c = {"task": "pycode_mc", "doc_id": s["doc_id"], "choice": i, "n_ctx": len(ctx_ids),
+            c = {"task": "pycode_mc", "doc_id": s["doc_id"], "choice": i, "n_ctx": len(ctx_ids), "ids": whole,
+                 "span": [len(ctx_ids), len(whole)],
                  "n_cont": len(whole) - len(ctx_ids), "lm_eval": float(resp[0][0]),
                  "server_echo": echo_sum(a, whole, len(ctx_ids), len(whole))}
             if a.prompt_logprobs:
                 c["server_prompt_logprobs"] = prompt_logprobs_sum(a, whole, len(ctx_ids), len(whole))
             checks.append(c)
+    if a.engine:
+        engine_sums(a.engine, checks)
     for c in checks:
-        c["abs_diff"] = max(abs(c["lm_eval"] - c[k]) for k in ("server_echo", "server_prompt_logprobs") if k in c)
+        c["abs_diff"] = max(abs(c["lm_eval"] - c[k]) for k in ("server_echo", "server_prompt_logprobs",
+                                                                "engine_prompt_logprobs") if k in c)
     max_diff = max(c["abs_diff"] for c in checks)
     bad = [c for c in checks if not c["abs_diff"] <= a.tol]
 
