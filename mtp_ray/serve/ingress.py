@@ -3,7 +3,6 @@ deployment, detokenises and applies stop strings, streams server-sent events, ke
 
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -14,9 +13,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mtp_ray.config.server import ServerConfig
-from mtp_ray.engine.detok import Detokenizer
 from mtp_ray.llm import load_tokenizer
-from mtp_ray.serve.chat_output import ChatDelta, ChatOutput
 from mtp_ray.serve.chat_request import ChatServing, parse_chat, render_chat
 from mtp_ray.serve.errors import ApiError, bad
 from mtp_ray.serve.fields import CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
@@ -25,8 +22,8 @@ from mtp_ray.serve.intake import check_api_key, read_json_object
 from mtp_ray.serve.metrics import Metrics, render
 from mtp_ray.serve.metrics_hub import HubReporter
 from mtp_ray.serve.openai_protocol import Limits, ParsedRequest, check_length, parse_completion
-from mtp_ray.serve.responses import Choice, Render, choice_params, chunk, error_response, final_response, sse_event
-from mtp_ray.serve.responses import usage as usage_of
+from mtp_ray.serve.responses import Choice, choice_params, error_response, final_response, new_choices, sse_event
+from mtp_ray.serve.streaming import SSEWriter
 
 # no /docs, /redoc or /openapi.json: the API is OpenAI's, and an open schema browser is one more thing to expose
 app = FastAPI(title="mtp-ray", docs_url=None, redoc_url=None, openapi_url=None)
@@ -127,13 +124,7 @@ class Ingress:
             return self.refused(self.classify(e))
         self.metrics.admitted(req.params.n, req.params.max_tokens)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        sp = req.params
-        choices = [Choice(i * sp.n + j, p, Detokenizer(self.tok, sp.stop, sp.skip_special_tokens,
-                                                       sp.include_stop_str_in_output, stop_regex=req.stop_regex),
-                          echo=self._echo_text(req, i),
-                          chat=ChatOutput(req.chat, self.serving.reasoning_parser, self.serving.tool_call_parser)
-                          if chat else None)
-                   for i, p in enumerate(req.prompts) for j in range(sp.n)]
+        choices = new_choices(req, self.tok, self.serving)
         t0 = time.monotonic()
         # every choice admitted by a group before the response starts: a 503 is a status, not an SSE error event
         tasks = [asyncio.ensure_future(self.groups.open(c.prompt, choice_params(req.params, c.index)))
@@ -162,14 +153,6 @@ class Ingress:
         except Exception as e:
             return self.refused(e if isinstance(e, ApiError) else self.classify(e))
         return JSONResponse(final_response(rid, self.model_name, chat, choices, req, self.tok))
-
-    def _echo_text(self, req: ParsedRequest, i: int) -> str:
-        if not req.echo:
-            return ""
-        if req.chat is not None:  # chat echo: the final assistant message's content (vLLM)
-            return req.chat.echo
-        text = req.prompt_texts[i]
-        return text if text is not None else self.tok.decode(req.prompts[i])
 
     async def _drive(self, c: Choice, stream: GroupStream, queue: asyncio.Queue | None, t0: float) -> None:
         """Runs one choice to its end; with a queue, puts a chunk per step that produced text or finished."""
@@ -212,29 +195,11 @@ class Ingress:
                 queue.put_nowait(("error", e))
 
         tasks = [asyncio.create_task(drive(c)) for c in choices]
-        created = int(time.time())
+        w = SSEWriter(rid, self.model_name, req, choices, chat, self.tok)
         live = len(choices)
-        r = Render(self.tok, req)
-
-        def usage_event() -> str:
-            return sse_event({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                              "created": created, "model": self.model_name, "choices": [],
-                              "usage": usage_of(req, choices)})
-
         try:
-            def event(body: dict) -> str:
-                if req.continuous_usage:
-                    body["usage"] = usage_of(req, choices)
-                return sse_event(body)
-
-            if chat:
-                for c in choices:
-                    yield event(chunk(rid, self.model_name, created, c, r, role=True))
-            echo_lp = req.echo and req.top_logprobs is not None  # the prompt's log-probs come with the first output
-            for c in choices:  # echo: the prompt's text first
-                if c.echo and not echo_lp:
-                    yield event(chunk(rid, self.model_name, created, c, r, text=c.echo,
-                                      delta=ChatDelta(content=c.echo) if chat else None))
+            for event in w.opening():
+                yield event
             while live:
                 item = await queue.get()
                 if isinstance(item, tuple):
@@ -245,21 +210,10 @@ class Ingress:
                     c = val
                 else:
                     c = item
-                if echo_lp and c.echo:
-                    body = chunk(rid, self.model_name, created, c, r, text=c.echo)
-                    body["choices"][0]["logprobs"] = r.completion_logprobs(
-                        dataclasses.replace(c, token_ids=[], logprobs=[], top=[]), 0, 0, True)
-                    c.echo = ""
-                    yield event(body)
-                done = c.finish_reason is not None
-                text = "" if req.drop_output else c.detok.delta(done)
-                delta = c.chat.feed(text, done) if c.chat is not None else None
-                lp_due = req.top_logprobs is not None and c.pending_logprobs and not req.drop_output
-                has = bool(delta.content or delta.reasoning or delta.tool_calls) if delta is not None else bool(text)
-                if has or lp_due or (done and not c.sent_finish):
-                    yield event(chunk(rid, self.model_name, created, c, r, text=text, delta=delta))
-            if req.include_usage:
-                yield usage_event()
+                for event in w.progress(c):
+                    yield event
+            for event in w.closing():
+                yield event
         except Exception as e:
             err = e if isinstance(e, ApiError) else self.classify(e)
             self.metrics.count(f'request_failed_total{{status="{err.status}"}}')

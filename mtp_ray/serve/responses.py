@@ -117,6 +117,25 @@ class Render:
         return out
 
 
+def new_choices(req: ParsedRequest, tok, serving) -> list[Choice]:
+    """One Choice per (prompt, n): its detokenizer (stop strings and regexes), echoed text and chat read-back."""
+    sp = req.params
+
+    def echo(i: int) -> str:
+        if not req.echo:
+            return ""
+        if req.chat is not None:  # chat echo: the final assistant message's content, which the reply continues
+            return req.chat.echo
+        text = req.prompt_texts[i]
+        return text if text is not None else tok.decode(req.prompts[i])
+
+    return [Choice(i * sp.n + j, p, Detokenizer(tok, sp.stop, sp.skip_special_tokens, sp.include_stop_str_in_output,
+                                                stop_regex=req.stop_regex), echo=echo(i),
+                   chat=ChatOutput(req.chat, serving.reasoning_parser, serving.tool_call_parser)
+                   if req.chat is not None else None)
+            for i, p in enumerate(req.prompts) for j in range(sp.n)]
+
+
 def usage(req: ParsedRequest, choices: list[Choice]) -> dict:
     n_prompt = sum(len(p) for p in req.prompts)
     n_gen = 0 if req.drop_output else sum(len(c.token_ids) for c in choices)

@@ -1,0 +1,137 @@
+"""Output constraints and prompt log-probs in the engine (no Ray): grammars exact under MTP, masked rejection
+sampling keeps the masked target distribution, allowed_token_ids, prompt log-probs equal to the engine's own
+scoring, chunked or not."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mtp_ray import LLM, SamplingParams
+from mtp_ray.engine.grammar import GrammarCompiler, closed
+from mtp_ray.engine.rejection import verify
+from mtp_ray.engine.sampler import Row, draw
+from mtp_ray.engine.sampling_params import ParamError, StructuredOutputs
+from mtp_ray.llm import BUNDLED_MODEL
+from tests.test_spec_decode import CHI2_5_001, P, Q, chi_square
+
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "name": {"type": "string", "maxLength": 8},
+                                           "kind": {"enum": ["a", "bb", "ccc"]}},
+          "required": ["id", "name", "kind"]}
+CONSTRAINTS = [StructuredOutputs(json=SCHEMA), StructuredOutputs(regex=r"[a-z]+_\d{1,3}(, [a-z]+_\d{1,3}){0,3}"),
+               StructuredOutputs(choice=["return None", "pass", "raise ValueError"]),
+               StructuredOutputs(grammar='start: "x = " NUM ("+" NUM)*\nNUM: /[0-9]{1,2}/'),
+               StructuredOutputs(json_object=True)]
+PROMPTS = ["def f(x):\n    ", "import os\n", "class A:\n    def g(self):\n        "]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return {k: LLM(num_speculative_tokens=k, device="cpu", block_size=4, prefill_chunk=16, max_model_len=512)
+            for k in (0, 3)}
+
+
+def test_greedy_constrained_output_is_the_same_tokens_for_k0_and_k3(engines):
+    params = [SamplingParams(temperature=0, max_tokens=50, structured_outputs=c) for c in CONSTRAINTS]
+    got = {}
+    for k, llm in engines.items():
+        outs = llm.generate([p for p in PROMPTS for _ in params], [sp for _ in PROMPTS for sp in params])
+        got[k] = [o.outputs[0].token_ids for o in outs]
+        texts = [o.outputs[0].text for o in outs]
+        for i, t in enumerate(texts):
+            if i % len(params) in (0, 4):
+                json.loads(t)
+            if i % len(params) == 2:
+                assert t in CONSTRAINTS[2].choice
+    assert got[0] == got[3]
+
+
+def test_sampled_constrained_output_always_parses(engines):
+    llm = engines[3]
+    outs = llm.generate(PROMPTS * 4, SamplingParams(temperature=1.2, max_tokens=80, seed=7,
+                                                    structured_outputs={"json": SCHEMA}))
+    for o in outs:
+        v = json.loads(o.outputs[0].text)
+        assert set(v) == {"id", "name", "kind"} and v["kind"] in ("a", "bb", "ccc") and 0 <= v["id"] <= 999
+    assert sum(o.outputs[0].spec["num_accepted_tokens"] for o in outs) > 0
+
+
+def test_masked_verify_keeps_the_masked_target_distribution():
+    """A mask that forbids tokens 1 and 3: drafts of them are always rejected and the emitted token follows
+    p restricted to the allowed tokens, renormalised."""
+    allowed = torch.tensor([True, False, True, False, True, True])
+    p = torch.where(allowed, P, 0.0)
+    p = p / p.sum()
+    logits = P.log().expand(3, -1).clone()
+    rows = [Row(SamplingParams(temperature=1.0), [], 0, (), allowed) for _ in range(3)]
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.zeros(len(P))
+    for _ in range(20000):
+        drafts = [draw(Q, gen), draw(Q, gen)]
+        out = verify(logits, drafts, torch.stack([Q, Q]), rows, gen)
+        assert all(allowed[t] for t in out)
+        counts[out[0]] += 1
+    keep = allowed.nonzero().flatten()
+    assert chi_square(counts[keep], p[keep]) < CHI2_5_001
+
+
+def test_masks_along_drafts_leave_the_grammar_where_it_was():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
+    g = GrammarCompiler(BUNDLED_MODEL, 2048, (0,)).grammar(StructuredOutputs(choice=["hello world"]), (0,))
+    drafts = tok.encode("hello world", add_special_tokens=False)
+    before = g.allowed()
+    masks = g.masks_along(drafts + [5])
+    assert len(masks) == len(drafts) + 2 and torch.equal(g.allowed(), before)
+    assert all(masks[i][d] for i, d in enumerate(drafts)) and masks[-1][0]  # the end is allowed at the end
+    g.commit(drafts[0])
+    assert torch.equal(g.allowed(), masks[1])
+
+
+def test_bad_constraints_name_the_field(engines):
+    for bad in ({"regex": "[a-"}, {"json": "{nope"}, {"grammar": "start: undefined_rule"}, {"choice": []},
+                {"regex": "a", "choice": ["b"]}, {"jsn": {}}):
+        with pytest.raises(ParamError) as e:
+            engines[0].generate("x", SamplingParams(structured_outputs=bad))
+        assert e.value.param == "structured_outputs", bad
+    assert engines[0].generate("x", SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # still serving
+
+
+def test_closed_schema_forbids_unlisted_properties_only_where_unsaid():
+    s = closed({"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}}},
+                "$defs": {"d": {"properties": {"x": {}}, "additionalProperties": True}}})
+    assert s["additionalProperties"] is False and s["properties"]["a"]["additionalProperties"] is False
+    assert s["$defs"]["d"]["additionalProperties"] is True
+    assert "additionalProperties" not in closed({"type": "object"})
+
+
+def test_allowed_token_ids_and_stop_reason(engines):
+    for k, llm in engines.items():
+        o = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=1, max_tokens=12,
+                                                    allowed_token_ids=[300, 301, 302]))[0].outputs[0]
+        assert set(o.token_ids) <= {300, 301, 302, 0}, k
+    o = engines[0].generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=20,
+                                                       structured_outputs={"choice": ["x"]}))[0].outputs[0]
+    assert o.text == "x" and o.finish_reason == "stop" and o.stop_reason is None
+
+
+@pytest.mark.parametrize("chunk", [4, 256])
+def test_prompt_logprobs_equal_the_engines_scoring_of_each_next_token(chunk):
+    """Position i's prompt log-prob is the raw log-prob the engine gives prompt[i] after prompt[:i] (read off a
+    one-token generation restricted to that token: log-probs are the raw model's)."""
+    llm = LLM(num_speculative_tokens=2, device="cpu", block_size=4, prefill_chunk=chunk, max_model_len=512)
+    ids = llm.tokenizer.encode("def add(a, b):\n    return a + b\n", add_special_tokens=False)
+    out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=3))[0]
+    plp = out.prompt_logprobs
+    assert plp[0] is None and len(plp) == len(ids)
+    for i in range(1, len(ids)):
+        want = llm.generate(ids[:i], SamplingParams(max_tokens=1, allowed_token_ids=[ids[i]], ignore_eos=True)
+                            )[0].outputs[0].logprobs[0]
+        assert plp[i][ids[i]] == pytest.approx(want, abs=1e-5)
+        assert 3 <= len(plp[i]) <= 4 and max(plp[i].values()) <= 0
+    plain = llm.generate(ids, SamplingParams(temperature=0, max_tokens=3))[0]
+    assert plain.prompt_logprobs is None and plain.outputs[0].token_ids == out.outputs[0].token_ids
