@@ -135,3 +135,26 @@ def test_prompt_logprobs_equal_the_engines_scoring_of_each_next_token(chunk):
         assert 3 <= len(plp[i]) <= 4 and max(plp[i].values()) <= 0
     plain = llm.generate(ids, SamplingParams(temperature=0, max_tokens=3))[0]
     assert plain.prompt_logprobs is None and plain.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_a_constraint_after_the_reasoning_block_leaves_the_reasoning_free():
+    """Thinking on (the server sets `after="</think>"`): free text until the block closes, then only the constraint;
+    masks along drafts roll back across the boundary."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
+    spec = StructuredOutputs(json={"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]},
+                             after="</think>")
+    g = GrammarCompiler(BUNDLED_MODEL, 2048, (0,)).grammar(spec, (0,))
+    assert int(g.allowed().sum()) > 1000  # reasoning: (almost) anything
+    ids = tok.encode("I think a = 1.\n</think>\n\n", add_special_tokens=False)
+    masks = g.masks_along(ids)
+    assert all(masks[i][d] for i, d in enumerate(ids)) and torch.equal(g.allowed(), masks[0])
+    for t in ids:
+        g.commit(t)
+    allowed = g.allowed().nonzero().flatten().tolist()
+    assert allowed and all(tok.decode([t]).strip() in ("", "{", '{"') for t in allowed)
+    for t in tok.encode('{"a": 2}', add_special_tokens=False):
+        assert g.allowed()[t]
+        g.commit(t)
+    assert g.finished

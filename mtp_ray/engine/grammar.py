@@ -46,6 +46,19 @@ _SUBSCHEMAS = {"items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "if", "
 
 def grammar_text(spec: StructuredOutputs) -> str:
     """The llguidance grammar for a constraint; ParamError when it is not one llguidance can compile."""
+    body = _body_text(spec)
+    if spec.after is None:
+        return body
+    # free text that stops at `after` (llguidance's lazy suffix lexeme, which can roll back), optional whitespace, then the constraint as a
+    # named sub-grammar
+    grammars = (json.loads(body) if body.lstrip().startswith("{") else {"grammars": [{"lark_grammar": body}]}
+                )["grammars"]
+    grammars[0]["name"] = "body"
+    top = f"start: free /[ \\t\\r\\n]*/ @body\nfree[suffix={json.dumps(spec.after)}]: /(.|\\n)*/"
+    return json.dumps({"grammars": [{"lark_grammar": top}, *grammars]})
+
+
+def _body_text(spec: StructuredOutputs) -> str:
     import llguidance as lg
 
     try:

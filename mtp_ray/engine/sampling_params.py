@@ -24,6 +24,9 @@ class StructuredOutputs:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None  # Lark (llguidance) or GBNF (llama.cpp) text
+    # free text up to and including this string, then the constraint: a reasoning model's think block ("</think>"),
+    # so the answer after it is constrained and the reasoning is not (set by the server, as vLLM does)
+    after: str | None = None
 
     def __post_init__(self) -> None:
         set_ = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
@@ -33,6 +36,8 @@ class StructuredOutputs:
                              f"got {set_ or 'none'}", "structured_outputs")
         if not isinstance(self.json_object, bool):
             raise ParamError("structured_outputs.json_object must be a boolean", "structured_outputs")
+        if self.after is not None and (not isinstance(self.after, str) or not self.after):
+            raise ParamError("structured_outputs.after must be a non-empty string", "structured_outputs")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ParamError("structured_outputs.json must be a JSON schema (an object or its text)",
                              "structured_outputs")
@@ -51,7 +56,7 @@ class StructuredOutputs:
             return v
         if not isinstance(v, dict):
             raise ParamError("structured_outputs must be an object", "structured_outputs")
-        unknown = set(v) - {"json", "json_object", "regex", "choice", "grammar"}
+        unknown = set(v) - {"json", "json_object", "regex", "choice", "grammar", "after"}
         if unknown:
             raise ParamError(f"structured_outputs: unknown field(s) {sorted(unknown)}", "structured_outputs")
         return cls(**v)

@@ -4,12 +4,13 @@ response's parsers need to know (ChatOptions)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
 
 from mtp_ray.serve.openai_protocol import NO_LIMITS, Limits, ParsedRequest, _text, bad, parse_common, prompt_text
-from mtp_ray.serve.reasoning import opens_reasoning
+from mtp_ray.serve.reasoning import THINK_CLOSE, opens_reasoning
 from mtp_ray.serve.structured import tool_call_schema
 
 # template arguments a request may not set through chat_template_kwargs: the server sets them
@@ -188,6 +189,10 @@ def parse_chat(body: dict, tokenizer, limits: Limits = NO_LIMITS, serving: ChatS
     if body.get("max_completion_tokens") is None and body.get("max_tokens") is None:
         req.params.max_tokens = None  # chat default: up to the context length
     reasoning = serving.reasoning_parser is not None and _bool(body, "separate_reasoning", True)
+    so = req.params.structured_outputs
+    if so is not None and serving.reasoning_parser is not None and opens_reasoning(text):
+        # thinking on: the reasoning stays free, the answer after </think> is constrained (vLLM's behaviour)
+        req.params.structured_outputs = dataclasses.replace(so, after=THINK_CLOSE)
     last = body["messages"][-1]
     echo = _content(last.get("content"), 0, limits) if _bool(body, "echo", False) and last["role"] == "assistant" \
         else ""
