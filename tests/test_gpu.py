@@ -237,3 +237,35 @@ def test_dp2_async_scheduling_on_two_gpus_equals_dp1(ray_cluster, k):
         assert all(r["async_steps"] > 0 for r in st["ranks"])
     finally:
         ray_cluster.get(h.shutdown.remote())
+
+
+@needs_gpu
+def test_constrained_and_plain_rows_in_graph_steps_on_the_gpu():
+    """Grammar-constrained greedy rows (masks applied on the device) next to plain greedy rows in the same graph
+    steps: the same tokens at k = 0 and k = 3, the plain rows as when alone, the JSON valid; prompt log-probs on the
+    GPU equal the CPU's (fp32)."""
+    import json
+
+    from mtp_ray.engine.sampling_params import StructuredOutputs
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "s": {"type": "string", "maxLength": 6}}, "required": ["n", "s"]}
+    cons = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputs(json=schema)),
+            SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputs(regex=r"[a-z]{3}\d+")),
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, allowed_token_ids=[300, 301, 302])]
+    outs = {}
+    for k in (0, 3):
+        llm = LLM(device="cuda", dtype="float32", num_speculative_tokens=k)
+        res = llm.generate(PROMPTS, cons)
+        outs[k] = [o.outputs[0].token_ids for o in res]
+        json.loads(res[0].outputs[0].text)
+        assert set(outs[k][3]) <= {300, 301, 302}
+        alone = llm.generate(PROMPTS[2], cons[2])[0].outputs[0].token_ids
+        assert outs[k][2] == alone
+    assert outs[0] == outs[3]
+    sp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    gpu = LLM(device="cuda", dtype="float32").generate(PROMPTS[1], sp)[0].prompt_logprobs
+    cpu = LLM(device="cpu", dtype="float32").generate(PROMPTS[1], sp)[0].prompt_logprobs
+    for g, c, t in zip(gpu[1:], cpu[1:], PROMPTS[1][1:], strict=True):
+        assert abs(g[t] - c[t]) < 1e-3

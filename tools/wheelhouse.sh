@@ -37,7 +37,7 @@ mkdir -p "$tmp/src"
 cp -r "$here/pyproject.toml" "$here/README.md" "$here/mtp_ray" "$tmp/src/"
 python3 -m pip wheel -q --no-deps "$tmp/src" -w "$tmp/self"  # built from a copy: no build/ left in the checkout
 # the project's runtime dependencies (from pyproject.toml); torch, transformers and triton come with the host image
-python3 -m pip download -q "${plat[@]}" 'ray[serve]==2.60.0' msgpack pyyaml $pins -d "$tmp/deps" 2>&1 \
+python3 -m pip download -q "${plat[@]}" 'ray[serve]==2.60.0' msgpack pyyaml llguidance $pins -d "$tmp/deps" 2>&1 \
   | grep -v "is ignored" || true
 # GPU extras: fla-core (Triton Gated DeltaNet prefill kernels) and einops, which fla imports; pure-Python wheels
 python3 -m pip download -q --no-deps "${plat[@]}" fla-core==0.6.0 einops -d "$tmp/deps" 2>&1 | grep -v "is ignored" || true

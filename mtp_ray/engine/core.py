@@ -197,7 +197,8 @@ class EngineCore:
         sl = None
         if rows:
             logits = all_logits[rows] if all_logits is not None else self.runner.logits(hidden[rows])  # [N, V]
-            sl = reduce_rows(logits, [not f for f, lr in zip(fast, inp.logit_rows, strict=True) for _ in lr])
+            fast, masks = self._device_masks(sched, inp, fast)
+            sl = reduce_rows(logits, [not f for f, lr in zip(fast, inp.logit_rows, strict=True) for _ in lr], masks)
         outputs, items, at, host_at = [], [], 0, 0
         for i, (s, start_row, lrows) in enumerate(zip(sched, inp.batch.cu_seqlens, inp.logit_rows, strict=False)):
             n, lg = len(lrows), None
@@ -214,6 +215,30 @@ class EngineCore:
             if item is not None:
                 items.append(item)
         return outputs, items
+
+    def _device_masks(self, sched: list[Scheduled], inp: StepInputs, fast: list[bool]
+                      ) -> tuple[list[bool], tuple[list[int], torch.Tensor] | None]:
+        """Greedy rows whose only logit processing is a mask (grammar, allowed_token_ids) take the masked argmax
+        where the logits are (a verify's rows: the masks along its drafts), like plain greedy rows: only the masks
+        go to the device, no logit row comes to the host. -> (fast per sequence, (flat rows, masks [M, V]))."""
+        fast, rows, masks, at = list(fast), [], [], 0
+        for i, (s, lrows) in enumerate(zip(sched, inp.logit_rows, strict=True)):
+            req, p = s.req, s.req.params
+            masked_greedy = p.greedy and not (p.penalized or p.logit_bias or p.logprobs) and (
+                p.prompt_logprobs is None and len(req.output_ids) >= p.min_tokens)
+            if not fast[i] and lrows and masked_greedy and (s.verify or len(lrows) == 1):
+                if s.verify:
+                    ms = (req.grammar.masks_along(req.drafts) if req.grammar is not None
+                          else [req.allowed] * len(lrows))
+                else:
+                    ms = [req.mask()]
+                rows += range(at, at + len(lrows))
+                masks += ms
+                fast[i] = True
+            at += len(lrows)
+        if not rows:
+            return fast, None
+        return fast, (rows, torch.stack(masks).to(self.runner.device, non_blocking=True))
 
     @staticmethod
     def _plain_greedy(req: Request) -> bool:

@@ -49,8 +49,8 @@ def grammar_text(spec: StructuredOutputs) -> str:
     body = _body_text(spec)
     if spec.after is None:
         return body
-    # free text that stops at `after` (llguidance's lazy suffix lexeme, which can roll back), optional whitespace, then the constraint as a
-    # named sub-grammar
+    # free text up to `after` (llguidance's lazy suffix lexeme, which can roll back), optional whitespace, then
+    # the constraint as a named sub-grammar
     grammars = (json.loads(body) if body.lstrip().startswith("{") else {"grammars": [{"lark_grammar": body}]}
                 )["grammars"]
     grammars[0]["name"] = "body"

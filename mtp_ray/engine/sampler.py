@@ -107,10 +107,19 @@ class StepLogits:
     logprobs: torch.Tensor | None  # [N_host, V] log_softmax of `logits`
 
 
-def reduce_rows(logits: torch.Tensor, host: list[bool]) -> StepLogits:
-    """logits: [N, V] fp32 on any device; host: per row, whether its full row is needed on the CPU."""
+def reduce_rows(logits: torch.Tensor, host: list[bool], masks: tuple[list[int], torch.Tensor] | None = None
+                ) -> StepLogits:
+    """logits: [N, V] fp32 on any device; host: per row, whether its full row is needed on the CPU; masks: rows
+    whose argmax is taken over their allowed tokens only (bool [M, V] on the logits' device), their log-prob still
+    the raw model's."""
     assert len(host) == logits.shape[0]
     ids, lp = argmax_logprob(logits)
+    if masks is not None:
+        idx = torch.tensor(masks[0], device=logits.device)
+        sub = logits[idx]  # [M, V]
+        mids = sub.masked_fill(~masks[1], float("-inf")).argmax(-1)
+        ids[idx] = mids
+        lp[idx] = sub.gather(1, mids[:, None]).squeeze(1) - sub.logsumexp(-1)
     both = torch.stack([ids.double(), lp.double()]).cpu()  # [2, N]: one small copy (ids < 2^53 are exact)
     sel = [i for i, h in enumerate(host) if h]
     full = (logits if len(sel) == len(host) else logits[sel]).cpu() if sel else None
