@@ -193,6 +193,7 @@ class EngineCore:
                 fast: list[bool]) -> tuple[list[StepOutput], list[DraftItem]]:
         """Sample or verify each sequence's rows on the host path -> its output and its draft-loop item. Logits are
         reduced on the device; only rows that sample or report top-n log-probs come to the host."""
+        self._score_prompts(sched, inp, hidden)
         rows = [r for rs in inp.logit_rows for r in rs]
         sl = None
         if rows:
@@ -224,8 +225,9 @@ class EngineCore:
         fast, rows, masks, at = list(fast), [], [], 0
         for i, (s, lrows) in enumerate(zip(sched, inp.logit_rows, strict=True)):
             req, p = s.req, s.req.params
-            masked_greedy = p.greedy and not (p.penalized or p.logit_bias or p.logprobs) and (
-                p.prompt_logprobs is None and len(req.output_ids) >= p.min_tokens)
+            masked = req.grammar is not None or req.allowed is not None
+            masked_greedy = (masked and p.greedy and not (p.penalized or p.logit_bias or p.logprobs)
+                             and len(req.output_ids) >= p.min_tokens)
             if not fast[i] and lrows and masked_greedy and (s.verify or len(lrows) == 1):
                 if s.verify:
                     ms = (req.grammar.masks_along(req.drafts) if req.grammar is not None
@@ -242,11 +244,11 @@ class EngineCore:
 
     @staticmethod
     def _plain_greedy(req: Request) -> bool:
-        """Greedy on the raw logits (nothing reshapes or masks them) and no top-n or prompt log-probs: the device
-        argmax decides."""
+        """Greedy on the raw logits (nothing reshapes or masks them), no top-n log-probs, prompt log-probs (if asked)
+        already out with the first token: the device argmax decides."""
         p = req.params
-        return (p.greedy and not p.reshapes_logits and not p.logprobs and p.prompt_logprobs is None
-                and len(req.output_ids) >= p.min_tokens)
+        return (p.greedy and not p.reshapes_logits and not p.logprobs and len(req.output_ids) >= p.min_tokens
+                and (p.prompt_logprobs is None or req.prompt_lps_sent))
 
     def drain(self) -> None:
         """Before anything that must see every token committed (group commands): the results in flight go out with
@@ -312,8 +314,6 @@ class EngineCore:
         if req.finished:  # it stopped at the step that was in flight (async scheduling): this row is dropped
             return None, None
         logits, logprobs, g_ids, g_lp = lg if lg is not None else (None, None, [], [])
-        if req.params.prompt_logprobs is not None and logprobs is not None and not s.verify:
-            self._prompt_logprobs(req, start, logprobs)
         if s.verify:
             assert g_ids and (fast or logits is not None)
             k = len(req.drafts)
@@ -360,16 +360,27 @@ class EngineCore:
         history = req.all_ids + extra if p.penalized else []
         return Row(p, history, num_output, self._stop_ids(p), allowed)
 
-    @staticmethod
-    def _prompt_logprobs(req: Request, start: int, logprobs: torch.Tensor) -> None:
-        """Rows of a prefill piece (positions start ..): row j's distribution scores prompt token start + j + 1.
-        Positions already scored (a recompute after preemption) are skipped."""
-        prompt = req.prompt_ids
-        for j in range(logprobs.shape[0]):
-            pos = start + j + 1  # the prompt token this row scores
-            if pos >= len(prompt):
-                break
-            if pos == len(req.prompt_lps) + 1:
-                lp, top = logprob_info(logprobs[j], prompt[pos], req.params.prompt_logprobs)
-                rank = int((logprobs[j] > lp).sum()) + 1  # 1: the most likely token
-                req.prompt_lps.append((lp, top, rank))
+    def _score_prompts(self, sched: list[Scheduled], inp: StepInputs, hidden: torch.Tensor) -> None:
+        """prompt_logprobs: the rows of a prefill piece score the prompt tokens after them, where the logits are
+        (only each position's log-prob, rank and top-n come to the host; a long prompt's [P, V] rows never do);
+        positions already scored (a recompute after preemption) are skipped. The piece keeps its sampling row."""
+        for i, s in enumerate(sched):
+            req, rows = s.req, inp.logit_rows[i]
+            n_top = req.params.prompt_logprobs
+            if n_top is None or s.verify or not rows:
+                continue
+            start, prompt = req.num_computed, req.prompt_ids
+            # row j scores prompt[start + j + 1]; the next unscored position is len(prompt_lps) + 1
+            js = [j for j in range(len(rows)) if len(req.prompt_lps) < start + j + 1 < len(prompt)]
+            for c in range(0, len(js), 512):  # bounded device memory: 512 rows of the vocabulary at a time
+                part = js[c : c + 512]
+                lp = torch.log_softmax(self.runner.logits(hidden[[rows[j] for j in part]]), dim=-1)  # [m, V]
+                want = torch.tensor([prompt[start + j + 1] for j in part], device=lp.device)
+                tok = lp.gather(1, want[:, None])  # [m, 1]
+                rank = (lp > tok).sum(-1) + 1
+                top = lp.topk(min(n_top, lp.shape[-1]), dim=-1) if n_top else None
+                tok_l, rank_l = tok.squeeze(1).tolist(), rank.tolist()
+                tv, ti = (top.values.tolist(), top.indices.tolist()) if top is not None else ([[]] * len(part),) * 2
+                req.prompt_lps += [(a, dict(zip(i_, v_, strict=True)), r)
+                                   for a, r, v_, i_ in zip(tok_l, rank_l, tv, ti, strict=True)]
+            inp.logit_rows[i] = rows[-1:] if s.completes_prefill else []
