@@ -9,6 +9,7 @@ from typing import Any
 from mtp_ray.config.engine import BUNDLED_MODEL, CacheConfig, EngineConfig, GraphConfig, SchedulerConfig, SpecConfig
 from mtp_ray.engine.core import EngineCore
 from mtp_ray.engine.detok import Detokenizer
+from mtp_ray.engine.grammar import check_grammar
 from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.request import check_request
 from mtp_ray.engine.sampling_params import SamplingParams
@@ -107,6 +108,8 @@ class LLM:
         for (_, ids), sp in zip(encoded, plist, strict=False):
             sp.validate()
             check_request(ids, sp, vocab, self.engine.max_model_len)
+            if sp.structured_outputs is not None:
+                check_grammar(sp.structured_outputs)
             if sp.stop and self.tokenizer is None:
                 raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
         results: dict[str, RequestOutput] = {}

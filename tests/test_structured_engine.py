@@ -158,3 +158,24 @@ def test_a_constraint_after_the_reasoning_block_leaves_the_reasoning_free():
         assert g.allowed()[t]
         g.commit(t)
     assert g.finished
+
+
+def test_a_slow_grammar_compiles_off_the_step_and_can_be_aborted(engines):
+    """A large schema compiles for about a second or more: meanwhile the engine's steps run the other requests
+    (its rank's DP peers would otherwise wait in lock-step), and the request can be aborted before it starts."""
+    core = engines[0].engine
+    big = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": "[a-z]{1,5}[0-9]{2,4}"}
+                                            for i in range(1500)}}
+    core.add_request("big", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4,
+                                                      structured_outputs={"json": big}))
+    core.add_request("gone", [5, 6, 7], SamplingParams(structured_outputs={"json": {**big, "title": "x"}}))
+    core.add_request("plain", [5, 6, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert core.abort_request("gone").finish_reason == "abort"
+    done: dict[str, list] = {}
+    while core.has_unfinished():
+        for o in core.step():
+            done.setdefault(o.request_id, []).append(o)
+            if o.finished and o.request_id == "plain":
+                assert "big" in core.compiling  # the plain request ran to its end while the schema compiled
+    assert done["big"][-1].finished and "gone" not in done
+    assert sum(len(o.new_token_ids) for o in done["plain"]) == 6

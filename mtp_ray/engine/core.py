@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent import futures
 
 import torch
 
@@ -27,7 +28,7 @@ from mtp_ray.engine.mtp import DraftItem, MTPProposer
 from mtp_ray.engine.outputs import OutputProcessor, StepOutput
 from mtp_ray.engine.phases import PhaseClock
 from mtp_ray.engine.rejection import verify
-from mtp_ray.engine.request import Request, check_request
+from mtp_ray.engine.request import Request, Status, check_request
 from mtp_ray.engine.runner import ModelRunner
 from mtp_ray.engine.sampler import Row, logprob_info, reduce_rows, sample_row
 from mtp_ray.engine.sampling_params import SamplingParams
@@ -59,6 +60,7 @@ class EngineCore:
         split = bool(self.runner.graphs) if split is None else split  # auto: split when decode steps are graphs
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, lookahead=self.k, split=split)
         self.requests: dict[str, Request] = {}
+        self.compiling: dict[str, Request] = {}  # waiting for their grammar (engine/grammar.py), not yet scheduled
         self._seeds = itertools.count(cfg.seed * 1_000_003 + 1)
         self.stats = EngineStats()
         self.proposer = MTPProposer(self.runner, self.blocks, self.k, self.sync, self.stats)
@@ -83,20 +85,46 @@ class EngineCore:
         check_request(prompt_ids, params, self.runner.model_config.vocab_size, self.max_model_len)
         gen = torch.Generator().manual_seed(params.seed if params.seed is not None else next(self._seeds))
         req = Request(request_id, list(prompt_ids), params, arrival=time.monotonic(), generator=gen)
-        if params.structured_outputs is not None:
-            req.grammar = self.grammars.grammar(params.structured_outputs, self._stop_ids(params))
         if params.allowed_token_ids is not None:
             req.allowed = torch.zeros(self.runner.model_config.vocab_size, dtype=torch.bool)
             req.allowed[params.allowed_token_ids] = True
             req.allowed[list(self._stop_ids(params))] = True  # a request restricted to some tokens can still end
         self.requests[request_id] = req
-        self.scheduler.add(req)
+        if params.structured_outputs is None:
+            self.scheduler.add(req)
+            return
+        # the constraint compiles off this thread; the request joins the scheduler when it is ready
+        req.compiling = self.grammars.submit(params.structured_outputs, self._stop_ids(params))
+        self.compiling[request_id] = req
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar finished compiling join the scheduler; a constraint that failed ends its request
+        with the error (a ValueError naming structured_outputs)."""
+        if not self.scheduler.has_unfinished():  # nothing else to run: wait a little rather than spin empty steps
+            futures.wait([r.compiling for r in self.compiling.values()], 0.002, futures.FIRST_COMPLETED)
+        for rid, req in list(self.compiling.items()):
+            if not req.compiling.done():
+                continue
+            del self.compiling[rid]
+            try:
+                req.grammar = req.compiling.result()
+            except Exception as e:
+                self.requests.pop(rid, None)
+                req.status, req.finish_reason = Status.FINISHED, "error"
+                self.pending_outputs.append(StepOutput(rid, [], [], [], True, "error", error=str(e)))
+                continue
+            req.compiling = None
+            self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> StepOutput | None:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        self.scheduler.finish(req, "abort")
+        if self.compiling.pop(request_id, None) is not None:  # not in the scheduler yet
+            req.compiling.cancel()
+            req.status, req.finish_reason = Status.FINISHED, "abort"
+        else:
+            self.scheduler.finish(req, "abort")
         self.stats.count_abort()
         return self.out.output(req, [], 0)
 
@@ -107,11 +135,13 @@ class EngineCore:
         return len(ids)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.compiling)
 
     # ---- one step ----
     def step(self) -> list[StepOutput]:
         """schedule -> agree (the DPMeta gather) -> forward -> commit -> draft; outputs made outside a step first."""
+        if self.compiling:
+            self._admit_compiled()
         early, self.pending_outputs = self.pending_outputs, []
         steps, graphs, t0 = self.stats.steps, self.stats.graph_steps, time.perf_counter()
         self.clock.begin()
@@ -299,7 +329,7 @@ class EngineCore:
         return DPMeta(
             num_tokens=max(n, 1), batch_size=len(sched), is_decoding=int(decoding),
             is_dummy=int(not sched), is_chunk=int(not uniform and any(not s.completes_prefill for s in sched)),
-            has_unfinished=int(self.scheduler.has_unfinished()), is_sleeping=int(self.runner.asleep),
+            has_unfinished=int(self.has_unfinished()), is_sleeping=int(self.runner.asleep),
             graph_ok=int(uniform or not sched), greedy_ok=int(all(s.req.params.greedy for s in sched)),
             **self._pending(sched, uniform),
             **self.meta_extra,

@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -146,13 +148,25 @@ class Grammar:
 
 class GrammarCompiler:
     """Builds request grammars against one tokenizer (loaded on first use: an engine without structured requests
-    never pays for it)."""
+    never pays for it). `submit` compiles off the engine's thread: a large schema takes seconds (llguidance drops the
+    GIL meanwhile), and a rank's step must not wait for it, nor its DP peers in lock-step with it."""
 
     def __init__(self, tokenizer_path: str, vocab_size: int, eos_ids: tuple[int, ...]):
         self.path, self.vocab_size, self.eos_ids = tokenizer_path, vocab_size, eos_ids
         self._tok = None
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def submit(self, spec: StructuredOutputs, stop_ids: tuple[int, ...]) -> Future:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+        return self._pool.submit(self.grammar, spec, stop_ids)
 
     def _tokenizer(self):
+        with self._lock:
+            return self._load()
+
+    def _load(self):
         if self._tok is None:
             import llguidance.hf
             from transformers import AutoTokenizer

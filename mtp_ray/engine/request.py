@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
-from mtp_ray.engine.grammar import Grammar, check_grammar
+from mtp_ray.engine.grammar import Grammar
 from mtp_ray.engine.sampling_params import ParamError, SamplingParams
 
 
@@ -50,6 +51,7 @@ class Request:
     first_scheduled_time: float | None = None  # when it first left the waiting queue (queue time ends)
     # output constraints: the grammar after the committed output, and allowed_token_ids as a mask [V]
     grammar: Grammar | None = None
+    compiling: Future | None = None  # the grammar being compiled (the request waits outside the scheduler)
     allowed: torch.Tensor | None = None
     # prompt_logprobs: (logprob, {token: logprob} top-n, rank) of prompt token p + 1, for p = 0 .. as computed
     prompt_lps: list[tuple[float, dict[int, float], int]] = field(default_factory=list)
@@ -134,7 +136,9 @@ class Request:
 
 def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
     """The one place a request is checked against the model (offline API, engine, group): its token-id prompt and the
-    token ids its parameters name; ValueError naming the field. (params.validate() checks the values themselves.)"""
+    token ids its parameters name; ValueError naming the field. (params.validate() checks the values themselves; a
+    constraint compiles with engine/grammar.py: check_grammar, which may take seconds, so callers run it where
+    that does not block: the group off its event loop, the engine in its compile threads.)"""
     if not prompt_ids:
         raise ParamError("prompt must not be empty", "prompt")
     if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in prompt_ids):
@@ -143,5 +147,3 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
         raise ParamError(f"prompt has {len(prompt_ids)} tokens; the maximum context length is {max_model_len} "
                          f"(prompt + at least one generated token)", "prompt")
     params.check_vocab(vocab_size)
-    if params.structured_outputs is not None:
-        check_grammar(params.structured_outputs)

@@ -15,6 +15,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mtp_ray.config.engine import EngineConfig
 from mtp_ray.config.model import ModelConfig
+from mtp_ray.engine.grammar import check_grammar
 from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.request import check_request
 from mtp_ray.engine.sampling_params import SamplingParams
@@ -198,6 +199,8 @@ class EngineGroup:
                 cause = f"; last failure: {self.monitor.last_failure}" if self.monitor.last_failure else ""
                 raise GroupUnavailable(f"the engine group is {self.state}, not ready after {wait:g}s{cause}") from e
         self.validate(prompt_ids, params)
+        if params.structured_outputs is not None:  # compiles: up to seconds for a large schema, off the event loop
+            await asyncio.to_thread(check_grammar, params.structured_outputs)
         if self.commands.sleeping and self.commands.asleep_policy == "fail":
             raise GroupUnavailable("the engine is asleep (call wake_up first)")
         await self.commands.accepting.wait()
