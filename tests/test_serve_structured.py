@@ -163,12 +163,13 @@ def test_forced_tool_calls_validate(client, stream):
 @pytest.mark.parametrize("stream", [False, True])
 def test_auto_tool_call_and_reasoning_are_parsed(client, stream):
     """A scripted output (a regex constraint on tool_choice auto) in Qwen3.5's XML call format, after a reasoning
-    block (enable_thinking on): reasoning_content, content and the call come back split."""
-    script = ("Oslo is a city\\.\n</think>\n\nLet me check\\.\n<tool_call>\n<function=get_weather>\n"
+    block the output opens itself (with enable_thinking on, the prompt opens it and a constraint applies after
+    </think> only): reasoning_content, content and the call come back split."""
+    script = ("<think>\nOslo is a city\\.\n</think>\n\nLet me check\\.\n<tool_call>\n<function=get_weather>\n"
               "<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
               "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>")
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS, max_tokens=200,
-              temperature=0, extra_body={"guided_regex": script, "chat_template_kwargs": {"enable_thinking": True}})
+              temperature=0, extra_body={"guided_regex": script})
     if not stream:
         m = client.chat.completions.create(**kw).choices[0]
         assert m.finish_reason == "tool_calls"
@@ -310,7 +311,7 @@ def test_every_extra_field_is_honoured_or_refused_by_name(server, path, field):
     if field == "return_token_ids":
         assert len(c["token_ids"]) == r.json()["usage"]["completion_tokens"]
     if field == "allowed_token_ids":
-        assert set(c["token_ids"] if "token_ids" in c else []) <= {300, 301}
+        assert set(c.get("token_ids") or []) <= {300, 301}
     if field == "echo" and not chat:
         assert text.startswith("def f(")
 
@@ -352,3 +353,34 @@ def test_models_by_id_and_unknown_routes(server):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = requests.post(f"{BASE}/v1/nope", json={}, timeout=10)
     assert r.status_code == 404 and set(r.json()["error"]) >= {"message", "type", "code"}
+
+
+def test_vllm_compatibility_details(client):
+    """Details vLLM's own OpenAI tests check: $defs in a required tool's parameters, response_format yielding to a
+    forced tool call, `reasoning` beside reasoning_content, /invocations, logit_bias errors naming the bad keys, any
+    message role passed to the template, usage only with include_usage."""
+    defs_tool = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"opts": {"$ref": "#/$defs/Opts"}}, "required": ["opts"],
+        "$defs": {"Opts": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]}}}}}]
+    for extra in ({}, {"response_format": {"type": "json_object"}}):
+        r = post({"model": MODEL, "messages": USER, "tools": defs_tool, "tool_choice": "required", "max_tokens": 60,
+                  "temperature": 0, **extra})
+        assert r.status_code == 200, r.text
+        call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+        assert json.loads(call["arguments"])["opts"]["unit"] in ("c", "f")
+    msg = post({"model": MODEL, "messages": USER, "max_tokens": 4, "temperature": 0,
+                "chat_template_kwargs": {"enable_thinking": True}}).json()["choices"][0]["message"]
+    assert msg["reasoning"] == msg["reasoning_content"] and "tool_calls" not in msg
+    inv = requests.post(f"{BASE}/invocations", json={"model": MODEL, "messages": USER, "max_tokens": 2}, timeout=60)
+    assert inv.json()["object"] == "chat.completion"
+    inv = requests.post(f"{BASE}/invocations", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=60)
+    assert inv.json()["object"] == "text_completion"
+    r = post({"model": MODEL, "messages": USER, "logit_bias": {"bad1": 1, "5": 2}})
+    assert r.status_code == 400 and "bad1" in r.json()["error"]["message"]
+    r = post({"model": MODEL, "messages": USER, "logit_bias": {"4096": 1}})
+    assert r.status_code == 400 and "4096" in r.json()["error"]["message"]
+    r = post({"model": MODEL, "messages": [{"role": "narrator", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    r = post({"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True,
+              "stream_options": {"include_usage": False, "continuous_usage_stats": True}}, "/v1/completions")
+    assert "usage" not in r.text

@@ -111,8 +111,10 @@ class SamplingParams:
         """Token ids named by the parameters exist (an id past the vocabulary would fail the step that uses it)."""
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ()),
                           ("allowed_token_ids", self.allowed_token_ids or ())):
-            if any(t >= vocab_size for t in ids):
-                raise ParamError(f"{name} token ids must be in [0, {vocab_size})", name)
+            out = sorted({t for t in ids if t >= vocab_size})
+            if out:
+                raise ParamError(f"{name} token ids must be in [0, {vocab_size}) (the vocabulary has {vocab_size} "
+                                 f"tokens): out of vocabulary: {', '.join(map(str, out[:8]))}", name)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SamplingParams:

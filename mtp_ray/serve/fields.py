@@ -19,7 +19,7 @@ _COMMON = {
     "include_stop_str_in_output", "spaces_between_special_tokens", "prompt_logprobs", "allowed_token_ids",
     "return_token_ids", "return_tokens_as_token_ids", "structured_outputs", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "add_special_tokens",
-    "truncate_prompt_tokens", "use_beam_search", "echo", "priority",
+    "truncate_prompt_tokens", "truncation_side", "use_beam_search", "echo", "priority",
     # SGLang extras
     "regex", "ebnf", "json_schema", "stop_regex", "no_stop_trim",
 }

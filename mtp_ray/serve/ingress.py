@@ -3,6 +3,7 @@ deployment, detokenises and applies stop strings, streams server-sent events, ke
 
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -18,7 +19,7 @@ from mtp_ray.serve.chat_request import ChatServing, parse_chat, render_chat
 from mtp_ray.serve.errors import ApiError, bad
 from mtp_ray.serve.fields import CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
 from mtp_ray.serve.groups import GroupClient, GroupStream, cause_of, first_line, unavailable
-from mtp_ray.serve.intake import check_api_key, read_json_object
+from mtp_ray.serve.intake import check_api_key, read_body, read_json_object
 from mtp_ray.serve.metrics import Metrics, render
 from mtp_ray.serve.metrics_hub import HubReporter
 from mtp_ray.serve.openai_protocol import Limits, ParsedRequest, check_length, parse_completion
@@ -105,6 +106,21 @@ class Ingress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         return await self.generate(request, chat=True)
+
+    @app.post("/invocations")
+    async def invocations(self, request: Request):
+        """SageMaker's route (as vLLM): chat completions for a body with messages, else completions."""
+        try:
+            check_api_key(request, self.server.api_key)
+            raw = await read_body(request, self.server.max_body_bytes)
+        except ApiError as e:
+            return self.refused(e)
+        request._body = raw  # Starlette's stream() replays a read body: generate() reads it again
+        try:
+            chat = "messages" in json.loads(raw)
+        except (ValueError, TypeError, RecursionError):
+            chat = False  # generate() answers the malformed body
+        return await self.generate(request, chat=chat)
 
     async def generate(self, request: Request, chat: bool):
         self.reporter.start()

@@ -97,8 +97,12 @@ def sampling_params(body: dict, max_tokens_key: str, logprobs: int | None, limit
         raise bad(f"'n' must be at most {limits.max_n}, got {n}", "n")
     bias = body.get("logit_bias")
     if bias is not None:  # JSON keys are strings: {"token id": bias}
-        if not isinstance(bias, dict) or not all(isinstance(k, str) and _DIGITS.fullmatch(k.strip()) for k in bias):
+        if not isinstance(bias, dict):
             raise bad("'logit_bias' must map token ids (as strings) to numbers in [-100, 100]", "logit_bias")
+        wrong = [k for k in bias if not (isinstance(k, str) and _DIGITS.fullmatch(k.strip()))]
+        if wrong:
+            raise bad(f"'logit_bias' keys must be token ids; not token ids: {', '.join(map(repr, wrong[:8]))}",
+                      "logit_bias")
         kw["logit_bias"] = {int(k): v for k, v in bias.items()}
     _refuse_unsupported(body)
     if logprobs is not None:
@@ -136,7 +140,8 @@ def _stream_opts(body: dict) -> tuple[bool, bool, bool]:
     if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
         raise bad("'stream_options' must be an object with include_usage and continuous_usage_stats",
                   "stream_options")
-    return stream, _flag(opts, "include_usage"), _flag(opts, "continuous_usage_stats")
+    usage = _flag(opts, "include_usage")  # continuous_usage_stats only adds to include_usage (vLLM)
+    return stream, usage, usage and _flag(opts, "continuous_usage_stats")
 
 
 def _int_field(body: dict, key: str, lo: int, hi: int | None = None) -> int | None:
@@ -154,8 +159,11 @@ def parse_common(body: dict, prompts: list[list[int]], texts: list[str | None], 
     """The fields completions and chat share -> ParsedRequest (prompts already tokenised)."""
     stream, usage, continuous = _stream_opts(body)
     truncate = _int_field(body, "truncate_prompt_tokens", 1)
-    if truncate is not None:
-        prompts = [p[-truncate:] for p in prompts]
+    side = body.get("truncation_side", "left")
+    if side not in ("left", "right"):
+        raise bad("'truncation_side' must be \"left\" or \"right\"", "truncation_side")
+    if truncate is not None:  # left: keep the last tokens; right: the first
+        prompts = [p[-truncate:] if side == "left" else p[:truncate] for p in prompts]
         texts = [None] * len(texts)
     plp = _int_field(body, "prompt_logprobs", 0, 20)
     params = sampling_params(body, max_tokens_key, top_logprobs, limits, tool_schema)

@@ -84,8 +84,8 @@ class Render:
             s = self.s(t)
             out["tokens"].append(s)
             out["token_logprobs"].append(lp)
-            out["top_logprobs"].append(None if top is None else {
-                **{self.s(a): b for a, b in top[:top_n]}, s: lp})
+            out["top_logprobs"].append(None if top is None else {  # the chosen token first, as vLLM
+                s: lp, **{self.s(a): b for a, b in top[:top_n] if self.s(a) != s}})
             out["text_offset"].append(off)
             off += len(s)
         return out
@@ -172,7 +172,7 @@ def chunk(rid: str, model: str, created: int, c: Choice, r: Render, text: str = 
         else:
             d = {}
             if delta.reasoning:
-                d["reasoning_content"] = delta.reasoning
+                d["reasoning"] = d["reasoning_content"] = delta.reasoning  # vLLM's name, and the older one
             if delta.content or not (delta.reasoning or delta.tool_calls):
                 d["content"] = delta.content
             if delta.tool_calls:
@@ -184,8 +184,10 @@ def chunk(rid: str, model: str, created: int, c: Choice, r: Render, text: str = 
     if finish is not None:
         body["stop_reason"] = c.stop_reason
     if req.return_token_ids and not role:
-        body["token_ids"] = c.token_ids[c.sent_ids :]
-        c.sent_ids = len(c.token_ids)
+        if c.sent_ids == 0 and not chat:
+            body["prompt_token_ids"] = c.prompt  # the first chunk of a choice (vLLM)
+        body["token_ids"] = c.token_ids[max(c.sent_ids, 0) :]
+        c.sent_ids = len(c.token_ids) or -1  # -1: the prompt ids went out
     kind = "chat.completion.chunk" if chat else "text_completion"
     return {"id": rid, "object": kind, "created": created, "model": model, "choices": [body]}
 
@@ -200,9 +202,13 @@ def final_response(rid: str, model: str, chat: bool, choices: list[Choice], req:
             reasoning, content, calls = c.chat.whole(text) if c.chat is not None else (None, text, [])
             if c.echo:
                 content = c.echo + (content or "")
-            msg: dict = {"role": "assistant", "content": content, "tool_calls": _tool_calls(calls)}
+            if calls and content is None and c.chat is not None and c.chat.opts.tool_choice == "named":
+                content = ""  # vLLM: a named call's message has empty content
+            msg: dict = {"role": "assistant", "content": content}
+            if calls:  # as vLLM: no key without calls
+                msg["tool_calls"] = _tool_calls(calls)
             if c.chat is not None and c.chat.reasoning is not None:
-                msg["reasoning_content"] = reasoning
+                msg["reasoning"] = msg["reasoning_content"] = reasoning  # vLLM's name, and the older one
             body = {"index": c.index, "message": msg, "logprobs": lp, "finish_reason": _finish(c, bool(calls)),
                     "stop_reason": c.stop_reason}
         else:
@@ -213,18 +219,15 @@ def final_response(rid: str, model: str, chat: bool, choices: list[Choice], req:
                 lp = r.completion_logprobs(c, 0, 0, req.echo)
             body = {"index": c.index, "text": c.echo + text, "logprobs": lp, "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason, "prompt_logprobs": r.prompt_logprobs(c)}
-            if req.return_token_ids:
-                body["prompt_token_ids"] = c.prompt
-        if req.return_token_ids:
-            body["token_ids"] = [] if req.drop_output else c.token_ids
+            body["prompt_token_ids"] = c.prompt if req.return_token_ids else None
+        body["token_ids"] = ([] if req.drop_output else c.token_ids) if req.return_token_ids else None
         out.append(body)
     resp = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": out, "usage": usage(req, choices)}
     if chat:
         first = min(choices, key=lambda c: c.index)
         resp["prompt_logprobs"] = r.prompt_logprobs(first)
-        if req.return_token_ids:
-            resp["prompt_token_ids"] = first.prompt
+        resp["prompt_token_ids"] = first.prompt if req.return_token_ids else None
     return resp
 
 

@@ -79,8 +79,8 @@ def constraint(body: dict, tool_schema: dict | None = None) -> StructuredOutputs
             raise bad(f"'{key}': {e}", key) from None
         if spec is not None:
             found.append((key, spec))
-    if tool_schema is not None:
-        found.append(("tool_choice", StructuredOutputs(json=tool_schema)))
+    if tool_schema is not None:  # a forced call overrides response_format (vLLM), not a second explicit grammar
+        found = [f for f in found if f[0] != "response_format"] + [("tool_choice", StructuredOutputs(json=tool_schema))]
     if len(found) > 1:
         raise bad(f"'{found[1][0]}' and '{found[0][0]}' both constrain the output: send one", found[1][0])
     return found[0][1] if found else None
@@ -94,9 +94,17 @@ def tool_call_schema(tools: list[dict], choice: Any, parallel: bool) -> tuple[di
         return None, None
     by_name = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
     if choice == "required":
-        items = [{"type": "object", "properties": {"name": {"enum": [n]}, "parameters": p},
-                  "required": ["name", "parameters"], "additionalProperties": False} for n, p in by_name.items()]
-        schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        defs: dict = {}  # each tool's $defs / definitions, hoisted: "#/$defs/X" refers to the combined schema's root
+        items = []
+        for n, p in by_name.items():
+            p = dict(p)
+            for key in ("$defs", "definitions"):
+                for name, sub in (p.pop(key, None) or {}).items():
+                    if defs.setdefault(key, {}).setdefault(name, sub) != sub:
+                        raise bad(f"tools define {key} {name!r} differently: give them distinct names", "tools")
+            items.append({"type": "object", "properties": {"name": {"enum": [n]}, "parameters": p},
+                          "required": ["name", "parameters"], "additionalProperties": False})
+        schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": items}, **defs}
         if not parallel:
             schema["maxItems"] = 1
         return schema, None
