@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from mtp_ray.serve.openai_protocol import NO_LIMITS, Limits, ParsedRequest, _text, bad, parse_common, prompt_text
+from mtp_ray.serve.openai_protocol import NO_LIMITS, Limits, ParsedRequest, _text, bad, flag, parse_common, prompt_text
 from mtp_ray.serve.reasoning import THINK_CLOSE, opens_reasoning
 from mtp_ray.serve.structured import tool_call_schema
 
@@ -37,15 +37,6 @@ class ChatServing:
 
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
-
-
-def _bool(body: dict, key: str, default: bool) -> bool:
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad(f"'{key}' must be a boolean", key)
-    return v
 
 
 def _content(c: Any, i: int, limits: Limits) -> str:
@@ -150,8 +141,8 @@ def render_chat(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> tuple[str,
     """The prompt text from the chat template -> (text, tools, tool_choice kind, named function)."""
     msgs = messages(body.get("messages"), limits)
     tools, choice, name = _tools(body)
-    cont = _bool(body, "continue_final_message", False)
-    gen = _bool(body, "add_generation_prompt", not cont)
+    cont = flag(body, "continue_final_message", False)
+    gen = flag(body, "add_generation_prompt", not cont)
     if cont and gen:
         raise bad("'continue_final_message' and 'add_generation_prompt' cannot both be true",
                   "continue_final_message")
@@ -172,10 +163,10 @@ def parse_chat(body: dict, tokenizer, limits: Limits = NO_LIMITS, serving: ChatS
     if choice == "auto" and serving.tool_call_parser is None:
         raise bad("\"auto\" tool choice needs a tool-call parser: set server.tool_call_parser (hermes, "
                   "qwen3_coder), or send tool_choice \"none\"", "tool_choice")
-    parallel = _bool(body, "parallel_tool_calls", True)
+    parallel = flag(body, "parallel_tool_calls", True)
     schema, _ = tool_call_schema(tools or [], body.get("tool_choice") if choice != "auto" else None, parallel)
-    ids = tokenizer.encode(text, add_special_tokens=_bool(body, "add_special_tokens", False))
-    lp_on = _bool(body, "logprobs", False)
+    ids = tokenizer.encode(text, add_special_tokens=flag(body, "add_special_tokens", False))
+    lp_on = flag(body, "logprobs", False)
     top = body.get("top_logprobs")
     if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20):
         raise bad("'top_logprobs' must be an integer in 0..20", "top_logprobs")
@@ -185,15 +176,15 @@ def parse_chat(body: dict, tokenizer, limits: Limits = NO_LIMITS, serving: ChatS
                        tool_schema=schema)
     if body.get("max_completion_tokens") is None and body.get("max_tokens") is None:
         req.params.max_tokens = None  # chat default: up to the context length
-    reasoning = serving.reasoning_parser is not None and _bool(body, "separate_reasoning", True)
+    reasoning = serving.reasoning_parser is not None and flag(body, "separate_reasoning", True)
     so = req.params.structured_outputs
     if so is not None and serving.reasoning_parser is not None and opens_reasoning(text):
         # thinking on: the reasoning stays free, the answer after </think> is constrained (vLLM's behaviour)
         req.params.structured_outputs = dataclasses.replace(so, after=THINK_CLOSE)
     last = body["messages"][-1]
-    echo = _content(last.get("content"), 0, limits) if _bool(body, "echo", False) and last["role"] == "assistant" \
+    echo = _content(last.get("content"), 0, limits) if flag(body, "echo", False) and last["role"] == "assistant" \
         else ""
     req.chat = ChatOptions(tools, choice, name, opens_reasoning(text), reasoning,
-                           _bool(body, "include_reasoning", True), echo)
+                           flag(body, "include_reasoning", True), echo)
     req.echo = bool(echo)
     return req

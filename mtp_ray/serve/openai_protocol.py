@@ -125,23 +125,24 @@ def _refuse_unsupported(body: dict) -> None:
         raise bad("'best_of' other than n is not supported", "best_of")
 
 
-def _flag(body: dict, key: str) -> bool:
-    v = body.get(key, False)
+def flag(body: dict, key: str, default: bool = False) -> bool:
+    """A boolean field (absent or null: the default)."""
+    v = body.get(key, default)
     if v is None:
-        return False
+        return default
     if not isinstance(v, bool):
         raise bad(f"'{key}' must be a boolean", key)
     return v
 
 
 def _stream_opts(body: dict) -> tuple[bool, bool, bool]:
-    stream = _flag(body, "stream")
+    stream = flag(body, "stream")
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
         raise bad("'stream_options' must be an object with include_usage and continuous_usage_stats",
                   "stream_options")
-    usage = _flag(opts, "include_usage")  # continuous_usage_stats only adds to include_usage (vLLM)
-    return stream, usage, usage and _flag(opts, "continuous_usage_stats")
+    usage = flag(opts, "include_usage")  # continuous_usage_stats only adds to include_usage (vLLM)
+    return stream, usage, usage and flag(opts, "continuous_usage_stats")
 
 
 def _int_field(body: dict, key: str, lo: int, hi: int | None = None) -> int | None:
@@ -181,8 +182,8 @@ def parse_common(body: dict, prompts: list[list[int]], texts: list[str | None], 
             except re.error as e:
                 raise bad(f"'stop_regex' {r!r} is not a valid regular expression: {e}", "stop_regex") from None
     return ParsedRequest(prompts, texts, params, stream, usage, top_logprobs, continuous_usage=continuous,
-                         return_token_ids=_flag(body, "return_token_ids"),
-                         tokens_as_ids=_flag(body, "return_tokens_as_token_ids"), prompt_logprobs=plp,
+                         return_token_ids=flag(body, "return_token_ids"),
+                         tokens_as_ids=flag(body, "return_tokens_as_token_ids"), prompt_logprobs=plp,
                          stop_regex=stop_regex or [])
 
 
@@ -200,7 +201,7 @@ def parse_completion(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> Parse
                   "prompt")
     if len(items) > limits.max_prompts:
         raise bad(f"'prompt' may hold at most {limits.max_prompts} prompts, got {len(items)}", "prompt")
-    special = _flag(body, "add_special_tokens") if "add_special_tokens" in body else False
+    special = flag(body, "add_special_tokens") if "add_special_tokens" in body else False
     prompts, texts = [], []
     for it in items:
         if isinstance(it, str):
@@ -215,7 +216,7 @@ def parse_completion(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> Parse
             raise bad("prompt must not be empty", "prompt")
         prompts.append(ids)
     lp = _int_field(body, "logprobs", 0, 20)
-    echo = _flag(body, "echo")
+    echo = flag(body, "echo")
     drop = False
     if body.get("max_tokens") == 0:  # vLLM: the prompt only, with echo (lm-eval's scoring requests)
         if not echo:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +46,7 @@ def _call(name: Any, args: Any) -> ToolCall | None:
     return ToolCall(name, json.dumps(args, ensure_ascii=False))
 
 
-class ToolParser:
+class ToolParser(ABC):
     """One request's parser. Subclasses turn the text inside a ``<tool_call>`` block into a call (or None)."""
 
     def __init__(self, tools: list[dict] | None = None) -> None:
@@ -63,8 +64,9 @@ class ToolParser:
         self._pending = ""  # whitespace-only content held until something visible arrives
         self._live = False
 
+    @abstractmethod
     def parse_block(self, body: str) -> ToolCall | None:
-        raise NotImplementedError
+        """The call inside one block's text, or None when it is not one (the block then stays content)."""
 
     def _try(self, body: str, closed: bool = True) -> ToolCall | None:
         if not closed:  # stopped inside the block: drop a cut-off </tool_call>
