@@ -151,7 +151,9 @@ class EngineCore:
             self.clock.close()
         if self.stats.steps > steps:
             self.stats.count_step_time(time.perf_counter() - t0, graph=self.stats.graph_steps > graphs)
-        return early + out
+        outs = early + out
+        self.stats.count_outputs(sum(len(o.new_token_ids) for o in outs))
+        return outs
 
     def _step(self) -> list[StepOutput]:
         clock = self.clock

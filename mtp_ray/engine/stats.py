@@ -25,6 +25,7 @@ class EngineStats:
     drafted: int = 0  # drafts verified
     accepted: int = 0  # ... of which accepted
     aborted: int = 0  # requests aborted on this rank
+    output_tokens: int = 0  # tokens this rank's requests were given (what their callers stream)
     step_s: float = 0.0  # wall time of the steps that ran a forward, host work included
     graph_step_s: float = 0.0  # the part of step_s spent in steps that replayed a CUDA graph
     graph_wait_s: float = 0.0  # the part of graph_step_s the host waited for the device's results
@@ -44,6 +45,9 @@ class EngineStats:
 
     def count_eager(self, num_tokens: int) -> None:
         self.eager_tokens += num_tokens
+
+    def count_outputs(self, tokens: int) -> None:
+        self.output_tokens += tokens
 
     def count_step_time(self, seconds: float, graph: bool) -> None:
         self.step_s += seconds

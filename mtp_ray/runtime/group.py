@@ -22,8 +22,8 @@ from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.runtime.batcher import CallBatcher, detached
 from mtp_ray.runtime.group_commands import GroupCommands
 from mtp_ray.runtime.group_monitor import GroupFailed, GroupMonitor, GroupUnavailable
-from mtp_ray.runtime.messages import AddRequest, RequestError
-from mtp_ray.runtime.sinks import Collector, Sink, StreamSink
+from mtp_ray.runtime.messages import AddRequest, Admission, RequestError
+from mtp_ray.runtime.sinks import Collector, RemoteSink, Sink, StreamSink
 from mtp_ray.runtime.worker import RankWorker
 
 log = logging.getLogger("mtp_ray.group")
@@ -186,8 +186,25 @@ class EngineGroup:
         finally:
             self._release(rid, rank, finished)
 
+    async def admit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, subscriber: str,
+                    ready_timeout: float | None = None) -> AsyncIterator[Admission]:
+        """A request whose outputs `subscriber` pulls from its rank (`RankWorker.pull`; the HTTP ingress): yields
+        its Admission once the rank holds it, then stays open until the rank says it ended (finished, aborted,
+        refused), so the call counts as the request's while it runs (Serve's ongoing requests: autoscaling). Closing
+        it before then (the caller cancels) aborts the request on its rank."""
+        assert subscriber, "the group's own requests go through generate / collect"
+        sink = RemoteSink()
+        rid, rank = await self._admit(prompt_ids, params, request_id, ready_timeout, sink, subscriber)
+        finished = False
+        try:
+            yield Admission(rid, self.group_id, self.epoch, rank, self.workers[rank])
+            await sink.ended.wait()
+            finished = True
+        finally:
+            self._release(rid, rank, finished)
+
     async def _admit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
-                     ready_timeout: float | None, sink: Sink) -> tuple[str, int]:
+                     ready_timeout: float | None, sink: Sink, subscriber: str = "") -> tuple[str, int]:
         """Validate a new request, pick its rank (least loaded), route its rows to `sink` and send it there."""
         if self.state in ("stopped", "failed"):
             raise GroupUnavailable(f"the engine group is {self.state}: {self.monitor.last_failure or 'shut down'}")
@@ -211,7 +228,7 @@ class EngineGroup:
         self.reqs[rid] = (rank, sink)
         self.load[rank] += 1
         try:
-            await self.adds[rank].submit(AddRequest(rid, list(prompt_ids), params))
+            await self.adds[rank].submit(AddRequest(rid, list(prompt_ids), params, subscriber))
         except BaseException:
             self._release(rid, rank, finished=False)
             raise

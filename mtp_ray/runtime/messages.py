@@ -32,6 +32,23 @@ class AddRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    subscriber: str = ""  # who pulls its outputs from the rank (an ingress replica); "" the group's poll
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A request a group admitted for a subscriber: the rank that holds it, whose `pull` carries its outputs."""
+
+    request_id: str
+    group_id: str
+    epoch: int  # the group's start count: a restarted group's ranks are other actors
+    rank: int
+    worker: Any  # the rank's actor handle
+
+    @property
+    def source(self) -> str:
+        """Names the rank actor (one pull loop per source)."""
+        return f"{self.group_id}/e{self.epoch}/r{self.rank}"
 
 
 @dataclass(frozen=True)

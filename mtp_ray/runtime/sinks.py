@@ -1,9 +1,11 @@
 """Where a request's per-step outputs go once the group's poll loop has unpacked them.
 
-StreamSink: one StepOutput per step for a consumer that streams (HTTP, `EngineGroup.generate`). Collector: the
+StreamSink: one StepOutput per step for a consumer that streams (`EngineGroup.generate`). Collector: the
 outputs are appended in the poll loop itself and the consumer wakes once, when the request finishes (the rollout
-handle returns whole results). Why: with 256 sequences per rank every step wakes 256 streaming coroutines; at dp = 2
-that is ~4 ms of the group process's CPU per ~8 ms step (`bench/dp.py`), against ~0.3 ms appended in place.
+handle returns whole results). Why: with 256 sequences per rank every step wakes 256 streaming coroutines; at
+dp = 2 that is ~4 ms of the group process's CPU per ~8 ms step (`bench/dp.py`), against ~0.3 ms appended in place.
+RemoteSink: a subscriber pulls the outputs from the rank itself (the HTTP ingress, runtime/outboxes.py); the
+group only hears that the request ended.
 """
 
 from __future__ import annotations
@@ -52,3 +54,15 @@ class Collector:
     def fail(self, err: BaseException) -> None:
         if not self.done.done():
             self.done.set_exception(err)
+
+
+class RemoteSink:
+    def __init__(self) -> None:
+        self.ended = asyncio.Event()
+
+    def put(self, out: StepOutput) -> None:
+        if out.finished:
+            self.ended.set()
+
+    def fail(self, err: BaseException) -> None:  # the group failed: its ranks are killed, the subscriber's pulls fail
+        self.ended.set()

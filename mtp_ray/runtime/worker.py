@@ -30,7 +30,8 @@ from mtp_ray.engine.runner import resolve_device, resolve_dtype
 from mtp_ray.parallel.context import DistContext, expert_ranges, free_port
 from mtp_ray.parallel.ep import make_dispatcher
 from mtp_ray.parallel.sync import DPSync
-from mtp_ray.runtime.messages import AbortRequest, AddRequest, GroupCommand, pack_step
+from mtp_ray.runtime.messages import AbortRequest, AddRequest, GroupCommand
+from mtp_ray.runtime.outboxes import GROUP, Outboxes
 from mtp_ray.runtime.rank_commands import RankCommands
 from mtp_ray.runtime.stalls import StallMonitor
 from mtp_ray.runtime.step_profile import StepProfiler
@@ -54,7 +55,7 @@ class RankWorker:
         self.cfg, self.rank, self.world = cfg, rank, world
         self.inbox: queue.Queue[AddRequest | AbortRequest] = queue.Queue()
         self.cond = threading.Condition()
-        self.outbox: list[bytes] = []
+        self.outboxes = Outboxes(self.cond)  # step outputs for the group's poll and for subscribers' pulls
         self.start_wanted = -1  # highest wave index some rank asked to start
         self.running = False
         self.error: str | None = None
@@ -155,12 +156,12 @@ class RankWorker:
         return pending.result
 
     def poll(self, timeout: float = 0.5) -> dict:
-        """Long poll: every step message produced since the last poll, plus progress counters."""
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while not self.outbox and not self.error and time.monotonic() < deadline:
-                self.cond.wait(max(0.0, deadline - time.monotonic()))
-            msgs, self.outbox = self.outbox, []
+        """The group's long poll: every step message for it since the last poll, plus progress counters. Also
+        drops subscribers that stopped pulling, aborting their requests."""
+        for rid in self.outboxes.expire():
+            log.warning("rank %d: aborting %s, its subscriber stopped pulling", self.rank, rid)
+            self.abort(rid)
+        msgs = self.outboxes.take(GROUP, timeout, lambda: bool(self.error))
         sync = self.core.sync if self.core else None
         return {"rank": self.rank, "msgs": msgs, "error": self.error, "wave": self.wave, "running": self.running,
                 "step": sync.step if sync else 0, "counters": dict(sync.counters) if sync else {},
@@ -170,6 +171,12 @@ class RankWorker:
                 "num_waiting": len(self.core.scheduler.waiting) + self.inbox.qsize() if self.core else 0,
                 "spec": self.core.stats.snapshot() if self.core else {}, "aborts": dict(self.aborts),
                 "collectives": self.ctx.collectives if self.ctx else 0}
+
+    def pull(self, subscriber: str, timeout: float = 1.0) -> dict:
+        """A subscriber's long poll (an ingress replica): the step messages of its requests since its last pull,
+        and the rank's error once its engine failed."""
+        msgs = self.outboxes.take(subscriber, timeout, lambda: bool(self.error) or self.stopped)
+        return {"rank": self.rank, "msgs": msgs, "error": self.error, "stopped": self.stopped}
 
     def stats(self) -> dict:
         core = self.core
@@ -223,7 +230,7 @@ class RankWorker:
                     sync.step += 1
                     t2 = time.perf_counter()
                     if outs:
-                        self._publish(pack_step(sync.step, outs))
+                        self.outboxes.publish(sync.step, outs)
                     core.clock.add("inbox", t1 - t0)
                     core.clock.add("publish", time.perf_counter() - t2)
                     g = sync.step_table
@@ -264,29 +271,25 @@ class RankWorker:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 return
+            step = self.core.sync.step
             if isinstance(item, AddRequest):
                 rid = item.request_id
+                self.outboxes.route(rid, item.subscriber)
                 if rid in self.early_aborts:  # aborted before it arrived
                     del self.early_aborts[rid]
-                    self._publish(pack_step(self.core.sync.step, [StepOutput(rid, [], [], [], True, "abort")]))
+                    self.outboxes.publish(step, [StepOutput(rid, [], [], [], True, "abort")])
                     continue
                 try:
                     self.core.add_request(rid, item.prompt_ids, item.params)
                 except ValueError as e:  # validated by the group already; never take the rank down
-                    out = StepOutput(rid, [], [], [], True, "error", error=str(e))
-                    self._publish(pack_step(self.core.sync.step, [out]))
+                    self.outboxes.publish(step, [StepOutput(rid, [], [], [], True, "error", error=str(e))])
             else:
                 out = self.core.abort_request(item.request_id)
                 if out is not None:
-                    self._publish(pack_step(self.core.sync.step, [out]))
+                    self.outboxes.publish(step, [out])
                 else:
                     self.aborts["unknown"] += 1
                     self.early_aborts[item.request_id] = None
                     if len(self.early_aborts) > 4096:  # mostly requests that had finished: keep the newest only
                         del self.early_aborts[next(iter(self.early_aborts))]
-
-    def _publish(self, msg: bytes) -> None:
-        with self.cond:
-            self.outbox.append(msg)
-            self.cond.notify_all()
 

@@ -2,7 +2,7 @@
 placement-group bundles (bundle 0 holds the replica itself). Serve's health check fails when a rank is dead or
 the group failed, so Serve replaces the whole group; Serve's request cancellation aborts the request on its rank.
 Through a DeploymentHandle it offers the same RL methods as the rollout actor (generate, sleep, wake_up,
-update_weights, ...), plus `stream` for the HTTP ingress."""
+update_weights, ...), plus `admit` for the HTTP ingress and `stream` for handle users who stream."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.rl.engine import RolloutEngine
 from mtp_ray.runtime.group import EngineGroup
+from mtp_ray.runtime.messages import Admission
 from mtp_ray.serve.metrics import group_snapshot
 from mtp_ray.serve.metrics_hub import HubReporter
 
@@ -37,6 +38,15 @@ class GroupDeployment(RolloutEngine):
         validated by the ingress."""
         async for out in self.group.generate(prompt_ids, params, request_id, announce=True):
             yield out
+
+    async def admit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, subscriber: str
+                    ) -> AsyncIterator[Admission]:
+        """The HTTP ingress's entry (handle.options(stream=True)): the Admission once a rank holds the request,
+        whose outputs the ingress replica `subscriber` then pulls from that rank itself (runtime/outboxes.py); the
+        call stays open until the request ends, and cancelling it aborts the request. Params as validated by the
+        ingress."""
+        async for adm in self.group.admit(prompt_ids, params, request_id, subscriber):
+            yield adm
 
     async def record_routing_stats(self) -> dict:
         """Read by Serve's request router (serve/routing.py) every few seconds: a group that cannot serve is

@@ -47,8 +47,7 @@ class Ingress:
         self.group = group
         self.server = server or ServerConfig()
         self.metrics = Metrics()
-        self.groups = GroupClient(group, queue_s, retry_after_s=max(1, round(queue_s)),
-                                  on_resend=lambda: self.metrics.count("request_retried_total"))
+        self.groups = GroupClient(group, queue_s, retry_after_s=max(1, round(queue_s)), count=self.metrics.count)
         self.reporter_id = uuid.uuid4().hex[:8]
         self.reporter = HubReporter("ingress", self.reporter_id, self.metrics.snapshot)
         self.model_name = model_name

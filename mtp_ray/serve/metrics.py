@@ -113,7 +113,10 @@ def group_snapshot(health: dict) -> dict[str, Any]:
                        f"dummy_forwards_total{lab}": c.get("dummy_forwards", 0),
                        f"waves_total{lab}": c.get("waves", 0),
                        f"ep_collectives_total{lab}": rank.get("collectives", 0),
-                       f"num_preemptions_total{lab}": rank.get("num_preemptions", 0)})
+                       f"num_preemptions_total{lab}": rank.get("num_preemptions", 0),
+                       # what the engine did, next to what the ingress streamed (bench/serve.py compares them)
+                       f"rank_generation_tokens_total{lab}": rank.get("spec", {}).get("output_tokens", 0),
+                       f"rank_step_seconds_total{lab}": rank.get("spec", {}).get("step_s", 0.0)})
         totals.update(_iteration_tokens(rank.get("spec", {}), r))
         gauges.update({f"kv_cache_usage_perc{lab}": rank.get("kv_usage", 0.0),
                        f"rank_num_requests_running{lab}": rank.get("num_running", 0),

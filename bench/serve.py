@@ -1,0 +1,319 @@
+"""Serving benchmark: what a client of `serve run` sees, next to what the engine group did, in one run.
+
+    python bench/serve.py [--yaml deployments/qwen35_mtp.yaml] [--model bundled|35b] [--layers 4]
+                          [--variants dp1k3 dp1k0 dp2k3] [--concurrency 1 16 64 128 256] [--max-tokens 128]
+                          [--prompt-tokens 32] [--requests-per-stream 4] [--cold-burst 64]
+                          [--out bench/results/serve.json]
+
+Per variant (dp, k) it starts `serve run` on a YAML made from --yaml (engine overrides: dp, k, and with
+--model 35b random weights at the Qwen3.5-35B-A3B shapes cut to --layers layers + the MTP layer, with a word-level
+tokenizer of the full vocabulary), waits for /health, then:
+- cold burst: --cold-burst requests at once right after start (TTFT of a cold server), and the same burst again at
+  the end (warm): `cold_over_warm_ttft`;
+- per concurrency c: c client streams, each sending requests one after another (POST /v1/completions, stream,
+  ignore_eos, return_token_ids) until c x --requests-per-stream are done: request throughput, output tok/s,
+  TTFT / TPOT / ITL percentiles (vLLM `bench serve` definitions: TPOT per request after its first token, ITL per
+  chunk), tokens per chunk;
+- the engine's figures over the same level, from the group's live counters (/admin/health): tokens the ranks
+  produced, their step wall time (`step_s`: every step that ran a forward, host work included), so
+  `client_over_engine_tok_s` (>= 0.9 wanted) and, at c = 1, `tpot_over_engine_ms_per_token` (<= 1.15 wanted);
+- with more than one dp among the variants: dp_n / dp_1 output tok/s at the highest concurrency (one request per
+  call).
+
+Speed targets are for this benchmark, never for tests (tests/test_bench_serve.py only runs it small on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, write_json  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---- the server ----
+def word_tokenizer(path: Path, vocab: int) -> None:
+    """A word-level tokenizer of `vocab` tokens ("w0" ... ; id 0 the end-of-text token), so that every id a random
+    model samples detokenises."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w0", unk_token="w1").save_pretrained(path)
+
+
+def model_35b(layers: int, mtp: bool) -> Path:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from decode import hf_config  # torch and the model code: only when this model is asked for
+
+    path = Path(tempfile.mkdtemp(prefix="serve35b-"))
+    (path / "config.json").write_text(json.dumps(hf_config(layers, mtp=mtp)))
+    word_tokenizer(path, hf_config(layers)["vocab_size"])
+    return path
+
+
+def variant_yaml(base: dict, dp: int, k: int, model: dict, out: Path, groups: int | None
+                 ) -> tuple[Path, int, str]:
+    cfg = json.loads(json.dumps(base))
+    app = cfg["applications"][0]
+    if groups:  # a fixed number of engine groups (no autoscaling): e.g. one group on a one-GPU machine
+        app["args"]["group"] = {**app["args"].get("group", {}), "num_replicas": groups}
+        app["args"]["group"].pop("autoscaling_config", None)
+    eng = app["args"]["engine"]
+    eng.update(model)
+    eng.setdefault("parallel", {})["dp"] = dp
+    eng["spec"] = {**eng.get("spec", {}), "num_speculative_tokens": k}
+    if k and "method" not in eng["spec"]:
+        eng["spec"]["method"] = "qwen3_5_mtp"
+    app["args"]["served_model_name"] = name = app["args"].get("served_model_name") or "model"
+    out.write_text(yaml.safe_dump(cfg))
+    return out, cfg.get("http_options", {}).get("port", 8000), name
+
+
+def tool(name: str) -> str:
+    """A console script of this Python's environment (or on PATH: a --target install on the GPU host)."""
+    here = Path(sys.executable).parent / name
+    return str(here) if here.exists() else (shutil.which(name) or name)
+
+
+class Server:
+    """`serve run` in a process group of its own (a local Ray cluster); stopped with SIGTERM, as an operator would."""
+
+    def __init__(self, yaml_path: Path, port: int, log: Path):
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": "local"}
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        self.proc = subprocess.Popen([tool("serve"), "run", str(yaml_path)],
+                                     cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    async def wait_ready(self, timeout: float) -> float:
+        t0 = time.monotonic()
+        async with aiohttp.ClientSession() as s:
+            while time.monotonic() - t0 < timeout:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"serve run exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+                try:
+                    async with s.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                        if r.status == 200:
+                            return time.monotonic() - t0
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    pass
+                await asyncio.sleep(1.0)
+        raise TimeoutError(f"server not healthy after {timeout:.0f}s:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(timeout=wait)
+                break
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                continue
+        subprocess.run([tool("ray"), "stop", "--force"], capture_output=True,
+                       env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+
+
+# ---- the client ----
+async def one_request(s: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed completion: the send time, each chunk's arrival and token count, usage."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    t0 = time.perf_counter()
+    chunks: list[tuple[float, int]] = []
+    usage = None
+    async with s.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            return {"error": f"{r.status}: {(await r.text())[:200]}"}
+        async for line in r.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                return {"error": str(ev["error"])[:200]}
+            if ev.get("usage") and not ev["choices"]:
+                usage = ev["usage"]
+            for ch in ev["choices"]:
+                n = len(ch.get("token_ids") or [])
+                if n:
+                    chunks.append((time.perf_counter(), n))
+    return {"t0": t0, "chunks": chunks, "usage": usage}
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q / 100 * len(xs)))], 3)
+
+
+def summarize(results: list[dict], wall: float) -> dict:
+    ok = [r for r in results if "error" not in r and r["chunks"]]
+    ttft = [1e3 * (r["chunks"][0][0] - r["t0"]) for r in ok]
+    tpot, itl, per_chunk = [], [], []
+    for r in ok:
+        n = sum(c[1] for c in r["chunks"])
+        if n > 1:
+            tpot.append(1e3 * (r["chunks"][-1][0] - r["chunks"][0][0]) / (n - 1))
+        itl += [1e3 * (b[0] - a[0]) for a, b in zip(r["chunks"], r["chunks"][1:])]
+        per_chunk += [c[1] for c in r["chunks"]]
+    tokens = sum(sum(c[1] for c in r["chunks"]) for r in ok)
+    usage_tokens = sum((r["usage"] or {}).get("completion_tokens", 0) for r in ok)
+    return {
+        "requests": len(results), "completed": len(ok), "errors": [r["error"] for r in results if "error" in r][:5],
+        "wall_s": round(wall, 3), "request_throughput": round(len(ok) / wall, 3),
+        "output_tokens": tokens, "usage_tokens_match": tokens == usage_tokens,
+        "output_tok_s": round(tokens / wall, 1),
+        "ttft_ms": {"mean": round(statistics.fmean(ttft), 3) if ttft else None, "p50": pct(ttft, 50),
+                    "p90": pct(ttft, 90), "p99": pct(ttft, 99)},
+        "tpot_ms": {"mean": round(statistics.fmean(tpot), 3) if tpot else None, "p50": pct(tpot, 50),
+                    "p99": pct(tpot, 99)},
+        "itl_ms": {"mean": round(statistics.fmean(itl), 3) if itl else None, "p50": pct(itl, 50),
+                   "p99": pct(itl, 99)},
+        "tokens_per_chunk": round(statistics.fmean(per_chunk), 3) if per_chunk else None,
+    }
+
+
+async def run_level(url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict:
+    """`concurrency` streams in a closed loop over `prompts` (each stream sends its next request when one ends)."""
+    todo = list(reversed(prompts))
+    results: list[dict] = []
+    conn = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=1800)) as s:
+        async def stream() -> None:
+            while todo:
+                results.append(await one_request(s, url, model, todo.pop(), max_tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*[stream() for _ in range(concurrency)])
+        wall = time.perf_counter() - t0
+    return summarize(results, wall)
+
+
+# ---- the engine's figures ----
+async def engine_counters(url: str) -> list[dict]:
+    """Per rank: the tokens it produced and the wall time of its steps, as the group last polled them."""
+    await asyncio.sleep(0.6)  # the group's long poll of an idle rank returns every 0.5 s with its counters
+    async with aiohttp.ClientSession() as s, s.get(url + "/admin/health") as r:
+        h = await r.json()
+    return [{"output_tokens": r["spec"].get("output_tokens", 0), "step_s": r["spec"].get("step_s", 0.0),
+             "steps": r["spec"].get("steps", 0)} for r in h["ranks"]]
+
+
+def engine_delta(before: list[dict], after: list[dict]) -> dict:
+    d = [{k: a[k] - b[k] for k in a} for b, a in zip(before, after)]
+    tokens = sum(r["output_tokens"] for r in d)
+    busy = max(r["step_s"] for r in d)  # ranks step in lock-step: the busiest rank's wall is the group's
+    return {"output_tokens": tokens, "step_s": round(busy, 4), "steps": max(r["steps"] for r in d),
+            "tok_s": round(tokens / busy, 1) if busy else None,
+            "ms_per_token": round(1e3 * busy / tokens, 4) if tokens else None}
+
+
+async def run_variant(args, name: str, dp: int, k: int, model: dict, work: Path) -> dict:
+    base = yaml.safe_load(Path(args.yaml).read_text())
+    path, port, served = variant_yaml(base, dp, k, model, work / f"{name}.yaml", args.groups)
+    server = Server(path, port, work / f"{name}.log")
+    try:
+        up = await server.wait_ready(args.start_timeout)
+        url = server.url
+        prompt = lambda i: [(7 * i + j) % 2000 + 3 for j in range(args.prompt_tokens)]  # noqa: E731
+        out: dict = {"dp": dp, "k": k, "server_up_s": round(up, 1), "levels": {}}
+        burst = [prompt(10_000 + i) for i in range(args.cold_burst)]
+        if args.cold_burst:
+            out["cold_burst"] = await run_level(url, served, burst, args.cold_burst, args.max_tokens)
+        for c in args.concurrency:
+            prompts = [prompt(c * 1000 + i) for i in range(c * args.requests_per_stream)]
+            before = await engine_counters(url)
+            level = await run_level(url, served, prompts, c, args.max_tokens)
+            level["engine"] = engine_delta(before, await engine_counters(url))
+            e = level["engine"]
+            level["client_over_engine_tok_s"] = round(level["output_tok_s"] / e["tok_s"], 3) if e["tok_s"] else None
+            if level["tpot_ms"]["mean"] and e["ms_per_token"]:
+                level["tpot_over_engine_ms_per_token"] = round(level["tpot_ms"]["mean"] / e["ms_per_token"], 3)
+            out["levels"][str(c)] = level
+            print(f"{name} c={c}: {level['output_tok_s']} tok/s client, {e['tok_s']} engine "
+                  f"(x{level['client_over_engine_tok_s']}); TTFT p50 {level['ttft_ms']['p50']} ms, "
+                  f"TPOT {level['tpot_ms']['mean']} ms vs engine {e['ms_per_token']} ms/token, "
+                  f"{level['tokens_per_chunk']} tokens/chunk", flush=True)
+        if args.cold_burst:
+            out["warm_burst"] = await run_level(url, served, burst, args.cold_burst, args.max_tokens)
+            cold, warm = out["cold_burst"]["ttft_ms"]["p50"], out["warm_burst"]["ttft_ms"]["p50"]
+            out["cold_over_warm_ttft"] = round(cold / warm, 3) if cold and warm else None
+        return out
+    finally:
+        server.stop()
+
+
+def parse_variant(v: str) -> tuple[int, int]:
+    dp, _, k = v.removeprefix("dp").partition("k")
+    return int(dp), int(k)
+
+
+async def main_async(args) -> dict:
+    model: dict = {}
+    tmp = None
+    if args.model == "35b":
+        tmp = model_35b(args.layers, mtp=any(parse_variant(v)[1] for v in args.variants))
+        model = {"model": str(tmp), "load_format": "dummy", "tokenizer": str(tmp)}
+    work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    result = {"machine": machine(), "yaml": args.yaml, "model": args.model if args.model == "bundled"
+              else f"random Qwen3.5-35B-A3B shapes, {args.layers} layers", "max_tokens": args.max_tokens,
+              "prompt_tokens": args.prompt_tokens, "requests_per_stream": args.requests_per_stream, "variants": {}}
+    try:
+        for v in args.variants:
+            dp, k = parse_variant(v)
+            result["variants"][v] = await run_variant(args, v, dp, k, model, work)
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1))  # so far (a device call may run out of time)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    top = str(max(args.concurrency))
+    by_dp: dict[int, dict] = {}
+    for r in result["variants"].values():
+        by_dp.setdefault(r["k"], {})[r["dp"]] = r["levels"][top]["output_tok_s"]
+    for k, rows in by_dp.items():
+        for dp in sorted(rows):
+            if dp > 1 and 1 in rows:
+                result[f"dp{dp}_over_dp1_k{k}_c{top}"] = round(rows[dp] / rows[1], 3)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--yaml", default="deployments/qwen35_mtp.yaml")
+    ap.add_argument("--model", choices=["bundled", "35b"], default="bundled")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--variants", nargs="+", default=["dp1k3", "dp1k0"], help="dp<N>k<K> each")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 128, 256])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--requests-per-stream", type=int, default=4)
+    ap.add_argument("--cold-burst", type=int, default=64)
+    ap.add_argument("--start-timeout", type=float, default=900)
+    ap.add_argument("--groups", type=int, default=None, help="fixed engine groups (default: the YAML's)")
+    ap.add_argument("--out", default="bench/results/serve.json")
+    args = ap.parse_args()
+    write_json(asyncio.run(main_async(args)), args.out)
+
+
+if __name__ == "__main__":
+    main()
