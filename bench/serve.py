@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import shutil
 import signal
 import statistics
@@ -70,10 +71,13 @@ def model_35b(layers: int, mtp: bool) -> Path:
     return path
 
 
-def variant_yaml(base: dict, dp: int, k: int, model: dict, out: Path, groups: int | None
-                 ) -> tuple[Path, int, str]:
+def variant_yaml(base: dict, dp: int, k: int, model: dict, out: Path, groups: int | None = None,
+                 ingress: int | None = None) -> tuple[Path, int, str]:
     cfg = json.loads(json.dumps(base))
     app = cfg["applications"][0]
+    if ingress:  # a fixed number of ingress replicas
+        app["args"]["ingress"] = {**app["args"].get("ingress", {}), "num_replicas": ingress}
+        app["args"]["ingress"].pop("autoscaling_config", None)
     if groups:  # a fixed number of engine groups (no autoscaling): e.g. one group on a one-GPU machine
         app["args"]["group"] = {**app["args"].get("group", {}), "num_replicas": groups}
         app["args"]["group"].pop("autoscaling_config", None)
@@ -95,7 +99,8 @@ def tool(name: str) -> str:
 
 
 class Server:
-    """`serve run` in a process group of its own (a local Ray cluster); stopped with SIGTERM, as an operator would."""
+    """`serve run` in a process group of its own, with a local Ray cluster of its own (never another one on the
+    machine); stopped with SIGTERM to the group, as an operator would, then SIGKILL."""
 
     def __init__(self, yaml_path: Path, port: int, log: Path):
         env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": "local"}
@@ -128,8 +133,6 @@ class Server:
                 break
             except (subprocess.TimeoutExpired, ProcessLookupError):
                 continue
-        subprocess.run([tool("ray"), "stop", "--force"], capture_output=True,
-                       env={**os.environ, "RAY_AUTH_MODE": "disabled"})
 
 
 # ---- the client ----
@@ -192,15 +195,21 @@ def summarize(results: list[dict], wall: float) -> dict:
     }
 
 
-async def run_level(url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict:
-    """`concurrency` streams in a closed loop over `prompts` (each stream sends its next request when one ends)."""
-    todo = list(reversed(prompts))
+async def run_level(url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int,
+                    range_ratio: float = 0.0) -> dict:
+    """`concurrency` streams in a closed loop over `prompts` (each stream sends its next request when one ends).
+    range_ratio r: each request's max_tokens uniform in [(1 - r), (1 + r)] x max_tokens (seeded; vLLM's random
+    dataset --random-range-ratio), so the streams do not all end, and come back, in the same step."""
+    rng = random.Random(concurrency)
+    lengths = [max(1, round(max_tokens * rng.uniform(1 - range_ratio, 1 + range_ratio))) for _ in prompts]
+    todo = list(reversed(list(zip(prompts, lengths))))
     results: list[dict] = []
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=1800)) as s:
         async def stream() -> None:
             while todo:
-                results.append(await one_request(s, url, model, todo.pop(), max_tokens))
+                prompt, n = todo.pop()
+                results.append(await one_request(s, url, model, prompt, n))
 
         t0 = time.perf_counter()
         await asyncio.gather(*[stream() for _ in range(concurrency)])
@@ -210,48 +219,119 @@ async def run_level(url: str, model: str, prompts: list[list[int]], concurrency:
 
 # ---- the engine's figures ----
 async def engine_counters(url: str) -> list[dict]:
-    """Per rank: the tokens it produced and the wall time of its steps, as the group last polled them."""
-    await asyncio.sleep(0.6)  # the group's long poll of an idle rank returns every 0.5 s with its counters
-    async with aiohttp.ClientSession() as s, s.get(url + "/admin/health") as r:
+    """Per rank, now: tokens produced, wall time in waves (`waves_s`: stepping, host work between steps included),
+    of steps (`step_s`) and of graph steps, verify counts (tokens per decode step)."""
+    async with aiohttp.ClientSession() as s, s.get(url + "/admin/health?stats=1") as r:
         h = await r.json()
-    return [{"output_tokens": r["spec"].get("output_tokens", 0), "step_s": r["spec"].get("step_s", 0.0),
-             "steps": r["spec"].get("steps", 0)} for r in h["ranks"]]
+    keys = ("output_tokens", "step_s", "steps", "waves_s", "graph_step_s", "graph_steps", "verify_steps", "accepted")
+    return [{k: r.get(k, 0) for k in keys} for r in h["rank_stats"]]
 
 
 def engine_delta(before: list[dict], after: list[dict]) -> dict:
     d = [{k: a[k] - b[k] for k in a} for b, a in zip(before, after)]
     tokens = sum(r["output_tokens"] for r in d)
-    busy = max(r["step_s"] for r in d)  # ranks step in lock-step: the busiest rank's wall is the group's
-    return {"output_tokens": tokens, "step_s": round(busy, 4), "steps": max(r["steps"] for r in d),
-            "tok_s": round(tokens / busy, 1) if busy else None,
-            "ms_per_token": round(1e3 * busy / tokens, 4) if tokens else None}
+    # ranks step in lock-step: the busiest rank's time is the group's
+    waves, busy = max(r["waves_s"] for r in d), max(r["step_s"] for r in d)
+    out = {"output_tokens": tokens, "waves_s": round(waves, 4), "step_s": round(busy, 4),
+           "steps": max(r["steps"] for r in d),
+           "tok_s": round(tokens / waves, 1) if waves else None,  # while the group ran (what it produced per second)
+           "tok_s_in_steps": round(tokens / busy, 1) if busy else None}
+    r0 = max(d, key=lambda r: r["graph_steps"])
+    if r0["graph_steps"]:  # a decode (or verify) graph step's time per token: the engine's own pace at batch 1
+        per_step = 1 + (r0["accepted"] / r0["verify_steps"] if r0["verify_steps"] else 0)
+        out["graph_step_ms"] = round(1e3 * r0["graph_step_s"] / r0["graph_steps"], 4)
+        out["decode_ms_per_token"] = round(out["graph_step_ms"] / per_step, 4)
+    return out
 
 
-async def run_variant(args, name: str, dp: int, k: int, model: dict, work: Path) -> dict:
+PROCS = {"ingress": "OpenAIIngress", "group": "ServeReplica:.*:EngineGroup", "proxy": "ProxyActor",
+         "rank": "RankWorker"}
+IDLE = ("wait (threading", "main_loop (ray", "_worker (concurrent", "Thread.run (threading", "select (selectors",
+        "_run_router_event_loop", "_run_user_code_event_loop", "run_forever", "_run_once")
+
+
+def _top(counts: dict[str, int], total: int) -> list:
+    return [(round(100 * v / max(total, 1), 1), k[:140]) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:25]]
+
+
+def profile(seconds: float, out: Path) -> dict:
+    """py-spy over the serving processes for `seconds` (runs alongside the load): per process its busy share of
+    the samples and the heaviest functions (self and inclusive), idle waits left out."""
+    procs = {}
+    for name, pat in PROCS.items():
+        pids = subprocess.run(["pgrep", "-f", pat], capture_output=True, text=True).stdout.split()
+        if pids:
+            f = out / f"pyspy_{name}.txt"
+            procs[name] = (subprocess.Popen([tool("py-spy"), "record", "-p", pids[0], "-d", str(int(seconds)), "-r",
+                                             "250", "-f", "raw", "-o", str(f), "--nonblocking"],
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), f)
+    result = {}
+    for name, (p, f) in procs.items():
+        _, err = p.communicate(timeout=seconds + 60)
+        if not f.exists():
+            result[name] = {"error": err.decode()[-300:]}
+            continue
+        total, busy, own, incl = 0, 0, {}, {}
+        for line in f.read_text().splitlines():
+            stack, _, n = line.rpartition(" ")
+            frames = [x for x in stack.split(";") if x and not x.startswith("thread (")]
+            total += int(n)
+            if not frames or any(i in frames[-1] for i in IDLE):
+                continue
+            busy += int(n)
+            own[frames[-1]] = own.get(frames[-1], 0) + int(n)
+            for x in set(frames):
+                incl[x] = incl.get(x, 0) + int(n)
+        result[name] = {"samples": total, "busy_pct": round(100 * busy / max(total, 1), 1),
+                        "self": _top(own, total), "inclusive": _top(incl, total)}
+    return result
+
+
+def save(result: dict, path: str) -> None:
+    """The results so far (a device call may run out of time mid-run)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=1))
+
+
+async def run_variant(args, name: str, dp: int, k: int, model: dict, work: Path, result: dict) -> dict:
     base = yaml.safe_load(Path(args.yaml).read_text())
-    path, port, served = variant_yaml(base, dp, k, model, work / f"{name}.yaml", args.groups)
+    path, port, served = variant_yaml(base, dp, k, model, work / f"{name}.yaml", args.groups,
+                                      args.ingress)
     server = Server(path, port, work / f"{name}.log")
     try:
         up = await server.wait_ready(args.start_timeout)
         url = server.url
         prompt = lambda i: [(7 * i + j) % 2000 + 3 for j in range(args.prompt_tokens)]  # noqa: E731
         out: dict = {"dp": dp, "k": k, "server_up_s": round(up, 1), "levels": {}}
+        result["variants"][name] = out
         burst = [prompt(10_000 + i) for i in range(args.cold_burst)]
         if args.cold_burst:
             out["cold_burst"] = await run_level(url, served, burst, args.cold_burst, args.max_tokens)
-        for c in args.concurrency:
+            save(result, args.out)
+        for c, ratio in [(c, 0.0) for c in args.concurrency] + [(c, args.range_ratio) for c in args.ranged]:
             prompts = [prompt(c * 1000 + i) for i in range(c * args.requests_per_stream)]
             before = await engine_counters(url)
-            level = await run_level(url, served, prompts, c, args.max_tokens)
+            run = asyncio.ensure_future(run_level(url, served, prompts, c, args.max_tokens, ratio))
+            if args.profile_s and c == max(args.concurrency) and not ratio:
+                await asyncio.sleep(2.0)
+                try:
+                    out["profile"] = await asyncio.to_thread(profile, args.profile_s, work)
+                except Exception as e:  # no py-spy, or no ptrace here: the figures still count
+                    out["profile"] = {"error": f"{type(e).__name__}: {e}"}
+            level = await run
             level["engine"] = engine_delta(before, await engine_counters(url))
             e = level["engine"]
             level["client_over_engine_tok_s"] = round(level["output_tok_s"] / e["tok_s"], 3) if e["tok_s"] else None
-            if level["tpot_ms"]["mean"] and e["ms_per_token"]:
-                level["tpot_over_engine_ms_per_token"] = round(level["tpot_ms"]["mean"] / e["ms_per_token"], 3)
-            out["levels"][str(c)] = level
-            print(f"{name} c={c}: {level['output_tok_s']} tok/s client, {e['tok_s']} engine "
-                  f"(x{level['client_over_engine_tok_s']}); TTFT p50 {level['ttft_ms']['p50']} ms, "
-                  f"TPOT {level['tpot_ms']['mean']} ms vs engine {e['ms_per_token']} ms/token, "
+            if c == 1 and level["tpot_ms"]["mean"] and e.get("decode_ms_per_token"):
+                level["tpot_over_engine_decode_ms_per_token"] = round(
+                    level["tpot_ms"]["mean"] / e["decode_ms_per_token"], 3)
+            key = f"{c}" if not ratio else f"{c}@range{ratio:g}"
+            out["levels"][key] = level
+            save(result, args.out)
+            print(f"{name} c={key}: {level['output_tok_s']} tok/s client, {e['tok_s']} engine while running "
+                  f"(x{level['client_over_engine_tok_s']}; {e['tok_s_in_steps']} in steps); TTFT p50 "
+                  f"{level['ttft_ms']['p50']} ms, TPOT {level['tpot_ms']['mean']} ms (engine graph step "
+                  f"{e.get('graph_step_ms')} ms, {e.get('decode_ms_per_token')} ms/token), "
                   f"{level['tokens_per_chunk']} tokens/chunk", flush=True)
         if args.cold_burst:
             out["warm_burst"] = await run_level(url, served, burst, args.cold_burst, args.max_tokens)
@@ -280,9 +360,8 @@ async def main_async(args) -> dict:
     try:
         for v in args.variants:
             dp, k = parse_variant(v)
-            result["variants"][v] = await run_variant(args, v, dp, k, model, work)
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=1))  # so far (a device call may run out of time)
+            await run_variant(args, v, dp, k, model, work, result)
+            save(result, args.out)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -305,11 +384,16 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["dp1k3", "dp1k0"], help="dp<N>k<K> each")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 128, 256])
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--ranged", type=int, nargs="*", default=[], help="concurrencies run again with --range-ratio")
+    ap.add_argument("--range-ratio", type=float, default=0.5)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--requests-per-stream", type=int, default=4)
     ap.add_argument("--cold-burst", type=int, default=64)
     ap.add_argument("--start-timeout", type=float, default=900)
+    ap.add_argument("--profile-s", type=float, default=0, help="py-spy the serving processes for this long "
+                    "during the highest concurrency level")
     ap.add_argument("--groups", type=int, default=None, help="fixed engine groups (default: the YAML's)")
+    ap.add_argument("--ingress", type=int, default=None, help="fixed ingress replicas (default: the YAML's)")
     ap.add_argument("--out", default="bench/results/serve.json")
     args = ap.parse_args()
     write_json(asyncio.run(main_async(args)), args.out)

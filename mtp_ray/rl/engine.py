@@ -102,8 +102,12 @@ class RolloutEngine:
             raise ValueError("policy must be 'wait' or 'fail'")
         self.group.commands.asleep_policy = policy
 
-    async def health(self) -> dict:
-        return self.group.monitor.health()
+    async def health(self, live_stats: bool = False) -> dict:
+        """The group's health from its last polls; live_stats: with every rank's counters asked now (`stats`)."""
+        h = self.group.monitor.health()
+        if live_stats:
+            h["rank_stats"] = await self.group.monitor.rank_stats()
+        return h
 
     async def get_stats(self) -> dict:
         await self.start()

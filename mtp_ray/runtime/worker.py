@@ -58,6 +58,7 @@ class RankWorker:
         self.outboxes = Outboxes(self.cond)  # step outputs for the group's poll and for subscribers' pulls
         self.start_wanted = -1  # highest wave index some rank asked to start
         self.running = False
+        self.waves_s, self.wave_t0 = 0.0, 0.0  # wall time in waves (stepping, or between steps of a wave)
         self.error: str | None = None
         self.stopped = False
         self.peers: list = []
@@ -110,13 +111,17 @@ class RankWorker:
         self.commands = RankCommands(self.core, self.ctx, self.rank)
         self.stalls.install()
         self.ctx.barrier()
+        t0 = time.perf_counter()
         self.core.warmup()
         self.ctx.barrier()
+        warmup_s = time.perf_counter() - t0
+        log.info("rank %d: warmup (dummy forwards, graph capture, synthetic workload) took %.1f s", self.rank,
+                 warmup_s)
         gc.collect()
         gc.freeze()  # the model, caches and kernels stay out of every later collection (StallMonitor)
         threading.Thread(target=self._loop, name=f"rank{self.rank}-engine", daemon=True).start()
         return {"rank": self.rank, "pid": os.getpid(), "experts": expert_range, "device": str(device),
-                "max_model_len": self.core.max_model_len}
+                "max_model_len": self.core.max_model_len, "warmup_s": round(warmup_s, 2)}
 
     # ---- requests (any thread) ----
     def add_many(self, items: list[AddRequest]) -> None:
@@ -184,6 +189,7 @@ class RankWorker:
                 **(core.sync.timers if core else {}),
                 "collectives": self.ctx.collectives if self.ctx else 0, "wave": self.wave,
                 "phases": core.clock.snapshot() if core else {}, "process_cpu_s": time.process_time(),
+                "waves_s": self.waves_s + (time.perf_counter() - self.wave_t0 if self.running else 0.0),
                 "stalls": self.stalls.snapshot(), "last_add_monotonic": self.last_add,
                 "last_meta": self.ctx.local.describe() if self.ctx else ""}
 
@@ -219,7 +225,7 @@ class RankWorker:
                 start = self.wave
                 for p in self.peers:  # idempotent: peers already in this wave ignore it
                     p.start_wave.remote(start)
-                self.running = True
+                self.running, self.wave_t0 = True, time.perf_counter()
                 while True:
                     t0 = time.perf_counter()
                     self._drain_inbox()
@@ -240,6 +246,7 @@ class RankWorker:
                         break
                 with self.cond:
                     self.running = False
+                    self.waves_s += time.perf_counter() - self.wave_t0
                     sync.end_wave()
                     # work that arrived during the wave's last step (after its DPMeta was gathered) starts the next
                     # wave: requests in the inbox, and group commands (a command queued then would wait forever)

@@ -55,7 +55,10 @@ class Ingress:
         if self.server.template() is not None:
             self.tok.chat_template = self.server.template()
         self.serving = ChatServing(self.server.reasoning_parser, self.server.tool_call_parser)
-        self._info: dict | None = None
+        # the longest token's text, once here: over a 248k vocabulary it takes ~0.1 s, and a cold server's first
+        # burst used to compute it per request, on the event loop (a 64-request burst waited ~7 s for it)
+        self.longest_token = max(max((len(t) for t in self.tok.get_vocab()), default=1), 1)
+        self._info: asyncio.Future | None = None
         self._limits: Limits | None = None
 
     def classify(self, e: BaseException) -> ApiError:
@@ -79,15 +82,19 @@ class Ingress:
         token is refused before tokenisation."""
         if self._limits is None:
             s = self.server
-            longest = max((len(t) for t in self.tok.get_vocab()), default=1)
             self._limits = Limits(s.max_n, s.max_stop, s.max_prompts,
-                                  (await self.info())["max_model_len"] * max(longest, 1))
+                                  (await self.info())["max_model_len"] * self.longest_token)
         return self._limits
 
     async def info(self) -> dict:
+        """The group's model facts, asked once: a burst of first requests shares the one call."""
         if self._info is None:
-            self._info = await self.group.info.remote()
-        return self._info
+            self._info = asyncio.ensure_future(self.group.info.remote())
+        try:
+            return await asyncio.shield(self._info)
+        except Exception:
+            self._info = None  # no group answered yet: the next request asks again
+            raise
 
     async def _body(self, request: Request, known: set[str]) -> dict:
         check_api_key(request, self.server.api_key)
@@ -274,10 +281,12 @@ class Ingress:
 
     @app.get("/admin/health")
     async def admin_health(self, request: Request):
-        """For operators (behind the API key): a group's full health, its last failure report included."""
+        """For operators (behind the API key): a group's full health, its last failure report included; with
+        ?stats=1 also each rank's engine counters as they are now (bench/serve.py reads them)."""
         try:
             check_api_key(request, self.server.api_key)
-            h = await asyncio.wait_for(self.group.health.remote(), 10)
+            live = request.query_params.get("stats") in ("1", "true")
+            h = await asyncio.wait_for(self.group.health.remote(live), 10)
         except ApiError as e:
             return error_response(e)
         except Exception as e:

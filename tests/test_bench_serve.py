@@ -1,0 +1,30 @@
+"""bench/serve.py runs as a user runs it (`serve run` of the deployment YAML, HTTP streams, the engine's counters
+from /admin/health?stats=1), small, on the CPU. No speed is asserted: speed targets belong to the benchmark."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_serving_benchmark_smoke(tmp_path):
+    out = tmp_path / "serve.json"
+    cmd = [sys.executable, "bench/serve.py", "--variants", "dp2k3", "--concurrency", "1", "4", "--ranged", "4",
+           "--max-tokens", "12", "--requests-per-stream", "2", "--cold-burst", "4", "--out", str(out)]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    res = json.loads(out.read_text())
+    v = res["variants"]["dp2k3"]
+    assert (v["dp"], v["k"]) == (2, 3)
+    assert set(v["levels"]) == {"1", "4", "4@range0.5"}
+    for name, level in v["levels"].items():
+        assert level["completed"] == level["requests"] and not level["errors"], (name, level)
+        assert level["usage_tokens_match"], level  # the tokens counted from the chunks = usage.completion_tokens
+        e = level["engine"]
+        # every token the clients got, the ranks produced (the counters are the ranks' own, asked live)
+        assert e["output_tokens"] == level["output_tokens"] and e["tok_s"] > 0, (name, e)
+        assert level["client_over_engine_tok_s"] > 0 and level["ttft_ms"]["p50"] > 0
+    assert v["levels"]["1"]["tpot_ms"]["mean"] > 0
+    assert v["cold_burst"]["completed"] == 4 and v["warm_burst"]["completed"] == 4 and v["cold_over_warm_ttft"] > 0

@@ -1,0 +1,144 @@
+"""The direct streams (docs/design.md, "Streams"): a rank's outboxes (which reader gets which step output, the
+group's end notices, dropping a subscriber that stopped pulling) and an ingress replica's deliveries (one pull loop
+per rank, outputs merged per pull, a dead rank ending its requests). Pure Python and asyncio, no Ray."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from mtp_ray.engine.outputs import StepOutput
+from mtp_ray.runtime.group_monitor import GroupFailed
+from mtp_ray.runtime.messages import Admission, unpack_step
+from mtp_ray.runtime.outboxes import GROUP, Outboxes
+from mtp_ray.serve.delivery import Deliveries
+
+
+def out(rid: str, toks: list[int], done: bool = False) -> StepOutput:
+    return StepOutput(rid, toks, [-0.1] * len(toks), [{}] * len(toks), done, "length" if done else None)
+
+
+def rows(msgs: list[bytes]) -> list[StepOutput]:
+    return [o for m in msgs for o in unpack_step(m)[1]]
+
+
+def never() -> bool:
+    return False
+
+
+def test_outboxes_route_each_output_to_its_reader_and_tell_the_group_of_ends():
+    box = Outboxes(threading.Condition())
+    box.route("a", "ing1")
+    box.route("b", "ing2")
+    box.route("g", GROUP)  # the group's own request (rollout handle)
+    box.publish(1, [out("a", [5]), out("b", [6]), out("g", [7])])
+    box.publish(2, [out("a", [8], done=True), out("g", [9])])
+    assert rows(box.take("ing1", 0, never)) == [out("a", [5]), out("a", [8], done=True)]
+    assert rows(box.take("ing2", 0, never)) == [out("b", [6])]
+    group = rows(box.take(GROUP, 0, never))
+    # the group gets its own request's outputs, and a bare end notice for the subscriber's request that finished
+    assert group == [out("g", [7]), StepOutput("a", [], [], [], True, "length"), out("g", [9])]
+    assert box.subscribers() == {"ing1": 0, "ing2": 1}
+    assert box.take("ing1", 0, never) == []  # taken once
+
+
+def test_outboxes_long_poll_waits_for_the_first_message():
+    box = Outboxes(threading.Condition())
+    box.route("a", "ing")
+    threading.Timer(0.05, lambda: box.publish(1, [out("a", [1])])).start()
+    t0 = time.monotonic()
+    assert rows(box.take("ing", 5.0, never)) == [out("a", [1])]
+    assert time.monotonic() - t0 < 2.0
+    t0 = time.monotonic()
+    assert box.take("ing", 0.05, never) == [] and time.monotonic() - t0 >= 0.04  # nothing: back after the timeout
+
+
+def test_a_subscriber_that_stops_pulling_is_dropped_and_its_requests_returned_for_abort():
+    box = Outboxes(threading.Condition(), expire_s=0.05)
+    box.route("a", "gone")
+    box.route("b", "live")
+    box.route("c", "gone")
+    time.sleep(0.1)
+    box.take("live", 0, never)  # pulled: stays
+    assert sorted(box.expire()) == ["a", "c"]
+    assert box.subscribers() == {"live": 1}
+    # the aborts' outputs: dropped for the gone reader, the group still hears the requests ended
+    box.publish(3, [StepOutput("a", [], [], [], True, "abort"), out("b", [4])])
+    assert [o.request_id for o in rows(box.take(GROUP, 0, never))] == ["a"]
+    assert rows(box.take("live", 0, never)) == [out("b", [4])]
+
+
+class FakeRank:
+    """A rank actor's `pull` as Ray's handle offers it (`worker.pull.remote(...)` is awaitable)."""
+
+    def __init__(self, box: Outboxes):
+        self.box = box
+        self.error: str | None = None
+        self.dead = False
+        self.pull = self
+
+    def remote(self, subscriber: str, timeout: float):
+        async def call():
+            if self.dead:
+                raise RuntimeError("The actor died unexpectedly before finishing this task.")
+            msgs = await asyncio.to_thread(self.box.take, subscriber, min(timeout, 0.05), lambda: bool(self.error))
+            return {"rank": 0, "msgs": msgs, "error": self.error, "stopped": False}
+        return call()
+
+
+def test_deliveries_merge_each_pull_per_request_and_end_requests_of_a_dead_rank():
+    async def go():
+        d = Deliveries()
+        box = Outboxes(threading.Condition())
+        rank = FakeRank(box)
+        qa, qb = d.expect("a"), d.expect("b")
+        for rid in ("a", "b"):
+            box.route(rid, d.subscriber)
+        # three steps before the first pull: one delta per request
+        for s, toks in enumerate(([1], [2, 3], [4])):
+            box.publish(s, [out("a", toks), out("b", [10 + s])])
+        d.attach(Admission("a", "g1", 1, 0, rank))
+        d.attach(Admission("b", "g1", 1, 0, rank))
+        got = await asyncio.wait_for(qa.get(), 5)
+        assert got.new_token_ids == [1, 2, 3, 4] and (await qb.get()).new_token_ids == [10, 11, 12]
+        assert len(d.loops) == 1  # one pull loop for the rank, whatever the requests on it
+        box.publish(4, [out("a", [5], done=True)])
+        assert (await asyncio.wait_for(qa.get(), 5)).finished
+        d.drop("a")
+        rank.dead = True  # the rank dies: the request still on it ends with GroupFailed (sent again if no tokens)
+        err = await asyncio.wait_for(qb.get(), 5)
+        assert isinstance(err, GroupFailed) and "rank 0 of engine group g1 is gone" in str(err)
+        await asyncio.sleep(0.01)
+        assert d.loops == {} and d.by_source == {}
+
+    asyncio.run(go())
+
+
+def test_deliveries_end_requests_with_the_ranks_error():
+    async def go():
+        d = Deliveries()
+        box = Outboxes(threading.Condition())
+        rank = FakeRank(box)
+        q = d.expect("a")
+        d.attach(Admission("a", "g1", 1, 0, rank))
+        rank.error = "rank 0 failed at wave 3 step 17: TimeoutError: collective timed out\nrank 0 last DPMeta: ..."
+        err = await asyncio.wait_for(q.get(), 5)
+        assert isinstance(err, GroupFailed) and "collective timed out" in str(err) and "DPMeta" not in str(err)
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_warmup_serves_a_workload_and_leaves_nothing_behind(k):
+    """The warmup's synthetic workload (engine/warmup.py) ran to its end: every block and state slot back in the
+    pool, no request left, the counters at zero for serving, and the engine serves as before."""
+    from mtp_ray import LLM, SamplingParams
+
+    llm = LLM(num_speculative_tokens=k)
+    core = llm.engine
+    assert not core.requests and not core.has_unfinished()
+    assert core.blocks.num_free_blocks == core.blocks.num_blocks - 1  # block 0 is reserved
+    assert core.stats.steps == 0 and core.stats.output_tokens == 0
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 5 and core.stats.output_tokens == 5
