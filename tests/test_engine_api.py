@@ -168,6 +168,37 @@ def test_incremental_detokenizer_equals_full_decode(llm):
     assert stop.stopped_by == "return x" and stop.text == text[: text.index("return x")]
 
 
+@pytest.mark.parametrize("kind", ["wordpiece", "metaspace"])
+def test_incremental_detokenizer_commits_with_joining_decoders(kind):
+    """Decoders that join words with spaces (WordPiece) or drop the first word's leading space (Metaspace): the
+    text after a boundary depends on the tokens before it, so the tail is decoded with them as context. The text
+    still equals a full decode after every chunk, and the window still commits (a tail decoded alone used to
+    miss the joining space, so nothing was ever committed and each chunk decoded the whole output)."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from mtp_ray.engine.detok import Detokenizer
+
+    words = [f"w{i}" for i in range(50)] + ["##ing", "##ed"] if kind == "wordpiece" else \
+        [f"\u2581w{i}" for i in range(50)] + ["ing", "ed", "\u2581"]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>"] + words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece() if kind == "wordpiece" else decoders.Metaspace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+    rng = random.Random(1)
+    ids = [rng.randrange(1, len(words) + 1) for _ in range(300)]
+    d = Detokenizer(tok, [])
+    at = 0
+    while at < len(ids):
+        n = rng.randint(1, 5)
+        d.add(ids[at : at + n])
+        at += n
+        assert d.text == tok.decode(ids[:at], skip_special_tokens=True), at
+    assert d.committed > len(ids) // 2
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_plain_greedy_fast_path_equals_full_sampling_path(k):
     """Plain greedy rows take the step's one argmax (and its log-prob); a request for top log-probs goes through

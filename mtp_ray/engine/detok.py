@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 # tokens decoded together at most (beyond it the older ones are committed as text): each add decodes the tail since
 # the boundary, so this bounds a token's decoding cost (the ingress's largest per-token cost, bench/serve.py profile)
 WINDOW = 16
-KEEP = 4  # tokens left after the boundary when committing (context for the next decodes; _commit checks exactness)
+KEEP = 4  # tokens left after the boundary when committing (_commit checks the split is exact)
+CTX = 4  # tokens before the boundary decoded with the tail as context
 
 
 def decoder(tokenizer) -> Callable[[list[int], bool], str]:
@@ -36,6 +37,7 @@ class Detokenizer:
     # text of token_ids[:committed] (decoding only the tail keeps a long generation linear, not quadratic)
     committed: int = 0
     committed_text: str = ""
+    ctx_text: str = ""  # the text of the CTX tokens before the boundary, decoded alone (see _after)
 
     def __post_init__(self) -> None:
         self._dec = decoder(self.tokenizer) if self.tokenizer is not None else None
@@ -43,16 +45,25 @@ class Detokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._dec(ids, self.skip_special_tokens)
 
+    def _after(self, split: int, ctx_text: str, end: int | None = None) -> str | None:
+        """The text token_ids[split:end] add after the text of token_ids[:split]: decoded together with the CTX
+        tokens before `split` (whose text alone is `ctx_text`) and that prefix cut off. The context matters for
+        decoders that join or strip across tokens (WordPiece adds the space between words, Metaspace drops the
+        first word's); decoding token_ids[split:] alone loses it. None where the context's text is no prefix."""
+        whole = self._decode(self.token_ids[max(0, split - CTX) : end])
+        return whole[len(ctx_text):] if whole.startswith(ctx_text) else None
+
     def _commit(self, tail: str) -> str:
-        """Move the boundary forward to KEEP tokens before the end, only where decoding the two sides apart
-        gives exactly the text of decoding them together (so text always equals a full decode). Returns the
-        text of the tokens after the boundary."""
+        """Move the boundary forward to KEEP tokens before the end, only where the two sides decoded apart (each
+        with its context) give exactly the text decoded together (so text always equals a full decode). Returns
+        the text of the tokens after the boundary."""
         split = len(self.token_ids) - KEEP
-        head = self._decode(self.token_ids[self.committed : split])
-        rest = self._decode(self.token_ids[split:])
-        if head + rest != tail or head.endswith("\ufffd"):
-            return tail
-        self.committed, self.committed_text = split, self.committed_text + head
+        head = self._after(self.committed, self.ctx_text, split)
+        ctx_text = self._decode(self.token_ids[max(0, split - CTX) : split])
+        rest = self._after(split, ctx_text)
+        if head is None or rest is None or head + rest != tail or "\ufffd" in head[-1:] + ctx_text[-1:]:
+            return tail  # (a boundary inside a multi-byte character decodes as U+FFFD on one side)
+        self.committed, self.committed_text, self.ctx_text = split, self.committed_text + head, ctx_text
         return rest
 
     def add(self, new_ids: list[int]) -> None:
@@ -62,7 +73,10 @@ class Detokenizer:
         self.token_ids.extend(new_ids)
         if self.tokenizer is None:  # token ids only: no text, no stop strings
             return
-        tail = self._decode(self.token_ids[self.committed :])
+        tail = self._after(self.committed, self.ctx_text)
+        if tail is None:  # (not seen: the boundary's context decodes differently now) start over from the top
+            self.committed, self.committed_text, self.ctx_text = 0, "", ""
+            tail = self._decode(self.token_ids)
         if len(self.token_ids) - self.committed > WINDOW:
             tail = self._commit(tail)
         full = self.committed_text + tail
