@@ -72,8 +72,10 @@ def model_35b(layers: int, mtp: bool) -> Path:
 
 
 def variant_yaml(base: dict, dp: int, k: int, model: dict, out: Path, groups: int | None = None,
-                 ingress: int | None = None) -> tuple[Path, int, str]:
+                 ingress: int | None = None, port: int | None = None) -> tuple[Path, int, str]:
     cfg = json.loads(json.dumps(base))
+    if port:
+        cfg["http_options"] = {**cfg.get("http_options", {}), "port": port}
     app = cfg["applications"][0]
     if ingress:  # a fixed number of ingress replicas
         app["args"]["ingress"] = {**app["args"].get("ingress", {}), "num_replicas": ingress}
@@ -296,7 +298,7 @@ def save(result: dict, path: str) -> None:
 async def run_variant(args, name: str, dp: int, k: int, model: dict, work: Path, result: dict) -> dict:
     base = yaml.safe_load(Path(args.yaml).read_text())
     path, port, served = variant_yaml(base, dp, k, model, work / f"{name}.yaml", args.groups,
-                                      args.ingress)
+                                      args.ingress, args.port)
     server = Server(path, port, work / f"{name}.log")
     try:
         up = await server.wait_ready(args.start_timeout)
@@ -393,6 +395,7 @@ def main() -> None:
     ap.add_argument("--profile-s", type=float, default=0, help="py-spy the serving processes for this long "
                     "during the highest concurrency level")
     ap.add_argument("--groups", type=int, default=None, help="fixed engine groups (default: the YAML's)")
+    ap.add_argument("--port", type=int, default=None, help="HTTP port (default: the YAML's)")
     ap.add_argument("--ingress", type=int, default=None, help="fixed ingress replicas (default: the YAML's)")
     ap.add_argument("--out", default="bench/results/serve.json")
     args = ap.parse_args()

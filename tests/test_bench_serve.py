@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_serving_benchmark_smoke(tmp_path):
     out = tmp_path / "serve.json"
     cmd = [sys.executable, "bench/serve.py", "--variants", "dp2k3", "--concurrency", "1", "4", "--ranged", "4",
-           "--max-tokens", "12", "--requests-per-stream", "2", "--cold-burst", "4", "--out", str(out)]
+           "--max-tokens", "12", "--requests-per-stream", "2", "--cold-burst", "4", "--port", "8021", "--out", str(out)]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     res = json.loads(out.read_text())

@@ -28,7 +28,7 @@ def never() -> bool:
 
 
 def test_outboxes_route_each_output_to_its_reader_and_tell_the_group_of_ends():
-    box = Outboxes(threading.Condition())
+    box = Outboxes()
     box.route("a", "ing1")
     box.route("b", "ing2")
     box.route("g", GROUP)  # the group's own request (rollout handle)
@@ -44,7 +44,7 @@ def test_outboxes_route_each_output_to_its_reader_and_tell_the_group_of_ends():
 
 
 def test_outboxes_long_poll_waits_for_the_first_message():
-    box = Outboxes(threading.Condition())
+    box = Outboxes()
     box.route("a", "ing")
     threading.Timer(0.05, lambda: box.publish(1, [out("a", [1])])).start()
     t0 = time.monotonic()
@@ -55,7 +55,7 @@ def test_outboxes_long_poll_waits_for_the_first_message():
 
 
 def test_a_subscriber_that_stops_pulling_is_dropped_and_its_requests_returned_for_abort():
-    box = Outboxes(threading.Condition(), expire_s=0.05)
+    box = Outboxes(expire_s=0.05)
     box.route("a", "gone")
     box.route("b", "live")
     box.route("c", "gone")
@@ -90,7 +90,7 @@ class FakeRank:
 def test_deliveries_merge_each_pull_per_request_and_end_requests_of_a_dead_rank():
     async def go():
         d = Deliveries()
-        box = Outboxes(threading.Condition())
+        box = Outboxes()
         rank = FakeRank(box)
         qa, qb = d.expect("a"), d.expect("b")
         for rid in ("a", "b"):
@@ -118,7 +118,7 @@ def test_deliveries_merge_each_pull_per_request_and_end_requests_of_a_dead_rank(
 def test_deliveries_end_requests_with_the_ranks_error():
     async def go():
         d = Deliveries()
-        box = Outboxes(threading.Condition())
+        box = Outboxes()
         rank = FakeRank(box)
         q = d.expect("a")
         d.attach(Admission("a", "g1", 1, 0, rank))
@@ -142,3 +142,34 @@ def test_warmup_serves_a_workload_and_leaves_nothing_behind(k):
     assert core.stats.steps == 0 and core.stats.output_tokens == 0
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 5 and core.stats.output_tokens == 5
+
+
+def test_a_step_wakes_only_its_readers():
+    """A subscriber's tokens wake that subscriber's pull, not the group's poll; the group's end notice waits for
+    its poll's timeout. A failing rank (stop condition + wake_all) returns every waiting pull at once."""
+    box = Outboxes()
+    box.route("a", "ing")
+    got: dict[str, tuple[float, list]] = {}
+
+    def wait(name: str, timeout: float, stop=never) -> None:
+        t0 = time.monotonic()
+        msgs = box.take(name, timeout, stop)
+        got[name] = (time.monotonic() - t0, rows(msgs))
+
+    threads = [threading.Thread(target=wait, args=("ing", 5.0)), threading.Thread(target=wait, args=(GROUP, 0.5))]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    box.publish(1, [out("a", [1], done=True)])
+    for t in threads:
+        t.join()
+    assert got["ing"][0] < 0.3 and got["ing"][1] == [out("a", [1], done=True)]
+    assert got[GROUP][0] >= 0.4 and got[GROUP][1] == [StepOutput("a", [], [], [], True, "length")]
+    failed = threading.Event()
+    t = threading.Thread(target=wait, args=("ing", 10.0, failed.is_set))
+    t.start()
+    time.sleep(0.05)
+    failed.set()
+    box.wake_all()
+    t.join(2.0)
+    assert not t.is_alive() and got["ing"][1] == []

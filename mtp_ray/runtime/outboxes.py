@@ -24,46 +24,59 @@ GROUP = ""  # the group's poll
 
 
 @dataclass
-class Subscriber:
+class Reader:
+    """One reader's messages and the condition its long poll waits on (over the outboxes' one lock): a step wakes
+    only the readers it has messages for, not every puller in the rank process."""
+
+    wake: threading.Condition
     seen: float  # when it last pulled (or its first request arrived)
     msgs: list[bytes] = field(default_factory=list)
     rids: set[str] = field(default_factory=set)
 
 
 class Outboxes:
-    def __init__(self, cond: threading.Condition, expire_s: float = 30.0):
-        self.cond = cond  # the worker's: its waiters also wake on errors and on stop
+    def __init__(self, expire_s: float = 30.0):
+        self.lock = threading.Lock()
         self.expire_s = expire_s
-        self.group: list[bytes] = []
-        self.subs: dict[str, Subscriber] = {}
+        self.group = Reader(threading.Condition(self.lock), time.monotonic())
+        self.subs: dict[str, Reader] = {}
         self.sub_of: dict[str, str] = {}  # request id -> its subscriber (requests of the group's own are absent)
+
+    def _reader(self, name: str) -> Reader:
+        """(lock held) The group, or a subscriber (made on first sight)."""
+        if name == GROUP:
+            return self.group
+        sub = self.subs.get(name)
+        if sub is None:
+            sub = self.subs[name] = Reader(threading.Condition(self.lock), time.monotonic())
+        return sub
 
     def route(self, rid: str, subscriber: str) -> None:
         """Before the request can produce output (engine thread, when it is added)."""
         if subscriber == GROUP:
             return
-        with self.cond:
-            sub = self.subs.get(subscriber)
-            if sub is None:
-                sub = self.subs[subscriber] = Subscriber(time.monotonic())
-            sub.rids.add(rid)
+        with self.lock:
+            self._reader(subscriber).rids.add(rid)
             self.sub_of[rid] = subscriber
 
     def publish(self, step: int, outs: list[StepOutput]) -> None:
-        """One step's outputs: one message per reader that has any."""
+        """One step's outputs: one message per reader that has any. The group's end notices of subscribed requests
+        do not wake its poll (it returns within its timeout anyway, and needs them only for its load counts)."""
         if not self.sub_of:  # nobody subscribed: everything is the group's
             msg = pack_step(step, outs)
-            with self.cond:
-                self.group.append(msg)
-                self.cond.notify_all()
+            with self.lock:
+                self.group.msgs.append(msg)
+                self.group.wake.notify_all()
             return
         mine: list[StepOutput] = []
+        own = False  # outputs of the group's own requests (not only end notices): wake its poll
         theirs: dict[str, list[StepOutput]] = {}
-        with self.cond:
+        with self.lock:
             for o in outs:
                 name = self.sub_of.get(o.request_id)
                 if name is None:
                     mine.append(o)
+                    own = True
                     continue
                 if name in self.subs:
                     theirs.setdefault(name, []).append(o)
@@ -74,44 +87,48 @@ class Outboxes:
                         self.subs[name].rids.discard(o.request_id)
         packed = {name: pack_step(step, rows) for name, rows in theirs.items()}
         group = pack_step(step, mine) if mine else None
-        with self.cond:
+        with self.lock:
             for name, msg in packed.items():
-                if name in self.subs:
-                    self.subs[name].msgs.append(msg)
+                sub = self.subs.get(name)
+                if sub is not None:
+                    sub.msgs.append(msg)
+                    sub.wake.notify_all()
             if group is not None:
-                self.group.append(group)
-            self.cond.notify_all()
+                self.group.msgs.append(group)
+                if own:
+                    self.group.wake.notify_all()
 
-    def take(self, subscriber: str, timeout: float, stop: Callable[[], bool]) -> list[bytes]:
-        """Long poll: the reader's messages, waiting up to `timeout` for the first one (or until `stop()`)."""
+    def take(self, name: str, timeout: float, stop: Callable[[], bool]) -> list[bytes]:
+        """Long poll: the reader's messages, waiting up to `timeout` for the first one (or until `stop()`: call
+        `wake_all` after setting what it reads)."""
         deadline = time.monotonic() + timeout
-        with self.cond:
-            if subscriber == GROUP:
-                while not self.group and not stop() and time.monotonic() < deadline:
-                    self.cond.wait(max(0.0, deadline - time.monotonic()))
-                msgs, self.group = self.group, []
-                return msgs
-            sub = self.subs.get(subscriber)
-            if sub is None:
-                sub = self.subs[subscriber] = Subscriber(time.monotonic())
-            while not sub.msgs and not stop() and time.monotonic() < deadline:
-                sub.seen = time.monotonic()
-                self.cond.wait(max(0.0, deadline - time.monotonic()))
-            sub.seen = time.monotonic()
-            msgs, sub.msgs = sub.msgs, []
+        with self.lock:
+            r = self._reader(name)
+            while not r.msgs and not stop() and time.monotonic() < deadline:
+                r.seen = time.monotonic()
+                r.wake.wait(max(0.0, deadline - time.monotonic()))
+            r.seen = time.monotonic()
+            msgs, r.msgs = r.msgs, []
             return msgs
+
+    def wake_all(self) -> None:
+        """Every waiting reader re-checks its stop condition (the rank failed or is stopping)."""
+        with self.lock:
+            for r in (self.group, *self.subs.values()):
+                r.wake.notify_all()
 
     def expire(self) -> list[str]:
         """Drop the subscribers that stopped pulling; returns their requests (to abort)."""
         now, gone = time.monotonic(), []
-        with self.cond:
+        with self.lock:
             for name, sub in list(self.subs.items()):
                 if now - sub.seen > self.expire_s:
                     gone += sub.rids
+                    sub.wake.notify_all()
                     del self.subs[name]
         return gone
 
     def subscribers(self) -> dict[str, int]:
         """Requests in flight per subscriber (health)."""
-        with self.cond:
+        with self.lock:
             return {name: len(sub.rids) for name, sub in self.subs.items()}

@@ -55,7 +55,7 @@ class RankWorker:
         self.cfg, self.rank, self.world = cfg, rank, world
         self.inbox: queue.Queue[AddRequest | AbortRequest] = queue.Queue()
         self.cond = threading.Condition()
-        self.outboxes = Outboxes(self.cond)  # step outputs for the group's poll and for subscribers' pulls
+        self.outboxes = Outboxes()  # step outputs for the group's poll and for subscribers' pulls
         self.start_wanted = -1  # highest wave index some rank asked to start
         self.running = False
         self.waves_s, self.wave_t0 = 0.0, 0.0  # wall time in waves (stepping, or between steps of a wave)
@@ -211,6 +211,7 @@ class RankWorker:
         self.stopped = True
         with self.cond:
             self.cond.notify_all()
+        self.outboxes.wake_all()
 
     # ---- engine thread ----
     def _loop(self) -> None:
@@ -260,6 +261,7 @@ class RankWorker:
             log.error("%s\n%s", self.error, traceback.format_exc())
             with self.cond:
                 self.cond.notify_all()
+            self.outboxes.wake_all()  # the pollers return the error now
 
     def _run_command(self) -> None:
         with self.cond:

@@ -15,15 +15,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mtp_ray.config.server import ServerConfig
 from mtp_ray.llm import load_tokenizer
+from mtp_ray.runtime.batcher import detached
 from mtp_ray.serve.chat_request import ChatServing, parse_chat, render_chat
+from mtp_ray.serve.choices import ChoiceRunner
 from mtp_ray.serve.errors import ApiError, bad
 from mtp_ray.serve.fields import CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
 from mtp_ray.serve.groups import GroupClient, GroupStream, cause_of, first_line, unavailable
 from mtp_ray.serve.intake import check_api_key, read_body, read_json_object
 from mtp_ray.serve.metrics import Metrics, render
 from mtp_ray.serve.metrics_hub import HubReporter
-from mtp_ray.serve.openai_protocol import Limits, ParsedRequest, check_length, parse_completion
-from mtp_ray.serve.responses import Choice, choice_params, error_response, final_response, new_choices, sse_event
+from mtp_ray.serve.openai_protocol import Limits, check_length, parse_completion
+from mtp_ray.serve.responses import choice_params, error_response, final_response, new_choices
 from mtp_ray.serve.streaming import SSEWriter
 
 # no /docs, /redoc or /openapi.json: the API is OpenAI's, and an open schema browser is one more thing to expose
@@ -55,6 +57,7 @@ class Ingress:
         if self.server.template() is not None:
             self.tok.chat_template = self.server.template()
         self.serving = ChatServing(self.server.reasoning_parser, self.server.tool_call_parser)
+        self.runner = ChoiceRunner(self.metrics, self.classify)
         # the longest token's text, once here: over a 248k vocabulary it takes ~0.1 s, and a cold server's first
         # burst used to compute it per request, on the event loop (a 64-request burst waited ~7 s for it)
         self.longest_token = max(max((len(t) for t in self.tok.get_vocab()), default=1), 1)
@@ -87,14 +90,16 @@ class Ingress:
         return self._limits
 
     async def info(self) -> dict:
-        """The group's model facts, asked once: a burst of first requests shares the one call."""
-        if self._info is None:
-            self._info = asyncio.ensure_future(self.group.info.remote())
-        try:
-            return await asyncio.shield(self._info)
-        except Exception:
-            self._info = None  # no group answered yet: the next request asks again
-            raise
+        """The group's model facts, asked once: a burst of first requests shares the one call. It is made from a
+        task of its own (runtime/batcher.py: detached): made inside the first request, Serve would cancel it with
+        that request when its client gives up, and every later request would get the cancellation."""
+        f = self._info
+        if f is None or (f.done() and (f.cancelled() or f.exception() is not None)):  # none yet, or ask again
+            f = self._info = detached(self._ask_info())
+        return await asyncio.shield(f)
+
+    async def _ask_info(self) -> dict:
+        return await self.group.info.remote()
 
     async def _body(self, request: Request, known: set[str]) -> dict:
         check_api_key(request, self.server.api_key)
@@ -168,82 +173,13 @@ class Ingress:
             return self.refused(failed if isinstance(failed, ApiError) else self.classify(failed))
         streams = dict(zip((c.index for c in choices), opened, strict=True))
         if req.stream:
-            return StreamingResponse(self._stream(rid, req, choices, chat, streams, t0),
-                                     media_type="text/event-stream")
+            w = SSEWriter(rid, self.model_name, req, choices, chat, self.tok)
+            return StreamingResponse(self.runner.events(w, choices, streams, t0), media_type="text/event-stream")
         try:
-            await asyncio.gather(*[self._drive(c, streams[c.index], None, t0) for c in choices])
+            await asyncio.gather(*[self.runner.drive(c, streams[c.index], None, t0) for c in choices])
         except Exception as e:
             return self.refused(e if isinstance(e, ApiError) else self.classify(e))
         return JSONResponse(final_response(rid, self.model_name, chat, choices, req, self.tok))
-
-    async def _drive(self, c: Choice, stream: GroupStream, queue: asyncio.Queue | None, t0: float) -> None:
-        """Runs one choice to its end; with a queue, puts a chunk per step that produced text or finished."""
-        last = t0
-        self.metrics.running += 1
-        try:
-            async for out in stream.deltas():
-                now = time.monotonic()
-                if out.new_token_ids:
-                    if not c.token_ids:
-                        self.metrics.ttft.observe(now - t0)
-                    else:
-                        self.metrics.itl.observe((now - last) / len(out.new_token_ids))
-                    last = now
-                c.add(out)
-                if c.detok.stopped_by is not None and not out.finished:
-                    c.finish_reason, c.stop_reason = "stop", c.detok.stopped_by
-                    stream.cancel()  # aborts the request on its rank
-                if queue is not None:
-                    queue.put_nowait(c)
-                if c.finish_reason is not None:
-                    break
-            self.metrics.e2e.observe(time.monotonic() - t0)
-            self.metrics.finished(len(c.prompt), len(c.token_ids), c.spec, c.finish_reason, c.timings)
-        except asyncio.CancelledError:  # the client went away (the stream cancels its request on its rank)
-            self.metrics.count("request_aborted_total")
-            raise
-        finally:
-            self.metrics.running -= 1
-
-    async def _stream(self, rid: str, req: ParsedRequest, choices: list[Choice], chat: bool,
-                      streams: dict[int, GroupStream], t0: float):
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def drive(c: Choice) -> None:
-            try:
-                await self._drive(c, streams[c.index], queue, t0)
-                queue.put_nowait(("done", c))
-            except Exception as e:
-                queue.put_nowait(("error", e))
-
-        tasks = [asyncio.create_task(drive(c)) for c in choices]
-        w = SSEWriter(rid, self.model_name, req, choices, chat, self.tok)
-        live = len(choices)
-        try:
-            for event in w.opening():
-                yield event
-            while live:
-                item = await queue.get()
-                if isinstance(item, tuple):
-                    kind, val = item
-                    if kind == "error":
-                        raise val
-                    live -= 1
-                    c = val
-                else:
-                    c = item
-                for event in w.progress(c):
-                    yield event
-            for event in w.closing():
-                yield event
-        except Exception as e:
-            err = e if isinstance(e, ApiError) else self.classify(e)
-            self.metrics.count(f'request_failed_total{{status="{err.status}"}}')
-            yield sse_event(err.body())
-        finally:
-            for t in tasks:
-                t.cancel()
-        yield "data: [DONE]\n\n"
 
     def _model_card(self, max_len: int) -> dict:
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "mtp-ray", "root": self.model_name,
