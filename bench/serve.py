@@ -229,6 +229,11 @@ async def engine_counters(url: str) -> list[dict]:
     return [{k: r.get(k, 0) for k in keys} for r in h["rank_stats"]]
 
 
+async def rank_stalls(url: str) -> list[dict]:
+    async with aiohttp.ClientSession() as s, s.get(url + "/admin/health?stats=1") as r:
+        return [r["stalls"] for r in (await r.json())["rank_stats"]]
+
+
 def engine_delta(before: list[dict], after: list[dict]) -> dict:
     d = [{k: a[k] - b[k] for k in a} for b, a in zip(before, after)]
     tokens = sum(r["output_tokens"] for r in d)
@@ -308,7 +313,14 @@ async def run_variant(args, name: str, dp: int, k: int, model: dict, work: Path,
         result["variants"][name] = out
         burst = [prompt(10_000 + i) for i in range(args.cold_burst)]
         if args.cold_burst:
+            before = await rank_stalls(url)
             out["cold_burst"] = await run_level(url, served, burst, args.cold_burst, args.max_tokens)
+            # Triton compiles and GC pauses the ranks met during the cold burst (runtime/stalls.py)
+            out["cold_burst"]["rank_stalls"] = [
+                {"triton_compiles": a["triton_compiles"] - b["triton_compiles"],
+                 "triton_compile_s": round(a["triton_compile_s"] - b["triton_compile_s"], 3),
+                 "gc_s": round(a["gc_s"] - b["gc_s"], 3), "recent_compiles": a["recent_compiles"][-5:]}
+                for b, a in zip(before, await rank_stalls(url))]
             save(result, args.out)
         for c, ratio in [(c, 0.0) for c in args.concurrency] + [(c, args.range_ratio) for c in args.ranged]:
             prompts = [prompt(c * 1000 + i) for i in range(c * args.requests_per_stream)]

@@ -27,4 +27,5 @@ def test_serving_benchmark_smoke(tmp_path):
         assert e["output_tokens"] == level["output_tokens"] and e["tok_s"] > 0, (name, e)
         assert level["client_over_engine_tok_s"] > 0 and level["ttft_ms"]["p50"] > 0
     assert v["levels"]["1"]["tpot_ms"]["mean"] > 0
+    assert len(v["cold_burst"]["rank_stalls"]) == 2 and "triton_compiles" in v["cold_burst"]["rank_stalls"][0]
     assert v["cold_burst"]["completed"] == 4 and v["warm_burst"]["completed"] == 4 and v["cold_over_warm_ttft"] > 0

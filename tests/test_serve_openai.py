@@ -351,6 +351,9 @@ def test_client_disconnect_aborts_the_request(server):
             break
         time.sleep(0.5)
     assert h["in_flight"] == 0 and all(r["num_running"] == 0 for r in h["ranks"]), h
+    # the ingress replica pulled those streams from the ranks (runtime/outboxes.py), and holds none there now
+    assert any(r["subscribers"] for r in h["ranks"]) and all(
+        sum(r["subscribers"].values()) == 0 for r in h["ranks"]), h
 
 
 def test_rl_methods_through_the_serve_handle(server, offline):

@@ -175,7 +175,8 @@ class RankWorker:
                 "kv_usage": self.core.blocks.usage() if self.core else 0.0,
                 "num_waiting": len(self.core.scheduler.waiting) + self.inbox.qsize() if self.core else 0,
                 "spec": self.core.stats.snapshot() if self.core else {}, "aborts": dict(self.aborts),
-                "collectives": self.ctx.collectives if self.ctx else 0}
+                "collectives": self.ctx.collectives if self.ctx else 0,
+                "subscribers": self.outboxes.subscribers()}  # requests in flight per ingress replica pulling here
 
     def pull(self, subscriber: str, timeout: float = 1.0) -> dict:
         """A subscriber's long poll (an ingress replica): the step messages of its requests since its last pull,
