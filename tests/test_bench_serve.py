@@ -29,3 +29,13 @@ def test_serving_benchmark_smoke(tmp_path):
     assert v["levels"]["1"]["tpot_ms"]["mean"] > 0
     assert len(v["cold_burst"]["rank_stalls"]) == 2 and "triton_compiles" in v["cold_burst"]["rank_stalls"][0]
     assert v["cold_burst"]["completed"] == 4 and v["warm_burst"]["completed"] == 4 and v["cold_over_warm_ttft"] > 0
+
+
+def test_ingress_chunk_benchmark_smoke(tmp_path):
+    out = tmp_path / "chunk.json"
+    run = subprocess.run([sys.executable, "bench/ingress_chunk.py", "--streams", "1", "3", "--steps", "12", "--out",
+                          str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["runs"]
+    # every stream streamed: a chunk per step (the first and the last may merge with a neighbour)
+    assert [r["streams"] for r in rows] == [1, 3] and all(r["events"] >= r["streams"] * 10 for r in rows), rows
