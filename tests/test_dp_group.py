@@ -75,6 +75,27 @@ def test_dp_outputs_equal_dp1(ray_cluster, ref, dp, k, draft_gathers):
         ray_cluster.get(h.shutdown.remote())
 
 
+def test_dp2_mtp3_near_max_model_len_finishes_and_equals_dp1(ray_cluster):
+    """Requests that run into max_model_len on one rank while the other rank keeps drafting (vllm #44185: a rank
+    that skipped its draft forwards near the limit left its peer alone in the MoE exchange, and the group hung).
+    Here every rank runs all k draft forwards (dummies where it has nothing to draft), the requests end with
+    "length" at the limit, and the tokens equal dp = 1's."""
+    import ray
+
+    limit = 48
+    prompts = [list(range(10, 10 + n)) for n in (40, 3, 44, 6, 30)]
+    want = [o.outputs[0].token_ids for o in LLM(max_model_len=limit, num_speculative_tokens=3).generate(
+        prompts, SamplingParams(max_tokens=100, **GREEDY))]
+    assert all(len(p) + len(w) == limit for p, w in zip(prompts, want))  # every one ran into the limit
+    h = launch_engine(cfg(2, 3, scheduler={"max_model_len": limit}))
+    try:
+        res = ray.get([h.generate.remote(p, {"max_tokens": 100, **GREEDY}) for p in prompts], timeout=120)
+        assert [r["token_ids"] for r in res] == want
+        assert all(r["stop_reason"] == "length" for r in res)
+    finally:
+        ray.get(h.shutdown.remote())
+
+
 def test_group_of_one_computes_experts_in_place(ray_cluster, ref):
     """A dp = 1 group owns every expert: same tokens as the plain engine and no EP exchange with itself."""
     h = launch_engine(cfg(1, 2))

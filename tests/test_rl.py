@@ -112,6 +112,9 @@ def test_update_weights_from_distributed_equals_fresh_engine(ray_cluster, engine
     with pytest.raises(Exception, match="model.nope"):
         ray.get(done)
     assert gen(ray, engine) == refs["new"]
+    # back to the original weights: the tests after this one (or any one of them run alone after it) expect them
+    ray.get(engine.update_weights.remote(ray.put(weights(0.0))))
+    assert gen(ray, engine) == refs["orig"]
 
 
 def test_sleep_wake_cycles_equal_fresh_engine(ray_cluster, engine, new_weights, refs):
