@@ -12,7 +12,7 @@ from mtp_ray.config.model import ModelConfig
 from mtp_ray.engine.cache import CacheShape, bind_caches, free_caches
 from mtp_ray.engine.graphs import CudaGraphs, Fetched
 from mtp_ray.engine.inputs import StepInputs
-from mtp_ray.layers.linear import fuse_projections
+from mtp_ray.layers.linear import fuse_projections, unfuse_projections
 from mtp_ray.layers.moe import ExpertDispatcher, local_dispatch
 from mtp_ray.layers.rope import bind_rope_tables
 from mtp_ray.model.loader import WeightLoader, load_model
@@ -119,6 +119,7 @@ class ModelRunner:
         self.free()
         if self.graphs is not None:
             self.graphs.reset()  # they point at the caches (and, after level 2, the weights) being freed
+        unfuse_projections(self.model)  # wake_up fuses again
         params = dict(self.model.named_parameters())
         if level == 1 and self.device.type != "cpu":
             for p in params.values():

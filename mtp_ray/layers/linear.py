@@ -63,9 +63,24 @@ class FusedProjections:
         return list(linear(x, self.buffer).split([lin.weight.shape[0] for lin in self.layers], dim=-1))
 
 
+    def unfuse(self) -> None:
+        """Let go of the buffer (sleep): the parameters keep their views of it only until sleep moves or drops them,
+        so the buffer's memory goes with them instead of staying referenced here."""
+        self.buffer, self.ptrs = None, ()
+
+
+def _fused(model: nn.Module) -> list[FusedProjections]:
+    return [f for m in model.modules() for f in vars(m).values() if isinstance(f, FusedProjections)]
+
+
 def fuse_projections(model: nn.Module) -> None:
     """Fuse every FusedProjections of the model (GDN in_proj_*, attention q/k/v): after loading, after wake_up."""
-    for m in model.modules():
-        for f in vars(m).values():
-            if isinstance(f, FusedProjections):
-                f.fuse()
+    for f in _fused(model):
+        f.fuse()
+
+
+def unfuse_projections(model: nn.Module) -> None:
+    """Every FusedProjections lets go of its buffer: before sleep moves (level 1) or drops (level 2) the weights,
+    or the fused copies would stay on the device (~1.9 GB per rank at the Qwen3.5-35B-A3B shapes)."""
+    for f in _fused(model):
+        f.unfuse()
