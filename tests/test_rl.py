@@ -3,6 +3,7 @@ wake_up cycles, sleep in the middle of chunked prefill, concurrent rollout worke
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 
@@ -73,7 +74,10 @@ def test_bad_updates_name_the_tensor_and_keep_old_weights(ray_cluster, engine, r
             ([("model.layers.0.bogus.weight", t)], "unknown weight name 'model.layers.0.bogus.weight'"),
             ([("mtp.fc.weight", torch.zeros(3, 3))], r"weight 'mtp.fc.weight' has shape \[3, 3\]"),
             ([("model.norm.weight", torch.zeros(128, dtype=torch.int64))], "weight 'model.norm.weight' has dtype"),
-            ([("model.layers.0.mlp.experts.99.up_proj.weight", torch.zeros(128, 128))], "experts.99")):
+            ([("model.layers.0.mlp.experts.99.up_proj.weight", torch.zeros(128, 128))], "experts.99"),
+            # an object ref only its owner (rank 1 holds experts 4-7) fetches and can check: both ranks refuse it
+            ([("model.layers.0.mlp.experts.7.up_proj.weight", ray.put(torch.zeros(3, 3)))],
+             r"weight 'model.layers.0.mlp.experts.7.up_proj.weight' has shape \[3, 3\]")):
         with pytest.raises(Exception, match=pattern):
             ray.get(engine.update_weights.remote(good + bad))  # valid tensors first: none may be applied
     assert gen(ray, engine) == refs["orig"]
@@ -82,9 +86,13 @@ def test_bad_updates_name_the_tensor_and_keep_old_weights(ray_cluster, engine, r
 def test_update_weights_by_object_refs_equals_fresh_engine(ray_cluster, engine, new_weights, refs):
     ray = ray_cluster
     named = new_weights[0]
-    # chunked, each tensor its own object ref
+    # chunked, each tensor its own object ref: a rank fetches the shared tensors and its own experts only
+    fetched = [0, 0]
     for i in range(0, len(named), 50):
-        ray.get(engine.update_weights.remote([(n, ray.put(t)) for n, t in named[i : i + 50]]))
+        res = ray.get(engine.update_weights.remote([(n, ray.put(t)) for n, t in named[i : i + 50]]))
+        fetched = [f + r["fetched"] for f, r in zip(fetched, res, strict=True)]
+    experts = sum(1 for n, _ in named if re.search(r"\.mlp\.experts\.\d+\.", n))
+    assert experts > 0 and fetched[0] + fetched[1] == 2 * (len(named) - experts) + experts, (fetched, experts)
     toks, accepted = gen(ray, engine)
     assert toks == refs["new"][0] and toks != refs["orig"][0]
     assert accepted == refs["new"][1]  # the MTP head was updated too: its drafts are the fresh engine's

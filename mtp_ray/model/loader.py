@@ -70,17 +70,24 @@ class WeightLoader:
             return self._load_grouped_gdn(name, read)
         self._copy(name, self.params[name], read(None))
 
-    def check(self, name: str, shape: list[int], dtype: torch.dtype | None = None) -> None:
-        """Validate one named tensor without touching the model (so a bad update leaves the old weights).
-        A name that matches nothing is an error, never skipped: an unused tensor means an unsupported feature
-        (biases, quantisation scales, ...) and serving without it would change the output."""
+    def owns(self, name: str) -> bool:
+        """False for one expert's tensor that another EP rank owns (an update need not even fetch it here)."""
+        m = _PER_EXPERT.match(canonical_name(name))
+        return m is None or self.start <= int(m.group(2)) < self.end
+
+    def check(self, name: str, shape: list[int] | None, dtype: torch.dtype | None = None) -> None:
+        """Validate one named tensor without touching the model (so a bad update leaves the old weights); shape
+        None: the name only (a tensor this rank does not fetch). A name that matches nothing is an error, never
+        skipped: an unused tensor means an unsupported feature (biases, quantisation scales, ...) and serving
+        without it would change the output."""
         raw = name
         name = canonical_name(name)
         if not self.wants(name):
             return
         if dtype is not None and not dtype.is_floating_point:
             raise ValueError(f"weight {raw!r} has dtype {dtype}; expected a floating-point tensor")
-        c, shape = self.cfg, list(shape)
+        c = self.cfg
+        shape = list(shape) if shape is not None else None
         h, inter = c.hidden_size, c.moe_intermediate_size
         if m := _PER_EXPERT.match(name):
             e = int(m.group(2))
@@ -99,7 +106,7 @@ class WeightLoader:
             want = list(self.params[name].shape)
         else:
             raise ValueError(f"unknown weight name {raw!r}: no such parameter in the model")
-        if shape != want:
+        if shape is not None and shape != want:
             raise ValueError(f"weight {raw!r} has shape {shape}, expected {want}")
 
     def _copy(self, name: str, dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -102,6 +102,17 @@ class DistContext:
 
         dist.barrier(group=self.cpu_group)
 
+    def agree_error(self, err: str | None) -> str | None:
+        """The ranks' outcomes of a step they take together (a group command's checks, before it changes
+        anything): the first rank's error, the same on every rank, or None when every rank succeeded."""
+        if self.world == 1:
+            return err
+        import torch.distributed as dist
+
+        out: list[str | None] = [None] * self.world
+        dist.all_gather_object(out, err, group=self.cpu_group)
+        return next((e for e in out if e is not None), None)
+
     def ep_mode(self) -> int:
         """The EP mode of the forward in flight, from the gathered table (flipped only by the test hook)."""
         assert self.forward is not None, "EP collective outside a forward: no gathered DPMeta is set"

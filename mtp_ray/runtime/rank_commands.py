@@ -3,12 +3,14 @@ runs `RankCommands.run` when the gathered DPMeta says every rank holds the comma
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from mtp_ray.engine.core import EngineCore
+from mtp_ray.model.loader import WeightLoader
 from mtp_ray.parallel.context import DistContext
 from mtp_ray.runtime.messages import GroupCommand
-from mtp_ray.runtime.weight_sync import apply_update, make_group, receive, resolve
+from mtp_ray.runtime.weight_sync import apply_update, check_update, make_group, receive, resolve
 
 
 class RankCommands:
@@ -39,7 +41,23 @@ class RankCommands:
         return self.core.runner.memory()
 
     def _update_weights(self, items: Any) -> dict:
-        return {"updated": apply_update(self.core.runner, resolve(items))}
+        return self._all_or_none(lambda loader: resolve(items, loader.owns))
+
+    def _all_or_none(self, fetch: Callable[[WeightLoader], list]) -> dict:
+        """A weight update every rank takes or none does: each rank fetches and checks its part, the ranks agree
+        on the outcome, then each copies its part (`fetched`: the tensors this rank took)."""
+        loader = self.core.runner.weight_loader()
+        items: list = []
+        err = None
+        try:
+            items = fetch(loader)
+            check_update(loader, items)
+        except Exception as e:  # (every rank must reach the agreement, whatever failed here)
+            err = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        err = self.ctx.agree_error(err)
+        if err is not None:
+            raise ValueError(err)
+        return {"updated": len(items), "fetched": apply_update(loader, items)}
 
     def _init_weights_update_group(self, addr: str, port: int, rank_offset: int, world_size: int, group_name: str,
                                    backend: str) -> dict:
@@ -50,8 +68,8 @@ class RankCommands:
     def _update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list, group_name: str) -> dict:
         if group_name not in self.update_groups:
             raise ValueError(f"unknown weight-update group {group_name!r}: call init_weights_update_group first")
-        items = receive(self.update_groups[group_name][1], names, dtypes, shapes, self.core.runner.device)
-        return {"updated": apply_update(self.core.runner, items)}
+        pg = self.update_groups[group_name][1]
+        return self._all_or_none(lambda loader: receive(pg, names, dtypes, shapes, self.core.runner.device))
 
     def _reset_prefix_cache(self) -> bool:
         if self.core.has_unfinished():
