@@ -56,8 +56,9 @@ class Deliveries:
                 try:
                     res = await worker.pull.remote(self.subscriber, PULL_S)
                 except Exception as e:  # the rank died, or its group was torn down
+                    first = (str(e).strip().splitlines() or [""])[0]
                     self._fail(source, GroupFailed(f"rank {rank} of engine group {source.split('/')[0]} is gone: "
-                                                   f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"))
+                                                   f"{type(e).__name__}: {first}"))
                     return
                 self.pulls += 1
                 self._dispatch(res["msgs"])
@@ -75,7 +76,10 @@ class Deliveries:
         for msg in msgs:
             for out in unpack_step(msg)[1]:
                 prev = merged.get(out.request_id)
-                merged[out.request_id] = out if prev is None else prev.then(out)
+                if prev is None:
+                    merged[out.request_id] = out
+                elif not prev.finished:  # (nothing follows a request's end)
+                    merged[out.request_id] = prev.then(out)
         for rid, out in merged.items():
             q = self.queues.get(rid)
             if q is not None:

@@ -51,6 +51,7 @@ class GroupClient:
     def __init__(self, handle, queue_s: float, retry_after_s: int, count: Callable[[str], None] = lambda _: None,
                  max_resends: int = 3):
         self.handle = handle
+        self.streaming = handle.options(stream=True)  # (made once: options() builds a new handle each call)
         self.deliveries = Deliveries()
         self.queue_s, self.retry_after_s, self.max_resends = queue_s, retry_after_s, max_resends
         self.count = count  # metrics: request_retried_total (sent again: its group could not serve it)
@@ -72,7 +73,7 @@ class GroupClient:
                 raise self.unavailable_error(cause)
             rid = uuid.uuid4().hex
             queue = self.deliveries.expect(rid)
-            call = self.handle.options(stream=True).admit.remote(prompt, params, rid, self.deliveries.subscriber)
+            call = self.streaming.admit.remote(prompt, params, rid, self.deliveries.subscriber)
             try:
                 adm = await asyncio.wait_for(call.__anext__(), left)
             except asyncio.TimeoutError:
