@@ -39,7 +39,8 @@ def test_autoscaling_adds_and_removes_whole_groups(ray_cluster):
 
     args = {
         "served_model_name": "tiny",
-        "engine": {"device": "cpu", "parallel": {"dp": 1, "cpus_per_rank": 0.2},
+        # dp = 2 groups: each replica is a whole group of two ranks (issue 25: not only groups of one)
+        "engine": {"device": "cpu", "parallel": {"dp": 2, "cpus_per_rank": 0.2},
                    "spec": {"num_speculative_tokens": 1}, "scheduler": {"max_model_len": 1024}},
         "group": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
                                          "upscale_delay_s": 1, "downscale_delay_s": 3, "look_back_period_s": 11}},
