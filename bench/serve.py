@@ -62,12 +62,12 @@ def word_tokenizer(path: Path, vocab: int) -> None:
 
 
 def model_35b(layers: int, mtp: bool) -> Path:
-    sys.path.insert(0, str(ROOT / "bench"))
     from decode import hf_config  # torch and the model code: only when this model is asked for
 
     path = Path(tempfile.mkdtemp(prefix="serve35b-"))
-    (path / "config.json").write_text(json.dumps(hf_config(layers, mtp=mtp)))
-    word_tokenizer(path, hf_config(layers)["vocab_size"])
+    cfg = hf_config(layers, mtp=mtp)
+    (path / "config.json").write_text(json.dumps(cfg))
+    word_tokenizer(path, cfg["vocab_size"])
     return path
 
 
@@ -220,18 +220,21 @@ async def run_level(url: str, model: str, prompts: list[list[int]], concurrency:
 
 
 # ---- the engine's figures ----
-async def engine_counters(url: str) -> list[dict]:
-    """Per rank, now: tokens produced, wall time in waves (`waves_s`: stepping, host work between steps included),
-    of steps (`step_s`) and of graph steps, verify counts (tokens per decode step)."""
+async def rank_stats(url: str) -> list[dict]:
+    """Every rank's engine counters, asked now (`RankWorker.stats` through GET /admin/health?stats=1)."""
     async with aiohttp.ClientSession() as s, s.get(url + "/admin/health?stats=1") as r:
-        h = await r.json()
+        return (await r.json())["rank_stats"]
+
+
+async def engine_counters(url: str) -> list[dict]:
+    """Per rank: tokens produced, wall time in waves (`waves_s`: stepping, host work between steps included),
+    of steps (`step_s`) and of graph steps, verify counts (tokens per decode step)."""
     keys = ("output_tokens", "step_s", "steps", "waves_s", "graph_step_s", "graph_steps", "verify_steps", "accepted")
-    return [{k: r.get(k, 0) for k in keys} for r in h["rank_stats"]]
+    return [{k: r.get(k, 0) for k in keys} for r in await rank_stats(url)]
 
 
 async def rank_stalls(url: str) -> list[dict]:
-    async with aiohttp.ClientSession() as s, s.get(url + "/admin/health?stats=1") as r:
-        return [r["stalls"] for r in (await r.json())["rank_stats"]]
+    return [r["stalls"] for r in await rank_stats(url)]
 
 
 def engine_delta(before: list[dict], after: list[dict]) -> dict:

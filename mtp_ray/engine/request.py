@@ -141,8 +141,8 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
     that does not block: the group off its event loop, the engine in its compile threads.)"""
     if not prompt_ids:
         raise ParamError("prompt must not be empty", "prompt")
-    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in prompt_ids):
-        bad_ids = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    bad_ids = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad_ids:
         raise ParamError(f"prompt token ids must be integers in [0, {vocab_size}); out of vocabulary: "
                          f"{', '.join(map(repr, bad_ids[:8]))}", "prompt")
     if max_model_len and len(prompt_ids) >= max_model_len:

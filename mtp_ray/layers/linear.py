@@ -62,7 +62,6 @@ class FusedProjections:
             return [lin(x) for lin in self.layers]
         return list(linear(x, self.buffer).split([lin.weight.shape[0] for lin in self.layers], dim=-1))
 
-
     def unfuse(self) -> None:
         """Let go of the buffer (sleep): the parameters keep their views of it only until sleep moves or drops them,
         so the buffer's memory goes with them instead of staying referenced here."""

@@ -201,7 +201,7 @@ def parse_completion(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> Parse
                   "prompt")
     if len(items) > limits.max_prompts:
         raise bad(f"'prompt' may hold at most {limits.max_prompts} prompts, got {len(items)}", "prompt")
-    special = flag(body, "add_special_tokens") if "add_special_tokens" in body else False
+    special = flag(body, "add_special_tokens")
     prompts, texts = [], []
     for it in items:
         if isinstance(it, str):
