@@ -270,3 +270,24 @@ def test_constrained_and_plain_rows_in_graph_steps_on_the_gpu():
     cpu = LLM(device="cpu", dtype="float32").generate(PROMPTS[1], sp)[0].prompt_logprobs
     for g, c, t in zip(gpu[1:], cpu[1:], PROMPTS[1][1:], strict=True):
         assert abs(g[t] - c[t]) < 1e-3
+
+
+@needs_gpu
+def test_warmup_leaves_nothing_to_compile_for_the_first_requests(tmp_path):
+    """A fresh engine (own process, empty Triton cache) meets no Triton compile after its warmup under requests
+    arriving as a server sees them (bench/cold_compiles.py: single prompts of every length residue, mixed steps,
+    bursts, a prompt longer than a chunk, greedy and sampled); a failure names each kernel and its specialization."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "cold.json"
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    subprocess.run([sys.executable, str(root / "bench/cold_compiles.py"), "--k", "0", "--out", str(out)],
+                   check=True, env=env, cwd=root, timeout=540, capture_output=True)
+    res = json.loads(out.read_text())
+    assert res["compiles_in_warmup"] > 0  # the hook saw the warmup's compiles: a silent hook cannot pass this
+    assert res["compiles_after_warmup"] == 0, json.dumps(res["after_warmup"], indent=1)[:4000]

@@ -292,10 +292,15 @@ class EngineCore:
         """All ranks together: eager dummy decode and prefill steps with the k draft forwards, then (GPU) every CUDA
         graph size is captured, largest first, on padded rows only, so that no capture stalls a serving step; then a
         small synthetic workload is served (engine/warmup.py)."""
-        # eager forwards of padded rows (KV writes dropped) at 1, 2, 16 and 64 tokens: the eager kernels and their
-        # size classes (the GEMV's M == 1 / % 16 / other, varlen attention, GDN chunk, the MoE paths) compile here
-        # rather than stalling the first requests that meet them
-        for n in sorted({min(n, self.cfg.scheduler.max_num_batched_tokens) for n in (1, 2, 16, 64)}):
+        # eager forwards of padded rows (KV writes dropped) at 1, 2, 9, 16 and 64 tokens: the eager kernels and their
+        # size classes (the GEMV's M == 1 / % 16 / other, on both sides of the shared expert's GEMV path at
+        # SHARED_GEMV_TOKENS, varlen attention, GDN chunk, the MoE paths) compile here rather than stalling the
+        # first requests that meet them; and up to a full step's token budget: fla's q / k
+        # L2-norm autotunes once per bucket of ceil(tokens x key heads / 65536) (25 configs, ~3.5 s at the 35B
+        # shapes, on the first step of a new bucket: bench/cold_compiles.py)
+        budget = self.cfg.scheduler.max_num_batched_tokens
+        span = max(1, 65536 // self.runner.model_config.linear_num_key_heads)
+        for n in sorted({min(n, budget) for n in (1, 2, 9, 16, 64, *range(span, budget, span), budget)}):
             with self.sync.agree(DPMeta(num_tokens=n, batch_size=1, is_decoding=int(n == 1), is_dummy=0,
                                         has_unfinished=1)):
                 self.runner.forward(dummy_inputs(n))

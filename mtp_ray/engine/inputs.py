@@ -111,15 +111,23 @@ class UniformLayout:
 @functools.lru_cache(maxsize=256)
 def uniform_layout(b: int, q_len: int, width: int, spec: bool) -> UniformLayout:
     """b sequences of q_len tokens: ids, pos, slots [b * q_len]; tables [b, width]; ctx, state [b]; spec
-    [b, q_len] (snapshot slots of a verify batch) or empty."""
+    [b, q_len] (snapshot slots of a verify batch) or empty; each field 16-byte aligned (`aligned`)."""
     n = b * q_len
     shapes = {"ids": (n,), "pos": (n,), "slots": (n,), "tables": (b, width), "ctx": (b,), "state": (b,),
               "spec": (b, q_len) if spec else (0,)}
     fields, at = {}, 0
     for name in UNIFORM_FIELDS:
         fields[name] = (at, shapes[name])
-        at += int(torch.Size(shapes[name]).numel())
+        at = aligned(at + int(torch.Size(shapes[name]).numel()))
     return UniformLayout(fields, at)
+
+
+def aligned(n: int) -> int:
+    """n int64 elements rounded up to 16 bytes. Fields packed into one tensor start on 16-byte boundaries: Triton
+    specializes each pointer argument on 16-byte alignment, so a field whose offset parity followed the batch size
+    compiled every kernel reading it twice, the second time on a serving step (a cold server's first burst waited
+    seconds: bench/cold_compiles.py)."""
+    return n + (n & 1)
 
 
 def build_uniform(pieces: list[Piece], blocks: BlockManager, q_len: int, size: int | None = None,

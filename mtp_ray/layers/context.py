@@ -86,11 +86,19 @@ class ForwardBatch:
     def _device_meta(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         cached = self.rope_cache.get("varlen")
         if cached is None or cached[0].device.type != torch.device(device).type:
-            chunks = [x for pair in fla_chunks(self.query_lens) for x in pair]
-            meta = torch.tensor(self.cu_seqlens + list(self.context_lens) + list(self.state_slots) + chunks,
-                                dtype=torch.long).to(device)
-            b = self.num_seqs
-            cached = (meta[: b + 1], meta[b + 1 : 2 * b + 1], meta[2 * b + 1 : 3 * b + 1],
-                      meta[3 * b + 1 :].view(-1, 2))
+            # each list starts on a 16-byte boundary (an even int64 offset): Triton specializes pointers on
+            # 16-byte alignment, and offsets that followed the batch size's parity made every varlen kernel
+            # compile again on the first serving step of the other parity (bench/cold_compiles.py)
+            parts = [self.cu_seqlens, list(self.context_lens), list(self.state_slots),
+                     [x for pair in fla_chunks(self.query_lens) for x in pair]]
+            flat: list[int] = []
+            starts = []
+            for part in parts:
+                flat += [0] * (len(flat) & 1)
+                starts.append(len(flat))
+                flat += part
+            meta = torch.tensor(flat, dtype=torch.long).to(device)
+            views = [meta[a : a + len(p)] for a, p in zip(starts, parts, strict=True)]
+            cached = (*views[:3], views[3].view(-1, 2))
             self.rope_cache["varlen"] = cached
         return cached
