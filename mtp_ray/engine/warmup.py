@@ -32,9 +32,10 @@ def warmup_requests(core: EngineCore) -> int:
     per_short = core.blocks.blocks_for(short + TOKENS + k + 1)
     burst = max(1, min(BURST, sched.max_num_seqs - 1, free // max(per_short, 1) - 1))
     long = min(sched.prefill_chunk + 16, room)  # more than one prefill chunk
-    prompts = [[(7 * i + j) % 1000 + 3 for j in range(short)] for i in range(burst)]
+    vocab = min(core.runner.model_config.vocab_size, 1000)  # ids inside any vocabulary, a tiny one too
+    prompts = [[(7 * i + j) % vocab for j in range(short)] for i in range(burst)]
     if core.blocks.blocks_for(long + TOKENS + k + 1) + burst * per_short <= free:
-        prompts.append([(5 * j) % 1000 + 3 for j in range(long)])
+        prompts.append([(5 * j) % vocab for j in range(long)])
     # seeded: an unseeded request would draw from the engine's seed sequence and shift every later one's
     params = [SamplingParams(temperature=0, seed=0, max_tokens=TOKENS, ignore_eos=True),
               SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=0, max_tokens=TOKENS, ignore_eos=True)]

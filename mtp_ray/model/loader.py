@@ -3,8 +3,8 @@
 Handles: one or many safetensors files; experts fused (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`
 [E, H, I]) or one module per expert, chosen per tensor (trunk and MTP may differ); multimodal checkpoints (text
 under `model.language_model.`, vision skipped); qwen3_next's grouped GDN projections; `mtp.*` into the MTP head;
-an expert range, reading only the owned experts' slices from disk. Every missing or mis-shaped tensor is an
-error that names it.
+an expert range, reading only the owned experts' slices from disk; FP8 block-quantized weights, dequantized on
+load (model/fp8.py). Every missing or mis-shaped tensor is an error that names it.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import math
 import re
 import zlib
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from safetensors import safe_open
 
 from mtp_ray.config.model import ModelConfig
 from mtp_ray.layers.moe import ExpertDispatcher, local_dispatch
+from mtp_ray.model.fp8 import FP8_DTYPES, SCALE_SUFFIX, Fp8Format, fp8_format
 from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -86,6 +88,8 @@ class WeightLoader:
             return
         if dtype is not None and not dtype.is_floating_point:
             raise ValueError(f"weight {raw!r} has dtype {dtype}; expected a floating-point tensor")
+        if dtype in FP8_DTYPES:  # an update without its scales cannot be dequantized
+            raise ValueError(f"weight {raw!r} has dtype {dtype}; send bf16 / fp32 weights")
         c = self.cfg
         shape = list(shape) if shape is not None else None
         h, inter = c.hidden_size, c.moe_intermediate_size
@@ -174,19 +178,49 @@ class WeightLoader:
 
 
 def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, list[int], Reader]]:
-    """(name, shape, reader) for every tensor in the directory's safetensors files, read lazily."""
+    """(name, shape, reader) for every tensor in the directory's safetensors files, read lazily. An FP8 weight
+    (model/fp8.py) is read together with its scale and comes out dequantized; its scale is not listed."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                sl = st.get_slice(name)
+    fp8 = fp8_format(path) if (Path(path) / "config.json").is_file() else None
+    with ExitStack() as stack:  # every shard open: a weight and its scale may live in different files
+        index = {name: h for h in (stack.enter_context(safe_open(str(f), framework="pt")) for f in files)
+                 for name in h.keys()}
 
+        def is_fp8(name: str) -> bool:
+            return name in index and index[name].get_slice(name).get_dtype().startswith("F8")
+
+        for name, h in index.items():
+            sl = h.get_slice(name)
+            if fp8 is not None and name.endswith(SCALE_SUFFIX) and is_fp8(name[: -len(SCALE_SUFFIX)]):
+                continue  # read with its weight
+            if sl.get_dtype().startswith("F8"):
+                read = _fp8_reader(name, sl, index, fp8, path)
+            else:
                 def read(rows: slice | None, sl=sl) -> torch.Tensor:
                     return sl[:] if rows is None else sl[rows]
 
-                yield name, list(sl.get_shape()), read
+            yield name, list(sl.get_shape()), read
+
+
+def _fp8_reader(name: str, sl, index: dict, fp8: Fp8Format | None, path: str | Path) -> Reader:
+    if fp8 is None:
+        raise ValueError(f"checkpoint tensor {name!r} is {sl.get_dtype()} but {path}/config.json has no "
+                         "quantization_config")
+    if sl.get_dtype() != "F8_E4M3":
+        raise ValueError(f"checkpoint tensor {name!r} is {sl.get_dtype()}; FP8 checkpoints store F8_E4M3")
+    scale_name = name + SCALE_SUFFIX
+    if scale_name not in index:
+        raise ValueError(f"FP8 weight {name!r} has no {scale_name!r} in the checkpoint")
+    ssl = index[scale_name].get_slice(scale_name)
+
+    def read(rows: slice | None) -> torch.Tensor:
+        q = sl[:] if rows is None else sl[rows]
+        scale = ssl[:] if rows is None or fp8.block is None else ssl[rows]  # fused experts: their own scales
+        return fp8.dequantize(name, q, scale)
+
+    return read
 
 
 def load_model(
