@@ -43,12 +43,13 @@ def engine_config(model: str = BUNDLED_MODEL, *, num_speculative_tokens: int = 0
                   max_num_seqs: int = 32, max_num_batched_tokens: int = 512, prefill_chunk: int = 256,
                   max_model_len: int | None = None, tokenizer: str | None = None, cuda_graphs: bool = True,
                   graph_sizes: tuple[int, ...] | None = None, split_prefill: bool | None = None,
-                  async_scheduling: bool = True, async_verify: bool = True, load_format: str = "auto"
-                  ) -> EngineConfig:
+                  async_scheduling: bool = True, async_verify: bool = True, load_format: str = "auto",
+                  enable_prefix_caching: bool = False, prefix_snapshots: int | None = None) -> EngineConfig:
     """Flat keyword arguments (vLLM style) -> EngineConfig."""
     return EngineConfig(
         model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, load_format=load_format,
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, prefix_caching=enable_prefix_caching,
+                          prefix_snapshots=prefix_snapshots),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   prefill_chunk=prefill_chunk, max_model_len=max_model_len,
                                   split_prefill=split_prefill, async_scheduling=async_scheduling,

@@ -14,11 +14,16 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from memory_fraction (GPU) or max_num_seqs * max_model_len (CPU)
     memory_fraction: float = 0.85  # share of free device memory for KV + state after weights (GPU only)
+    # prefix caching (design.md 10.1): full prompt blocks stay cached and a request with the same prefix resumes
+    # there, its GDN state restored from a snapshot taken at a block boundary
+    prefix_caching: bool = False
+    prefix_snapshots: int | None = None  # GDN state snapshots kept (state slots); None: max_num_seqs
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0, "cache.block_size", "must be > 0")
         _check(self.num_blocks is None or self.num_blocks >= 2, "cache.num_blocks", "must be >= 2")
         _check(0 < self.memory_fraction <= 1, "cache.memory_fraction", "must be in (0, 1]")
+        _check(self.prefix_snapshots is None or self.prefix_snapshots >= 1, "cache.prefix_snapshots", "must be >= 1")
 
 
 @dataclass(frozen=True)

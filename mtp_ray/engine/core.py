@@ -56,7 +56,8 @@ class EngineCore:
         self.eos_ids = tuple(self.runner.model_config.eos_token_ids)
         self.grammars = GrammarCompiler(cfg.tokenizer or cfg.model, self.runner.model_config.vocab_size, self.eos_ids)
         shape = self.runner.cache_shape
-        self.blocks = BlockManager(shape.num_blocks, shape.block_size, shape.num_state_slots, self.runner.slots_per_seq)
+        self.blocks = BlockManager(shape.num_blocks, shape.block_size, shape.num_state_slots, self.runner.slots_per_seq,
+                                   self.runner.snapshot_slots, lookahead=int(self.k > 0))
         split = cfg.scheduler.split_prefill
         split = bool(self.runner.graphs) if split is None else split  # auto: split when decode steps are graphs
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, lookahead=self.k, split=split)
@@ -163,6 +164,7 @@ class EngineCore:
             done = self.greedy.resolve()
         # schedule
         sched = self.scheduler.schedule(self.sync.prefill_turn() if self.scheduler.split else None)
+        self._restore_prefixes(sched)
         uniform = is_uniform(sched, 1 + self.k)
         local = self._local_meta(sched, uniform)
         clock.lap("schedule")
@@ -198,11 +200,38 @@ class EngineCore:
             clock.lap("commit")
             return done
         outputs, items = self._commit(sched, inp, hidden, all_logits, fast)
+        self._publish_prefixes(sched)
         clock.lap("commit")
         # draft
         self.proposer.propose(items, table)
         clock.lap("drafts")
         return done + outputs
+
+    def _restore_prefixes(self, sched: list[Scheduled]) -> None:
+        """Requests admitted on a cached prefix: their GDN state from the prefix's snapshot, before any forward
+        reads it (a device copy, in stream order)."""
+        pairs = []
+        for s in sched:
+            if s.req.restore_from is not None:
+                pairs.append((s.req.restore_from, s.req.state_slots[0]))
+                s.req.restore_from = None
+        self.runner.copy_states(pairs)
+
+    def _publish_prefixes(self, sched: list[Scheduled]) -> None:
+        """Requests whose prefill just reached one of their snapshot points: their full blocks before it are named in
+        the prefix cache and their GDN state there is snapshotted (after this step's forward, in stream order)."""
+        pairs = []
+        for s in sched:
+            req = s.req
+            if req.snap_points and req.num_computed in req.snap_points and not s.completes_prefill and not s.verify:
+                slot = self.blocks.publish(req, req.prefix_hashes[: req.num_computed // self.blocks.block_size])
+                if slot is not None:
+                    pairs.append((req.state_slots[0], slot))
+        self.runner.copy_states(pairs)
+
+    def invalidate_prefixes(self) -> None:
+        """Cached prefixes no longer hold (new weights, caches reset or freed): forget them all."""
+        self.blocks.invalidate()
 
     def _inputs(self, sched: list[Scheduled], uniform: bool, table: Gathered) -> StepInputs:
         """Decodes + prefill pieces in one forward (a uniform batch is all decodes: no per-sequence scan); a graph
@@ -317,6 +346,7 @@ class EngineCore:
                 self.proposer.propose_graph([], table)
         warmup_requests(self)
         self.drain()
+        self.invalidate_prefixes()  # the workload's prefixes are nobody's
         self.pending_outputs = []  # the workload's last outputs: nobody's
         self.stats.reset()  # the counters count serving
         # a closing gather, no forward: the lock-step checks (collective counts, the EP mode each rank used) run

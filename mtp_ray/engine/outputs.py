@@ -31,6 +31,8 @@ class StepOutput:
     timings: dict = field(default_factory=dict)  # at the end: Request.timings() (queue / prefill / decode seconds)
     # with the first token, when asked: per prompt position None (the first) or (logprob, {token: logprob} top-n)
     prompt_logprobs: list | None = None
+    # prompt tokens taken from the prefix cache (None: prefix caching is off): usage.prompt_tokens_details
+    num_cached_tokens: int | None = None
 
     def then(self, later: StepOutput) -> StepOutput:
         """This delta followed by a later one of the same request, as one (its end state is the later one's)."""
@@ -39,7 +41,8 @@ class StepOutput:
                           self.new_logprobs + later.new_logprobs, self.new_top_logprobs + later.new_top_logprobs,
                           later.finished, later.finish_reason, later.stop_reason, later.num_prompt_tokens, later.spec,
                           later.error, later.timings,
-                          self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
+                          self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+                          later.num_cached_tokens)
 
 
 class OutputProcessor:
@@ -65,7 +68,8 @@ class OutputProcessor:
         self._append(req, [token], [(logprob, {})])
         done = req.finished
         return StepOutput(req.request_id, [token], [logprob], [{}], done, req.finish_reason, req.stop_reason,
-                          len(req.prompt_ids), req.spec_stats() if done else {}, None, req.timings() if done else {})
+                          len(req.prompt_ids), req.spec_stats() if done else {}, None, req.timings() if done else {},
+                          None, self._cached(req))
 
     def commit_spec(self, req: Request, accepted: int, k: int) -> None:
         """GDN rollback: the state after token `accepted` of the verify becomes the sequence's state."""
@@ -119,5 +123,8 @@ class OutputProcessor:
             new_top_logprobs=req.top_logprobs[len(req.top_logprobs) - n:] if n else [],
             finished=req.finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             num_prompt_tokens=len(req.prompt_ids), spec=req.spec_stats() if req.finished else {},
-            timings=req.timings() if req.finished else {},
+            timings=req.timings() if req.finished else {}, num_cached_tokens=self._cached(req),
         )
+
+    def _cached(self, req: Request) -> int | None:
+        return req.num_cached_tokens if self.scheduler.blocks.caching else None

@@ -24,13 +24,17 @@ import numpy as np
 BlockHash = bytes
 
 
-def block_hashes(tokens: list[int], block_size: int, parent: BlockHash = b"") -> list[BlockHash]:
-    """Chain hashes of the full blocks of `tokens` (a partial last block has none): h_i covers tokens
-    [0, (i + 1) * block_size). blake2b, 16 bytes: no collision to fear from crafted prompts."""
+def block_hashes(tokens: list[int], block_size: int, parent: BlockHash = b"", lookahead: int = 0
+                 ) -> list[BlockHash]:
+    """Chain hashes of the full blocks of `tokens` that have `lookahead` more tokens after them: h_i covers tokens
+    [0, (i + 1) * block_size + lookahead). With MTP, lookahead = 1: the MTP layer's KV at a block's last position
+    is computed from the next token, so a block is only the same block if that token is the same too. blake2b,
+    16 bytes: no collision to fear from crafted prompts."""
     arr = np.asarray(tokens, dtype=np.int64)
     out, h = [], parent
-    for i in range(len(tokens) // block_size):
-        h = hashlib.blake2b(h + arr[i * block_size:(i + 1) * block_size].tobytes(), digest_size=16).digest()
+    for i in range(max(0, len(tokens) - lookahead) // block_size):
+        end = (i + 1) * block_size
+        h = hashlib.blake2b(h + arr[end - block_size:end + lookahead].tobytes(), digest_size=16).digest()
         out.append(h)
     return out
 
@@ -113,14 +117,23 @@ class PrefixIndex:
         return slot
 
     # ---- lookups ----
-    def match(self, hashes: list[BlockHash]) -> Hit | None:
-        """The longest prefix of `hashes` whose blocks are all cached and that ends at a snapshot; its blocks are
-        held for the caller. None: no usable prefix (counted as a query either way)."""
+    def count(self, query_tokens: int, hit_tokens: int) -> None:
+        """One admitted request's lookup (vLLM's prefix_cache_queries / prefix_cache_hits count tokens)."""
         self.queries += 1
-        self.query_tokens += len(hashes) * self.block_size
+        self.query_tokens += query_tokens
+        self.hit_tokens += hit_tokens
+
+    def named_run(self, hashes: list[BlockHash]) -> int:
+        """How many leading blocks of `hashes` are cached (with or without a snapshot at their end)."""
         n = 0
         while n < len(hashes) and hashes[n] in self.by_hash:
             n += 1
+        return n
+
+    def match(self, hashes: list[BlockHash]) -> Hit | None:
+        """The longest prefix of `hashes` whose blocks are all cached and that ends at a snapshot; its blocks are
+        held for the caller. None: no usable prefix. Counted by the caller (`count`) once it keeps the result."""
+        n = self.named_run(hashes)
         while n and hashes[n - 1] not in self.snaps:
             n -= 1
         if not n:
@@ -133,7 +146,6 @@ class PrefixIndex:
             else:
                 self.refs[b] += 1
         self.snaps.move_to_end(hashes[n - 1])
-        self.hit_tokens += n * self.block_size
         return Hit(blocks, self.snaps[hashes[n - 1]], n * self.block_size)
 
     def invalidate(self) -> None:

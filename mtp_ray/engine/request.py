@@ -35,6 +35,15 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     state_slots: list[int] = field(default_factory=list)  # [main, spec_0..spec_k]
     num_computed: int = 0  # tokens whose KV / state is in the cache (target)
+    # prefix caching (engine/scheduler.py): names of its full blocks before the last known token, the block
+    # boundaries where it publishes its blocks with a GDN state snapshot (ascending; its prompt's end, and where
+    # other prompts share its prefix), the snapshot to restore before its first forward, the tokens it took from
+    # the cache
+    prefix_hashes: list[bytes] = field(default_factory=list)
+    hashed_known: int = -1  # num_known when prefix_hashes was computed
+    snap_points: list[int] = field(default_factory=list)
+    restore_from: int | None = None
+    num_cached_tokens: int = 0
     # async scheduling: tokens sampled by a step whose results are still on the device; they count in num_tokens
     # (so the next step decodes after them) but are not in output_ids yet
     num_inflight: int = 0

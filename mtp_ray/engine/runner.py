@@ -83,8 +83,40 @@ class ModelRunner:
                 budget = int(free * c.memory_fraction)
             else:
                 budget = CPU_CACHE_BYTES
+            budget -= self._state_slots() * self._state_slot_bytes()  # GDN states come out of the same budget
             num_blocks = max(2, min(budget // max(per_block, 1), s.max_num_seqs * per_seq + 1))
-        return CacheShape(num_blocks, c.block_size, 1 + s.max_num_seqs * self.slots_per_seq)
+        return CacheShape(num_blocks, c.block_size, self._state_slots())
+
+    def _state_slots(self) -> int:
+        return 1 + self.cfg.scheduler.max_num_seqs * self.slots_per_seq + self.snapshot_slots
+
+    def _state_slot_bytes(self) -> int:
+        """One GDN state slot over every GDN layer: conv state (model dtype) + recurrent state (fp32)."""
+        mc = self.model_config
+        gdn = mc.num_hidden_layers - len(mc.full_attention_layers)
+        conv = mc.conv_dim * (mc.linear_conv_kernel_dim - 1) * self.dtype.itemsize
+        ssm = mc.linear_num_value_heads * mc.linear_key_head_dim * mc.linear_value_head_dim * 4
+        return gdn * (conv + ssm)
+
+    @property
+    def snapshot_slots(self) -> int:
+        """State slots kept for prefix-cache snapshots (the last ones; engine/block_manager.py)."""
+        c = self.cfg.cache
+        if not c.prefix_caching:
+            return 0
+        return c.prefix_snapshots or self.cfg.scheduler.max_num_seqs
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """GDN conv + recurrent state of slot src into slot dst, every layer, for each (src, dst): a prefix-cache
+        snapshot taken or restored. Device copies in stream order (before the forward that reads them)."""
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], device=self.device)
+        dst = torch.tensor([b for _, b in pairs], device=self.device)
+        with torch.no_grad():
+            for gdn in self.model.gdn_layers():
+                gdn.conv_state.index_copy_(0, dst, gdn.conv_state.index_select(0, src))
+                gdn.ssm_state.index_copy_(0, dst, gdn.ssm_state.index_select(0, src))
 
     def fuse_projections(self) -> None:
         """GPU: the projections of one input read one weight buffer, one GEMM (sleep breaks the views)."""

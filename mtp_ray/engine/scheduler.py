@@ -12,6 +12,7 @@ Blocks are reserved for `lookahead` positions past the step so the MTP draft loo
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -65,7 +66,12 @@ class Scheduler:
         remaining = req.num_tokens - req.num_computed
         if remaining == 1:
             return self._decode_cost(req)
-        return min(remaining, self.cfg.prefill_chunk, budget), False
+        n = min(remaining, self.cfg.prefill_chunk, budget)
+        for p in req.snap_points:  # a piece ends at each prefix-cache snapshot point
+            if req.num_computed < p < req.num_computed + n:
+                n = p - req.num_computed
+                break
+        return n, False
 
     def schedule(self, prefill_turn: bool | None = None) -> list[Scheduled]:
         """prefill_turn (split mode): the turn a DP group agreed on (None: this scheduler alternates alone). In a
@@ -121,9 +127,18 @@ class Scheduler:
         # after a preemption nothing new is admitted this step (it would only be preempted again)
         while prefills and self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not preempted:
             req = self.waiting[0]
+            hashes = self._hashes(req)
+            if hashes and self._awaits_prefix(hashes):
+                break  # its prefix is being computed by a running request: a few steps, then it hits
+            hit = self._match(req, hashes)
             n, _ = self._cost(req, budget)
             if not self.blocks.ensure(req, self._need(req, n)):
+                if hit:  # not admitted after all: give the cached blocks back
+                    self.blocks.free(req)
+                    req.num_computed, req.restore_from, req.num_cached_tokens = 0, None, 0
                 break  # FCFS: nobody jumps the queue
+            if self.blocks.caching:
+                self.blocks.index.count(len(req.prefix_hashes) * self.blocks.block_size, req.num_cached_tokens)
             self.waiting.popleft()
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
@@ -132,6 +147,46 @@ class Scheduler:
             out.append(Scheduled(req, n, False))
             budget -= n
         return out
+
+    def _hashes(self, req: Request) -> list[bytes] | None:
+        """The block names a request starting from nothing looks up (prefix caching on); None: it does not (prompt
+        log-probs need every prompt position's logits)."""
+        if not self.blocks.caching or req.block_ids or req.num_computed or req.params.prompt_logprobs is not None:
+            return None
+        return self.blocks.prefix_hashes(req)
+
+    def _awaits_prefix(self, hashes: list[bytes]) -> bool:
+        """n > 1, repeated prompts and a shared system prompt share one prefill: a running request that has not
+        yet reached one of its snapshot points, where its prefix is this one's, is about to publish it. Derived
+        from the running list each time, so a preempted or finished publisher never leaves anyone waiting."""
+        bs = self.blocks.block_size
+        for r in self.running:
+            for p in r.snap_points:
+                i = p // bs - 1
+                if r.num_computed < p and i < len(hashes) and hashes[i] == r.prefix_hashes[i]:
+                    return True
+        return False
+
+    def _match(self, req: Request, hashes: list[bytes] | None) -> bool:
+        """Prefix caching: a request starting from nothing takes the longest cached prefix (its blocks, and the GDN
+        snapshot to restore before its first forward), and gets its snapshot points: its own prompt's end, the
+        end of the cached blocks it shares (a prefix another request computed without a snapshot there), and the
+        end of what it shares with requests waiting behind it (they will wait for it: `_awaits_prefix`)."""
+        if hashes is None:
+            return False
+        bs = self.blocks.block_size
+        req.prefix_hashes = hashes
+        points = {len(hashes) * bs, self.blocks.index.named_run(hashes) * bs}
+        for other in itertools.islice(self.waiting, 1, 33):
+            theirs = self._hashes(other)
+            if theirs:
+                points.add(_common(hashes, theirs) * bs)
+        hit = self.blocks.match(req, hashes)
+        if hit is not None:
+            req.num_computed = req.num_cached_tokens = hit.tokens
+            req.restore_from = hit.snapshot
+        req.snap_points = sorted(p for p in points if p > req.num_computed)
+        return hit is not None
 
     def may_preempt(self) -> bool:
         """Whether the next schedule could preempt: a running prefill may need any number of blocks; decodes need
@@ -164,3 +219,13 @@ class Scheduler:
         self.blocks.free(req)
         req.status = Status.FINISHED
         req.finish_reason = req.finish_reason or reason
+
+
+def _common(a: list[bytes], b: list[bytes]) -> int:
+    """Leading block names two prompts share (chain hashes: equal at i means equal up to i)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

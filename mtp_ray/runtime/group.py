@@ -23,6 +23,7 @@ from mtp_ray.runtime.batcher import CallBatcher, detached
 from mtp_ray.runtime.group_commands import GroupCommands
 from mtp_ray.runtime.group_monitor import GroupFailed, GroupMonitor, GroupUnavailable
 from mtp_ray.runtime.messages import AddRequest, Admission, RequestError
+from mtp_ray.runtime.prefix_routing import PrefixRouter
 from mtp_ray.runtime.sinks import Collector, RemoteSink, Sink, StreamSink
 from mtp_ray.runtime.worker import RankWorker
 
@@ -59,6 +60,7 @@ class EngineGroup:
         self.workers: list = []
         self.reqs: dict[str, tuple[int, Sink]] = {}
         self.load = [0] * self.dp
+        self.router = self._router()
         self.abort_calls = [0] * self.dp  # aborts sent per rank (cancelled streams, abort()): health shows them
         self.abort_errors = [0] * self.dp  # ... and those whose call failed
         # new requests per rank: one add_many call for all that arrive while the previous one is in flight
@@ -108,6 +110,7 @@ class EngineGroup:
         self.max_model_len = infos[0]["max_model_len"]
         self.monitor.reset()
         self.load = [0] * self.dp
+        self.router = self._router()  # new ranks: empty caches
         self._tasks += [detached(self.monitor.poll(self.epoch, r)) for r in range(self.dp)]
         self.state = "ready"
         self.ready.set()
@@ -224,7 +227,8 @@ class EngineGroup:
         rid = request_id or uuid.uuid4().hex
         if rid in self.reqs:
             raise ValueError(f"request_id {rid!r} is already in flight")
-        rank = min(range(self.dp), key=lambda r: self.load[r])
+        rank = (self.router.pick(prompt_ids, self.load) if self.router is not None
+                else min(range(self.dp), key=lambda r: self.load[r]))
         self.reqs[rid] = (rank, sink)
         self.load[rank] += 1
         try:
@@ -233,6 +237,13 @@ class EngineGroup:
             self._release(rid, rank, finished=False)
             raise
         return rid, rank
+
+    def _router(self) -> PrefixRouter | None:
+        """Cache-aware rank choice (prefix caching on, more than one rank); else the least-loaded rank."""
+        c = self.cfg
+        if not c.cache.prefix_caching or self.dp == 1:
+            return None
+        return PrefixRouter(c.cache.block_size, int(c.spec.k > 0), slack=max(2, c.scheduler.max_num_seqs // 4))
 
     def _release(self, rid: str, rank: int, finished: bool) -> None:
         if self.reqs.pop(rid, None) is not None:

@@ -130,7 +130,8 @@ class GroupMonitor:
                            "collectives": p.get("collectives", 0), "num_running": p.get("num_running", 0),
                            "num_waiting": p.get("num_waiting", 0), "spec": p.get("spec", {}),
                            "kv_usage": p.get("kv_usage", 0.0), "num_preemptions": p.get("num_preemptions", 0),
-                           "aborts": p.get("aborts", {}), "subscribers": p.get("subscribers", {})}
+                           "aborts": p.get("aborts", {}), "subscribers": p.get("subscribers", {}),
+                           "prefix_cache": p.get("prefix_cache", {})}
                           for p in self.last_poll]}
 
     async def rank_stats(self) -> list[dict]:

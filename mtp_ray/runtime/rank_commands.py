@@ -30,6 +30,7 @@ class RankCommands:
         if core.has_unfinished():
             raise ValueError("sleep: requests are still running (use in_flight='abort')")
         runner.sleep(level)
+        core.invalidate_prefixes()  # the caches are gone
         self.ctx.barrier()
         return {"aborted": aborted, **runner.memory()}
 
@@ -57,7 +58,9 @@ class RankCommands:
         err = self.ctx.agree_error(err)
         if err is not None:
             raise ValueError(err)
-        return {"updated": len(items), "fetched": apply_update(loader, items)}
+        fetched = apply_update(loader, items)
+        self.core.invalidate_prefixes()  # KV and states computed with the old weights
+        return {"updated": len(items), "fetched": fetched}
 
     def _init_weights_update_group(self, addr: str, port: int, rank_offset: int, world_size: int, group_name: str,
                                    backend: str) -> dict:
@@ -75,6 +78,7 @@ class RankCommands:
         if self.core.has_unfinished():
             return False  # as vLLM: not while requests run
         self.core.runner.reset_caches()
+        self.core.invalidate_prefixes()
         return True
 
     def _abort_all(self) -> int:

@@ -173,6 +173,7 @@ class RankWorker:
                 "num_running": len(self.core.scheduler.running) if self.core else 0,
                 "num_preemptions": self.core.scheduler.num_preemptions if self.core else 0,
                 "kv_usage": self.core.blocks.usage() if self.core else 0.0,
+                "prefix_cache": self.core.blocks.prefix_stats() if self.core else {},
                 "num_waiting": len(self.core.scheduler.waiting) + self.inbox.qsize() if self.core else 0,
                 "spec": self.core.stats.snapshot() if self.core else {}, "aborts": dict(self.aborts),
                 "collectives": self.ctx.collectives if self.ctx else 0,
@@ -192,6 +193,7 @@ class RankWorker:
                 "phases": core.clock.snapshot() if core else {}, "process_cpu_s": time.process_time(),
                 "waves_s": self.waves_s + (time.perf_counter() - self.wave_t0 if self.running else 0.0),
                 "stalls": self.stalls.snapshot(), "last_add_monotonic": self.last_add,
+                "prefix_cache": core.blocks.prefix_stats() if core else {},
                 "last_meta": self.ctx.local.describe() if self.ctx else ""}
 
     def profile_steps(self, steps: int, timeout: float = 120.0, device: bool = False) -> dict:

@@ -116,11 +116,16 @@ def group_snapshot(health: dict) -> dict[str, Any]:
                        f"num_preemptions_total{lab}": rank.get("num_preemptions", 0),
                        # what the engine did, next to what the ingress streamed (bench/serve.py compares them)
                        f"rank_generation_tokens_total{lab}": rank.get("spec", {}).get("output_tokens", 0),
-                       f"rank_step_seconds_total{lab}": rank.get("spec", {}).get("step_s", 0.0)})
+                       f"rank_step_seconds_total{lab}": rank.get("spec", {}).get("step_s", 0.0),
+                       # vLLM's prefix-cache counters: prompt tokens looked up / found cached at admission
+                       f"prefix_cache_queries_total{lab}": rank.get("prefix_cache", {}).get("prefix_cache_queries", 0),
+                       f"prefix_cache_hits_total{lab}": rank.get("prefix_cache", {}).get("prefix_cache_hits", 0)})
         totals.update(_iteration_tokens(rank.get("spec", {}), r))
         gauges.update({f"kv_cache_usage_perc{lab}": rank.get("kv_usage", 0.0),
                        f"rank_num_requests_running{lab}": rank.get("num_running", 0),
-                       f"rank_num_requests_waiting{lab}": rank.get("num_waiting", 0)})
+                       f"rank_num_requests_waiting{lab}": rank.get("num_waiting", 0),
+                       f"prefix_cache_blocks{lab}": rank.get("prefix_cache", {}).get("named_blocks", 0),
+                       f"prefix_cache_snapshots{lab}": rank.get("prefix_cache", {}).get("snapshots", 0)})
     return {"totals": totals, "gauges": gauges}
 
 

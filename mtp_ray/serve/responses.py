@@ -36,10 +36,13 @@ class Choice:
     prompt_logprobs: list | None = None  # from the engine: None | [logprob, {token: logprob}, rank] per position
     chat: ChatOutput | None = None  # reads the text back as an assistant message (chat completions)
     calls_sent: int = 0  # streamed tool calls
+    cached_tokens: int | None = None  # prompt tokens the engine took from its prefix cache (None: caching off)
 
     def add(self, out: StepOutput) -> None:
         if out.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = out.prompt_logprobs
+        if out.num_cached_tokens is not None:
+            self.cached_tokens = out.num_cached_tokens
         self.token_ids += out.new_token_ids
         self.logprobs += out.new_logprobs
         self.top += [list(t.items()) for t in out.new_top_logprobs]
@@ -139,7 +142,13 @@ def new_choices(req: ParsedRequest, tok, serving) -> list[Choice]:
 def usage(req: ParsedRequest, choices: list[Choice]) -> dict:
     n_prompt = sum(len(p) for p in req.prompts)
     n_gen = 0 if req.drop_output else sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+    out = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+    cached = [c.cached_tokens for c in choices if c.cached_tokens is not None]
+    if cached:  # prefix caching on: per prompt, the most any of its n samples found cached
+        n = max(1, len(choices) // max(1, len(req.prompts)))
+        per_prompt = [max((c.cached_tokens or 0) for c in choices[i : i + n]) for i in range(0, len(choices), n)]
+        out["prompt_tokens_details"] = {"cached_tokens": sum(per_prompt)}
+    return out
 
 
 def _tool_calls(calls, first: int = 0, stream: bool = False) -> list[dict]:

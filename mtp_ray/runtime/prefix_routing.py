@@ -1,0 +1,44 @@
+"""PrefixRouter (pure Python): the group's cache-aware choice of rank when prefix caching is on.
+
+Each rank caches the prefixes it computed, so a request whose prompt starts like an earlier one's should go to the
+same rank. The group remembers, per block name (the ranks' own `block_hashes`), the rank it last sent that prefix
+to (bounded, least recently used first out), and sends a request to the rank holding its longest remembered
+prefix unless that rank has `slack` more requests than the least-loaded one (so one hot prefix does not pile
+everything on one rank). Only the choice of rank changes: the lock-step protocol does not see it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from mtp_ray.engine.prefix_cache import BlockHash, block_hashes
+
+
+class PrefixRouter:
+    def __init__(self, block_size: int, lookahead: int, slack: int, capacity: int = 1 << 16):
+        self.block_size, self.lookahead, self.slack, self.capacity = block_size, lookahead, slack, capacity
+        self.owner: OrderedDict[BlockHash, int] = OrderedDict()  # block name -> the rank it was last sent to
+        self.routed_by_prefix = 0  # requests sent to a rank for its cached prefix rather than by load
+
+    def hashes(self, prompt: list[int]) -> list[BlockHash]:
+        """The names the rank will look up (BlockManager.prefix_hashes of a fresh request)."""
+        return block_hashes(prompt[: len(prompt) - 1 + self.lookahead], self.block_size, lookahead=self.lookahead)
+
+    def pick(self, prompt: list[int], load: list[int]) -> int:
+        """The rank for a new request, given each rank's requests in flight; remembers the choice."""
+        hashes = self.hashes(prompt)
+        least = min(range(len(load)), key=lambda r: load[r])
+        rank = least
+        for h in reversed(hashes):  # the longest remembered prefix
+            r = self.owner.get(h)
+            if r is not None and r < len(load):
+                if r != least and load[r] <= load[least] + self.slack:
+                    rank = r
+                    self.routed_by_prefix += 1
+                break
+        for h in hashes:
+            self.owner[h] = rank
+            self.owner.move_to_end(h)
+        while len(self.owner) > self.capacity:
+            self.owner.popitem(last=False)
+        return rank

@@ -1,0 +1,223 @@
+"""Prefix caching in the engine (CPU, fp32): outputs equal with the cache on and off, k = 0 and 3, dp = 1 and 2,
+over shared prefixes that do and do not end on a block boundary and prefixes longer than a prefill chunk; the
+cache is used (hits counted); a small cache evicts and leaks nothing; a weight update forgets cached prefixes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mtp_ray import LLM, SamplingParams
+
+BLOCK = 8
+KW = {"block_size": BLOCK, "prefill_chunk": 24, "max_num_batched_tokens": 96, "max_num_seqs": 8}
+
+
+def workload(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 2000) for _ in range(61)]  # longer than a prefill chunk, not block-aligned
+    out = [system + [rng.randrange(3, 2000) for _ in range(rng.randint(1, 20))] for _ in range(5)]
+    out += [system[:32], system[:33], system[:31], system[:40] + [7] * 9]  # ends on / beside a block boundary
+    out += [list(range(200, 300))] * 2  # the same prompt twice (n = 2)
+    return out
+
+
+def rounds(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[list[int]]]:
+    """The workload three times: the first fills the cache, the others hit it (in another order the last time)."""
+    def gen(ps):
+        return [o.outputs[0].token_ids for o in llm.generate(ps, params)]
+    first = gen(prompts)
+    return [first, gen(prompts), gen(prompts[::-1])[::-1]]
+
+
+def settled(llm: LLM) -> None:
+    """Nothing held after the workload: every block free or cached, every state slot back."""
+    b = llm.engine.blocks
+    b.check([])
+    assert b.num_free_blocks == b.num_blocks - 1
+    assert len(b.free_slots) == llm.engine.runner.cache_shape.num_state_slots - 1 - llm.engine.runner.snapshot_slots
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_greedy_and_seeded_outputs_equal_with_the_cache_on_and_off(k):
+    prompts = workload()
+    for params in (SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                   SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_tokens=12, ignore_eos=True)):
+        off = rounds(LLM(num_speculative_tokens=k, **KW), prompts, params)
+        llm = LLM(num_speculative_tokens=k, enable_prefix_caching=True, prefix_snapshots=16, **KW)
+        on = rounds(llm, prompts, params)
+        assert on == off
+        st = llm.engine.blocks.prefix_stats()
+        # the 2nd and 3rd rounds find every prompt's full blocks but the last token's (the 1st finds a few)
+        assert st["prefix_cache_hits"] > 0.5 * st["prefix_cache_queries"] > 0, st
+        settled(llm)
+
+
+def test_a_small_cache_evicts_and_leaks_nothing():
+    prompts = workload(1) * 2
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    small = dict(KW, num_blocks=48, max_model_len=200)  # a few sequences' worth: cached prefixes get evicted
+    off = rounds(LLM(num_speculative_tokens=3, **small), prompts, params)
+    llm = LLM(num_speculative_tokens=3, enable_prefix_caching=True, **small)
+    assert rounds(llm, prompts, params) == off
+    st = llm.engine.blocks.prefix_stats()
+    assert st["evictions"] > 0 and st["prefix_cache_hits"] > 0, st
+    settled(llm)
+
+
+def test_prompt_logprobs_requests_do_not_take_cached_prefixes():
+    llm = LLM(enable_prefix_caching=True, **KW)
+    p = workload()[0]
+    plain = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([p], plain)
+    want = LLM(**KW).generate([p], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1))
+    got = llm.generate([p], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1))
+    assert got[0].prompt_logprobs == want[0].prompt_logprobs and len(got[0].prompt_logprobs) == len(p)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_dp2_group_with_the_cache_equals_dp1_without_and_forgets_it_on_new_weights(ray_cluster, k):
+    from mtp_ray.rl.engine import launch_engine
+
+    prompts = workload(2)
+    greedy = {"temperature": 0, "max_tokens": 10, "ignore_eos": True}
+
+    def group(caching: bool):
+        return launch_engine({"spec": {"num_speculative_tokens": k}, "parallel": {"dp": 2},
+                              "cache": {"block_size": BLOCK, "prefix_caching": caching},
+                              "scheduler": {"prefill_chunk": 24, "max_num_batched_tokens": 96, "max_num_seqs": 8},
+                              "timeouts": {"collective_s": 20, "progress_s": 30}})
+
+    def run(h) -> list[list[int]]:
+        return [r["token_ids"] for r in ray_cluster.get([h.generate.remote(p, greedy) for p in prompts], timeout=300)]
+
+    # a layer-0 weight: every KV and GDN state after it changes, so a stale cached prefix would change the output
+    name = "model.layers.0.input_layernorm.weight"
+    on, off = group(True), group(False)
+    try:
+        ref = run(off)
+        assert run(on) == ref and run(on) == ref
+        stats = ray_cluster.get(on.get_stats.remote())["ranks"]
+        assert sum(r["prefix_cache"]["prefix_cache_hits"] for r in stats) > 0
+        w = dict(LLM(**KW).engine.runner.model.named_parameters())[name].detach() * 1.5
+        for h in (on, off):
+            ray_cluster.get(h.update_weights.remote([(name, w)]))
+        new_ref = run(off)
+        assert new_ref != ref  # the update matters
+        assert run(on) == new_ref
+        assert all(r["prefix_cache"]["named_blocks"] > 0 for r in ray_cluster.get(on.get_stats.remote())["ranks"])
+    finally:
+        for h in (on, off):
+            ray_cluster.get(h.shutdown.remote())
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_n_samples_of_one_prompt_share_its_prefill(k):
+    """n = 4 samples arrive together: three wait for the first to publish the prompt's blocks (a few steps) and
+    resume from them, so the prompt is prefilled once (plus each sample's last partial block); outputs equal the
+    uncached engine's, which prefills it four times."""
+    prompt = workload()[0]  # 78 tokens: 9 full blocks before the last token
+    params = SamplingParams(n=4, temperature=0.8, seed=5, max_tokens=8, ignore_eos=True)
+    off = LLM(num_speculative_tokens=k, **KW)
+    llm = LLM(num_speculative_tokens=k, enable_prefix_caching=True, **KW)
+    want = [o.token_ids for o in off.generate([prompt], params)[0].outputs]
+    assert [o.token_ids for o in llm.generate([prompt], params)[0].outputs] == want
+    st = llm.engine.blocks.prefix_stats()
+    full = (len(prompt) - 1) // BLOCK * BLOCK
+    assert st["requests_queried"] == 4 and st["prefix_cache_hits"] == 3 * full, st
+    computed = llm.engine.stats.iteration_tokens_sum - off.engine.stats.iteration_tokens_sum
+    assert computed == -3 * full  # the same decode steps; three prompts' full blocks never fed again
+    settled(llm)
+
+
+def test_server_reports_cached_tokens_and_counters(ray_cluster):
+    """Through `serve run`'s app with `cache.prefix_caching: true`: a repeated prompt reports usage
+    .prompt_tokens_details.cached_tokens and streams the same completion; /metrics counts queries and hits."""
+    from pathlib import Path
+
+    import requests
+    import yaml
+    from ray import serve
+
+    from mtp_ray.serve.app import build_app
+
+    port = 8033
+    spec = yaml.safe_load((Path(__file__).resolve().parent.parent / "deployments" / "qwen35_mtp.yaml").read_text())
+    spec = spec["applications"][0]
+    spec["args"]["group"] = {"num_replicas": 1}
+    spec["args"]["engine"].setdefault("cache", {})["prefix_caching"] = True
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(spec["args"]), name="prefix", route_prefix="/")
+    try:
+        prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n" * 3
+        body = {"model": "tiny-qwen35-mtp", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+        url = f"http://127.0.0.1:{port}"
+        first = requests.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        second = requests.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        assert second["choices"][0]["text"] == first["choices"][0]["text"]
+        n_prompt = first["usage"]["prompt_tokens"]
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert 0 < cached < n_prompt and cached % 16 == 0, (cached, n_prompt)  # whole blocks, never the last token
+        import time
+
+        deadline = time.monotonic() + 20
+        while True:  # the ranks' counters reach /metrics with the group's next poll of them
+            lines = [ln for ln in requests.get(f"{url}/metrics", timeout=30).text.splitlines()
+                     if ln.startswith("mtp_ray:prefix_cache_hits_total")]
+            if sum(float(ln.rsplit(" ", 1)[1]) for ln in lines) == cached or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert sum(float(ln.rsplit(" ", 1)[1]) for ln in lines) == cached, lines
+    finally:
+        serve.delete("prefix")
+        serve.shutdown()
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_shared_system_prompt_is_snapshotted_where_prompts_diverge(k):
+    """Prompts that share only a system prompt: the second one alone publishes a snapshot where it leaves the
+    first one's cached blocks, so the third resumes there; sent together, the later ones wait for the first to
+    reach the shared boundary and resume there too. Greedy outputs equal the uncached engine's."""
+    rng = random.Random(7)
+    system = [rng.randrange(3, 2000) for _ in range(45)]  # 5 full blocks of 8, then 5 more tokens
+
+    def user() -> list[int]:
+        return system + [rng.randrange(3, 2000) for _ in range(rng.randint(3, 30))]
+
+    alone, together = [user() for _ in range(3)], [user() for _ in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    off = LLM(num_speculative_tokens=k, **KW)
+    llm = LLM(num_speculative_tokens=k, enable_prefix_caching=True, **KW)
+    ix = llm.engine.blocks.index
+    hits = []
+    for p in alone:
+        before = ix.hit_tokens
+        assert llm.generate([p], params)[0].outputs[0].token_ids == off.generate([p], params)[0].outputs[0].token_ids
+        hits.append(ix.hit_tokens - before)
+    assert hits == [0, 0, 40]  # the 2nd computed the system prompt again, but left a snapshot at its end
+    llm.engine.blocks.invalidate()
+    before = ix.hit_tokens
+    got = [o.outputs[0].token_ids for o in llm.generate(together, params)]
+    assert got == [o.outputs[0].token_ids for o in off.generate(together, params)]
+    assert ix.hit_tokens - before == 3 * 40
+    settled(llm)
+
+
+def test_prefix_benchmark_runs_and_the_cache_saves_the_shared_prefill(tmp_path):
+    """bench/prefix.py end to end, small (CPU): prefill tokens computed drop by at least the shared share, same
+    outputs (no speed assertion)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "prefix.json"
+    subprocess.run([sys.executable, str(root / "bench/prefix.py"), "--k", "0", "--conversations", "2", "--turns", "2",
+                    "--samples", "3", "--answer", "8", "--out", str(out)], check=True, cwd=root, timeout=600,
+                   capture_output=True)
+    res = json.loads(out.read_text())["workloads"]
+    for w in res.values():
+        assert w["outputs_equal"] and w["drop_at_least_shared"] and w["cache_on"]["shared"] > 0.3, w
