@@ -221,3 +221,53 @@ def test_prefix_benchmark_runs_and_the_cache_saves_the_shared_prefill(tmp_path):
     res = json.loads(out.read_text())["workloads"]
     for w in res.values():
         assert w["outputs_equal"] and w["drop_at_least_shared"] and w["cache_on"]["shared"] > 0.3, w
+
+
+@pytest.mark.parametrize("layout", ["gqa6_int3", "mha_types"])
+def test_other_layer_layouts_with_the_cache_on_equal_off(tmp_path, layout):
+    """Random checkpoints of other layouts (attention / GDN interleaving, GQA ratios, tied embeddings), k = 3."""
+    from tests.helpers import make_checkpoint
+
+    make_checkpoint(tmp_path, layout, seed=3)
+    rng = random.Random(4)
+    system = [rng.randrange(3, 97) for _ in range(29)]
+    prompts = [system + [rng.randrange(3, 97) for _ in range(rng.randint(1, 12))] for _ in range(5)] + [system[:24]]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    off = rounds(LLM(str(tmp_path), num_speculative_tokens=3, **KW), prompts, params)
+    llm = LLM(str(tmp_path), num_speculative_tokens=3, enable_prefix_caching=True, **KW)
+    assert rounds(llm, prompts, params) == off
+    assert llm.engine.blocks.prefix_stats()["prefix_cache_hits"] > 0
+    settled(llm)
+
+
+def test_sleep_and_wake_up_forget_cached_prefixes(ray_cluster):
+    """After sleep (caches freed) and wake_up (caches zeroed) a cached prefix would read zeros: it is forgotten, and
+    the next request computes it again with the same result."""
+    from mtp_ray.rl.engine import launch_engine
+
+    p = workload(5)[0]
+    greedy = {"temperature": 0, "max_tokens": 10, "ignore_eos": True}
+    h = launch_engine({"spec": {"num_speculative_tokens": 3}, "cache": {"block_size": BLOCK, "prefix_caching": True},
+                       "scheduler": {"prefill_chunk": 24, "max_num_batched_tokens": 96, "max_num_seqs": 8}})
+    try:
+        first = ray_cluster.get(h.generate.remote(p, greedy))["token_ids"]
+        assert ray_cluster.get(h.generate.remote(p, greedy))["token_ids"] == first
+
+        def hits() -> int:
+            return ray_cluster.get(h.get_stats.remote())["ranks"][0]["prefix_cache"]["prefix_cache_hits"]
+
+        before = hits()
+        assert before > 0
+        for level in (1, 2):
+            ray_cluster.get(h.sleep.remote(level))
+            if level == 2:  # the weights come back through update_weights (the checkpoint's own)
+                from mtp_ray.config.engine import BUNDLED_MODEL
+                from mtp_ray.model.loader import checkpoint_tensors
+
+                ray_cluster.get(h.update_weights.remote([(n, read(None)) for n, _, read
+                                                         in checkpoint_tensors(BUNDLED_MODEL)]))
+            ray_cluster.get(h.wake_up.remote())
+            assert ray_cluster.get(h.generate.remote(p, greedy))["token_ids"] == first
+            assert hits() == before  # recomputed, not taken from a forgotten cache
+    finally:
+        ray_cluster.get(h.shutdown.remote())
