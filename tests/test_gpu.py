@@ -291,3 +291,28 @@ def test_warmup_leaves_nothing_to_compile_for_the_first_requests(tmp_path):
     res = json.loads(out.read_text())
     assert res["compiles_in_warmup"] > 0  # the hook saw the warmup's compiles: a silent hook cannot pass this
     assert res["compiles_after_warmup"] == 0, json.dumps(res["after_warmup"], indent=1)[:4000]
+
+
+@needs_gpu
+@pytest.mark.parametrize("k", [0, 3])
+def test_prefix_caching_on_the_gpu_equals_off(k):
+    """Prefix caching with CUDA graphs, async scheduling and fla's varlen prefill resuming from restored GDN
+    snapshots (fp32: token identity is an fp32 claim): three rounds of shared-prefix prompts, greedy and seeded,
+    equal with the cache on and off; the cache is used."""
+    import random
+
+    rng = random.Random(0)
+    system = [rng.randrange(3, 2000) for _ in range(150)]
+    prompts = [system + [rng.randrange(3, 2000) for _ in range(rng.randint(1, 60))] for _ in range(6)]
+    prompts += [system[:128], system[:129], list(range(300, 700))]
+    kw = {"device": "cuda", "dtype": "float32", "num_speculative_tokens": k, "prefill_chunk": 96}
+    for sp in (SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+               SamplingParams(temperature=0.8, seed=1, max_tokens=16, ignore_eos=True)):
+        outs = []
+        for on in (False, True):
+            llm = LLM(enable_prefix_caching=on, **kw)
+            outs.append([[o.outputs[0].token_ids for o in llm.generate(ps, sp)]
+                         for ps in (prompts, prompts, prompts[::-1])])
+            if on:
+                assert llm.engine.blocks.prefix_stats()["prefix_cache_hits"] > 0
+        assert outs[0] == outs[1]
