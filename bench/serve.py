@@ -1,13 +1,14 @@
 """Serving benchmark: what a client of `serve run` sees, next to what the engine group did, in one run.
 
-    python bench/serve.py [--yaml deployments/qwen35_mtp.yaml] [--model bundled|35b] [--layers 4]
+    python bench/serve.py [--yaml deployments/qwen35_mtp.yaml] [--model bundled|35b|micro] [--layers 4]
                           [--variants dp1k3 dp1k0 dp2k3] [--concurrency 1 16 64 128 256] [--max-tokens 128]
                           [--prompt-tokens 32] [--requests-per-stream 4] [--cold-burst 64]
                           [--out bench/results/serve.json]
 
 Per variant (dp, k) it starts `serve run` on a YAML made from --yaml (engine overrides: dp, k, and with
 --model 35b random weights at the Qwen3.5-35B-A3B shapes cut to --layers layers + the MTP layer, with a word-level
-tokenizer of the full vocabulary), waits for /health, then:
+tokenizer of the full vocabulary; --model micro: random weights at tiny shapes with the bundled tokenizer, engine
+steps of a few ms on a CPU), waits for /health, then:
 - cold burst: --cold-burst requests at once right after start (TTFT of a cold server), and the same burst again at
   the end (warm): `cold_over_warm_ttft`;
 - per concurrency c: c client streams, each sending requests one after another (POST /v1/completions, stream,
@@ -68,6 +69,27 @@ def model_35b(layers: int, mtp: bool) -> Path:
     cfg = hf_config(layers, mtp=mtp)
     (path / "config.json").write_text(json.dumps(cfg))
     word_tokenizer(path, cfg["vocab_size"])
+    return path
+
+
+def model_micro(mtp: bool) -> Path:
+    """Random weights at tiny shapes (2 layers, hidden 64, 4 experts) with the bundled tokenizer: engine steps of
+    a few ms on a CPU, so a CPU run measures the front door (proxy, ingress, group), not the engine."""
+    from decode import hf_config
+
+    from mtp_ray.config.engine import BUNDLED_MODEL
+
+    path = Path(tempfile.mkdtemp(prefix="serve-micro-"))
+    cfg = hf_config(2, mtp=mtp)
+    cfg.update(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=1,
+               linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32, num_experts=4,
+               num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+               vocab_size=json.loads((Path(BUNDLED_MODEL) / "config.json").read_text()).get("vocab_size", 2048),
+               layer_types=["linear_attention", "full_attention"])
+    (path / "config.json").write_text(json.dumps(cfg))
+    for f in Path(BUNDLED_MODEL).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config")):
+            shutil.copy(f, path / f.name)
     return path
 
 
@@ -367,11 +389,12 @@ def parse_variant(v: str) -> tuple[int, int]:
 async def main_async(args) -> dict:
     model: dict = {}
     tmp = None
-    if args.model == "35b":
-        tmp = model_35b(args.layers, mtp=any(parse_variant(v)[1] for v in args.variants))
+    if args.model in ("35b", "micro"):
+        mtp = any(parse_variant(v)[1] for v in args.variants)
+        tmp = model_35b(args.layers, mtp) if args.model == "35b" else model_micro(mtp)
         model = {"model": str(tmp), "load_format": "dummy", "tokenizer": str(tmp)}
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    result = {"machine": machine(), "yaml": args.yaml, "model": args.model if args.model == "bundled"
+    result = {"machine": machine(), "yaml": args.yaml, "model": args.model if args.model != "35b"
               else f"random Qwen3.5-35B-A3B shapes, {args.layers} layers", "max_tokens": args.max_tokens,
               "prompt_tokens": args.prompt_tokens, "requests_per_stream": args.requests_per_stream, "variants": {}}
     try:
@@ -396,7 +419,7 @@ async def main_async(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--yaml", default="deployments/qwen35_mtp.yaml")
-    ap.add_argument("--model", choices=["bundled", "35b"], default="bundled")
+    ap.add_argument("--model", choices=["bundled", "35b", "micro"], default="bundled")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--variants", nargs="+", default=["dp1k3", "dp1k0"], help="dp<N>k<K> each")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 128, 256])
