@@ -7,7 +7,8 @@ Two workloads on the bundled model (engine API, one rank):
 - chat: --conversations conversations of --turns turns; every turn of every conversation is sent together, its
   prompt = a shared system prompt + the whole history (earlier user turns and the model's answers) + a new user
   turn; greedy answers of --answer tokens;
-- samples: --samples sampled completions of one prompt sent together (a GRPO group; completions `n`).
+- samples: --samples sampled completions of one prompt sent together (a GRPO group; completions `n`);
+- unique: --samples prompts that share nothing: what the cache costs when it never hits.
 Per workload and setting: prompt tokens, prefill tokens computed (prompt tokens minus those taken from the cache),
 TTFT (add -> first token, engine steps only), wall time, and the share of prompt tokens an ideal cache would reuse
 (`shared`: tokens already seen by an earlier request of the workload, whole blocks before each prompt's last
@@ -90,6 +91,16 @@ def run_samples(core, args, rng: random.Random) -> dict:
             "prompts": [prompt] * args.samples, "wall_s": time.perf_counter() - t0}
 
 
+def run_unique(core, args, rng: random.Random, params) -> dict:
+    """Prompts that share nothing: what the cache costs when it never hits (a miss prefills its last partial
+    block as a piece of its own, after the snapshot)."""
+    prompts = [[rng.randrange(3, 2000) for _ in range(args.sample_prompt)] for _ in range(args.samples)]
+    t0 = time.perf_counter()
+    outs, ttft, cached = serve(core, [(p, params) for p in prompts])
+    return {"prompt_tokens": sum(map(len, prompts)), "cached": sum(cached), "ttft": ttft, "outputs": outs,
+            "prompts": prompts, "wall_s": time.perf_counter() - t0}
+
+
 def summary(r: dict, block: int) -> dict:
     computed = r["prompt_tokens"] - r["cached"]
     return {"prompt_tokens": r["prompt_tokens"], "cached_tokens": r["cached"], "prefill_tokens_computed": computed,
@@ -118,7 +129,7 @@ def main() -> None:
     greedy = SamplingParams(temperature=0, max_tokens=args.answer, ignore_eos=True)
     result = {"machine": machine(), "device": args.device, "k": args.k, "model": "bundled", "args": vars(args),
               "workloads": {}}
-    for name in ("chat", "samples"):
+    for name in ("chat", "samples", "unique"):
         rows = {}
         for on in (False, True):
             cfg = engine_config(num_speculative_tokens=args.k, device=args.device, enable_prefix_caching=on,
@@ -127,11 +138,12 @@ def main() -> None:
             if core.runner.graphs is not None:
                 core.warmup()
             rng = random.Random(0)
-            r = run_chat(core, args, rng, greedy) if name == "chat" else run_samples(core, args, rng)
+            r = (run_chat(core, args, rng, greedy) if name == "chat" else run_samples(core, args, rng)
+                 if name == "samples" else run_unique(core, args, rng, greedy))
             rows["on" if on else "off"] = (summary(r, cfg.cache.block_size), r["outputs"])
         (on_s, on_out), (off_s, off_out) = rows["on"], rows["off"]
         w = {"cache_off": off_s, "cache_on": on_s,
-             "computed_drop": round(1 - on_s["prefill_tokens_computed"] / off_s["prefill_tokens_computed"], 3),
+             "computed_drop": round(1 - on_s["prefill_tokens_computed"] / max(1, off_s["prefill_tokens_computed"]), 3),
              "ttft_on_over_off": round(on_s["ttft_ms_mean"] / off_s["ttft_ms_mean"], 3),
              "outputs_equal": on_out == off_out}
         w["drop_at_least_shared"] = w["computed_drop"] >= on_s["shared"] - 1e-9

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from mtp_ray import LLM, SamplingParams
+from tests.test_graph_steps import emulated_graphs, with_graphs  # noqa: F401 (a fixture)
 
 BLOCK = 8
 KW = {"block_size": BLOCK, "prefill_chunk": 24, "max_num_batched_tokens": 96, "max_num_seqs": 8}
@@ -271,3 +272,16 @@ def test_sleep_and_wake_up_forget_cached_prefixes(ray_cluster):
             assert hits() == before  # recomputed, not taken from a forgotten cache
     finally:
         ray_cluster.get(h.shutdown.remote())
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_cache_with_graph_steps_and_async_scheduling_equals_off(emulated_graphs, k):  # noqa: F811
+    """The GPU step logic on the CPU (tests/test_graph_steps.py: graphs emulated by re-running, split prefill,
+    device greedy, async scheduling and async verify): restored snapshots feed graph decode / verify steps."""
+    prompts = workload(3)
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    want = rounds(LLM(num_speculative_tokens=k, **KW), prompts, params)
+    llm = with_graphs(LLM(num_speculative_tokens=k, enable_prefix_caching=True, prefix_snapshots=16, **KW))
+    assert rounds(llm, prompts, params) == want
+    assert llm.engine.stats.device_greedy_steps > 0 and llm.engine.blocks.prefix_stats()["prefix_cache_hits"] > 0
+    settled(llm)
