@@ -1,6 +1,6 @@
 """Prefix caching: TTFT and prefill tokens computed with the cache on vs off, side by side in one run.
 
-    python bench/prefix.py [--device cpu|cuda] [--k 3] [--conversations 4] [--turns 4] [--samples 8]
+    python bench/prefix.py [--device cpu|cuda] [--dtype auto] [--k 3] [--conversations 4] [--turns 4] [--samples 8]
                            [--out bench/results/prefix.json]
 
 Two workloads on the bundled model (engine API, one rank):
@@ -112,6 +112,7 @@ def summary(r: dict, block: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto", help="auto: bf16 on a GPU (near-ties may differ), fp32 on CPU")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--conversations", type=int, default=4)
     ap.add_argument("--turns", type=int, default=4)
@@ -132,7 +133,8 @@ def main() -> None:
     for name in ("chat", "samples", "unique"):
         rows = {}
         for on in (False, True):
-            cfg = engine_config(num_speculative_tokens=args.k, device=args.device, enable_prefix_caching=on,
+            cfg = engine_config(num_speculative_tokens=args.k, device=args.device, dtype=args.dtype,
+                                enable_prefix_caching=on,
                                 max_num_seqs=max(args.conversations, args.samples), max_num_batched_tokens=1024)
             core = EngineCore(cfg)
             if core.runner.graphs is not None:

@@ -30,6 +30,7 @@ for stage in "$@"; do
     cold) for mk in ${COLD:-bundled:0 bundled:3 35b:0 35b:3}; do m=${mk%:*} k=${mk#*:} f="$OUT/cold_${m}_k$k"
             TRITON_CACHE_DIR=$(mktemp -d) python3 bench/cold_compiles.py --model $m --k $k --out $f.json > $f.log 2>&1
             python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], d['engine_start_s'], d['compiles_in_warmup'], d['compiles_after_warmup'], [c['kernel'] for c in d['after_warmup']])" $f.json || tail -20 $f.log; done ;;
+    prefix) for dt in float32 bfloat16; do python3 bench/prefix.py --device cuda --dtype $dt --out "$OUT/prefix_h200_$dt.json" 2>&1 | grep "prefill tokens computed"; done ;;
     graphkern) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py -k "greedy_block or feed_in" 2>&1 | tee "$OUT/graphkern.log" | tail -3 ;;
     graphops) python3 bench/graph_ops.py --out "$OUT/graph_ops_h200.json" 2>&1 | tail -2 ;;
     offline256) python3 bench/offline.py --device cuda --dtype bfloat16 --prompts 16 --max-tokens 256 --repeats 3 --no-transformers --out "$OUT/offline_h200_bf16_256.json" 2>&1 | tail -16 ;;
