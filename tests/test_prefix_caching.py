@@ -285,3 +285,53 @@ def test_cache_with_graph_steps_and_async_scheduling_equals_off(emulated_graphs,
     assert rounds(llm, prompts, params) == want
     assert llm.engine.stats.device_greedy_steps > 0 and llm.engine.blocks.prefix_stats()["prefix_cache_hits"] > 0
     settled(llm)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_random_arrivals_and_aborts_in_a_small_cache(k):
+    """The engine API under random arrivals of prompts sharing prefixes, aborts (publishers included, while others
+    wait for them) in a small cache that must evict: no hang, every finished request's tokens equal the uncached
+    engine's for its prompt, and the block / slot invariants hold at every step and come back at the end."""
+    from mtp_ray.engine.core import EngineCore
+    from mtp_ray.llm import engine_config
+
+    rng = random.Random(11)
+    stems = [[rng.randrange(3, 2000) for _ in range(rng.randint(8, 50))] for _ in range(4)]
+    prompts = [rng.choice(stems) + [rng.randrange(3, 2000) for _ in range(rng.randint(0, 12))] for _ in range(40)]
+    prompts += [prompts[3]] * 3 + [prompts[7]] * 2  # repeats (n > 1 style)
+    mts = [rng.randint(1, 14) for _ in prompts]
+    ref = LLM(num_speculative_tokens=k, **KW).generate(
+        prompts, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in mts])
+    want = [o.outputs[0].token_ids for o in ref]
+    core = EngineCore(engine_config(num_speculative_tokens=k, enable_prefix_caching=True, prefix_snapshots=6,
+                                    num_blocks=34, max_model_len=200, **KW))
+    got: dict[int, list[int]] = {}
+    finished: dict[int, str] = {}
+    order = list(range(len(prompts)))
+    live: set[int] = set()
+    steps = 0
+    while order or core.has_unfinished():
+        for _ in range(rng.choice([0, 0, 1, 3])):
+            if order:
+                i = order.pop(0)
+                core.add_request(str(i), prompts[i], SamplingParams(temperature=0, max_tokens=mts[i], ignore_eos=True))
+                got[i], live = [], live | {i}
+        if live and rng.random() < 0.05:
+            victim = rng.choice(sorted(live))
+            core.abort_request(str(victim))
+            live.discard(victim)
+            finished[victim] = "abort"
+        for o in core.step():
+            i = int(o.request_id)
+            got[i] += o.new_token_ids
+            if o.finished:
+                finished[i] = o.finish_reason
+                live.discard(i)
+        core.blocks.check(core.scheduler.running + list(core.scheduler.waiting))
+        steps += 1
+        assert steps < 5000, "no progress"
+    done = [i for i, r in finished.items() if r == "length"]
+    assert len(done) > 30 and core.blocks.index.evictions > 0 and core.blocks.index.hit_tokens > 0
+    assert all(got[i] == want[i] for i in done), [i for i in done if got[i] != want[i]]
+    core.blocks.check([])
+    assert core.blocks.num_free_blocks == core.blocks.num_blocks - 1
