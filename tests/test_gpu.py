@@ -316,3 +316,36 @@ def test_prefix_caching_on_the_gpu_equals_off(k):
             if on:
                 assert llm.engine.blocks.prefix_stats()["prefix_cache_hits"] > 0
         assert outs[0] == outs[1]
+
+
+@needs_gpu
+def test_sleep_gives_back_the_device_memory_it_claims(ray_cluster):
+    """sleep(1) and sleep(2) free every device byte they report (weights, caches, the graphs' pools, the fused
+    projection buffers), measured in the rank (torch.cuda.memory_allocated / memory_reserved) and on the device
+    (mem_get_info); wake_up takes it back and serves the same tokens (k = 3, graphs)."""
+    from mtp_ray.config.engine import BUNDLED_MODEL
+    from mtp_ray.model.loader import checkpoint_tensors
+    from mtp_ray.rl.engine import launch_engine
+
+    h = launch_engine({"device": "cuda", "dtype": "bfloat16", "spec": {"num_speculative_tokens": 3}})
+    params = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
+    try:
+        first = ray_cluster.get(h.generate.remote(PROMPTS, params))
+        for level in (1, 2):
+            awake = ray_cluster.get(h.get_stats.remote())["memory"][0]  # rank 0's ModelRunner.memory()
+            asleep = ray_cluster.get(h.sleep.remote(level))[0]
+            claimed = awake["weights_bytes"] + awake["cache_bytes"]
+            assert asleep["weights_bytes"] == 0 and asleep["cache_bytes"] == 0
+            freed = awake["device_allocated_bytes"] - asleep["device_allocated_bytes"]
+            returned = asleep["device_free_bytes"] - awake["device_free_bytes"]
+            released = awake["device_reserved_bytes"] - asleep["device_reserved_bytes"]  # not kept in torch's pool
+            assert freed >= claimed and released >= claimed, (level, awake, asleep)
+            assert returned >= 0.95 * claimed, (level, awake, asleep)
+            if level == 2:
+                ray_cluster.get(h.update_weights.remote([(n, read(None)) for n, _, read
+                                                         in checkpoint_tensors(BUNDLED_MODEL)]))
+            ray_cluster.get(h.wake_up.remote())
+            again = ray_cluster.get(h.generate.remote(PROMPTS, params))
+            assert [r["token_ids"] for r in again] == [r["token_ids"] for r in first]
+    finally:
+        ray_cluster.get(h.shutdown.remote())

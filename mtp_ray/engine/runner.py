@@ -160,6 +160,9 @@ class ModelRunner:
             self._shapes = {n: p.shape for n, p in params.items()}
             for p in params.values():
                 p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        if self.device.type == "cuda":  # give the freed memory back to the device (a trainer may need it), not
+            torch.cuda.synchronize(self.device)  # to the caching allocator's pool
+            torch.cuda.empty_cache()
         self.asleep = level
 
     def weight_loader(self) -> WeightLoader:
@@ -194,8 +197,13 @@ class ModelRunner:
         on_dev = sum(p.numel() * p.element_size() for p in params if p.device == self.device)
         on_host = sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu"
                       and self.device.type != "cpu")
-        return {"weights_bytes": on_dev, "weights_host_bytes": on_host, "cache_bytes": self.cache_bytes,
-                "asleep": self.asleep}
+        out = {"weights_bytes": on_dev, "weights_host_bytes": on_host, "cache_bytes": self.cache_bytes,
+               "asleep": self.asleep}
+        if self.device.type == "cuda":  # measured: what this process holds, and what the device has free
+            out.update(device_allocated_bytes=torch.cuda.memory_allocated(self.device),
+                       device_reserved_bytes=torch.cuda.memory_reserved(self.device),
+                       device_free_bytes=torch.cuda.mem_get_info(self.device)[0])
+        return out
 
     @torch.inference_mode()
     def forward(self, inp: StepInputs) -> torch.Tensor:
