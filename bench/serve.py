@@ -282,6 +282,33 @@ IDLE = ("wait (threading", "main_loop (ray", "_worker (concurrent", "Thread.run 
         "_run_router_event_loop", "_run_user_code_event_loop", "run_forever", "_run_once")
 
 
+TTFT_PARTS = ("ingress_parse_seconds", "ingress_admit_seconds", "request_queue_time_seconds",
+              "request_prefill_time_seconds", "time_to_first_token_seconds")
+
+
+async def histogram_sums(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the TTFT parts' histograms from /metrics, over every series (groups, ranks, replicas)."""
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    out = {h: [0.0, 0.0] for h in TTFT_PARTS}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("mtp_ray:")
+        for h in TTFT_PARTS:
+            if name in (h + "_sum", h + "_count"):
+                out[h][name.endswith("_count")] += float(line.rsplit(" ", 1)[1])
+    return {h: (v[0], v[1]) for h, v in out.items()}
+
+
+def ttft_parts(before: dict, after: dict) -> dict:
+    """Mean ms per request of each TTFT part over a level: the ingress's parse and admission, the rank's queue
+    and prefill (add -> first token), and the time to first token the ingress measured from after parsing."""
+    out = {}
+    for h in TTFT_PARTS:
+        n = after[h][1] - before[h][1]
+        out[h.removesuffix("_seconds")] = round(1e3 * (after[h][0] - before[h][0]) / n, 2) if n else None
+    return out
+
+
 def _top(counts: dict[str, int], total: int) -> list:
     return [(round(100 * v / max(total, 1), 1), k[:140]) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:25]]
 
@@ -349,7 +376,7 @@ async def run_variant(args, name: str, dp: int, k: int, model: dict, work: Path,
             save(result, args.out)
         for c, ratio in [(c, 0.0) for c in args.concurrency] + [(c, args.range_ratio) for c in args.ranged]:
             prompts = [prompt(c * 1000 + i) for i in range(c * args.requests_per_stream)]
-            before = await engine_counters(url)
+            before, hist_before = await engine_counters(url), await histogram_sums(url)
             run = asyncio.ensure_future(run_level(url, served, prompts, c, args.max_tokens, ratio))
             if args.profile_s and c == max(args.concurrency) and not ratio:
                 await asyncio.sleep(2.0)
@@ -359,6 +386,8 @@ async def run_variant(args, name: str, dp: int, k: int, model: dict, work: Path,
                     out["profile"] = {"error": f"{type(e).__name__}: {e}"}
             level = await run
             level["engine"] = engine_delta(before, await engine_counters(url))
+            await asyncio.sleep(1.5)  # the replicas report their histograms to the metrics hub every second
+            level["ttft_parts_ms"] = ttft_parts(hist_before, await histogram_sums(url))
             e = level["engine"]
             level["client_over_engine_tok_s"] = round(level["output_tok_s"] / e["tok_s"], 3) if e["tok_s"] else None
             if c == 1 and level["tpot_ms"]["mean"] and e.get("decode_ms_per_token"):
@@ -371,7 +400,7 @@ async def run_variant(args, name: str, dp: int, k: int, model: dict, work: Path,
                   f"(x{level['client_over_engine_tok_s']}; {e['tok_s_in_steps']} in steps); TTFT p50 "
                   f"{level['ttft_ms']['p50']} ms, TPOT {level['tpot_ms']['mean']} ms (engine graph step "
                   f"{e.get('graph_step_ms')} ms, {e.get('decode_ms_per_token')} ms/token), "
-                  f"{level['tokens_per_chunk']} tokens/chunk", flush=True)
+                  f"{level['tokens_per_chunk']} tokens/chunk; TTFT parts ms {level['ttft_parts_ms']}", flush=True)
         if args.cold_burst:
             out["warm_burst"] = await run_level(url, served, burst, args.cold_burst, args.max_tokens)
             cold, warm = out["cold_burst"]["ttft_ms"]["p50"], out["warm_burst"]["ttft_ms"]["p50"]

@@ -135,6 +135,7 @@ class Ingress:
 
     async def generate(self, request: Request, chat: bool):
         self.reporter.start()
+        t_in = time.monotonic()
         try:
             body = await self._body(request, CHAT_FIELDS if chat else COMPLETION_FIELDS)
             # tokenising / templating a large prompt off the event loop
@@ -153,6 +154,7 @@ class Ingress:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         choices = new_choices(req, self.tok, self.serving)
         t0 = time.monotonic()
+        self.metrics.hist["ingress_parse_seconds"].observe(t0 - t_in)
         # every choice admitted by a group before the response starts: a 503 is a status, not an SSE error event
         tasks = [asyncio.ensure_future(self.groups.open(c.prompt, choice_params(req.params, c.index)))
                  for c in choices]
@@ -171,6 +173,7 @@ class Ingress:
                 if isinstance(s, GroupStream):
                     s.cancel()
             return self.refused(failed if isinstance(failed, ApiError) else self.classify(failed))
+        self.metrics.hist["ingress_admit_seconds"].observe(time.monotonic() - t0)
         streams = dict(zip((c.index for c in choices), opened, strict=True))
         if req.stream:
             w = SSEWriter(rid, self.model_name, req, choices, chat, self.tok)

@@ -63,7 +63,10 @@ class Metrics:
                      "request_queue_time_seconds": Histogram(E2E_BUCKETS),
                      "request_prefill_time_seconds": Histogram(E2E_BUCKETS),
                      "request_decode_time_seconds": Histogram(E2E_BUCKETS),
-                     "request_inference_time_seconds": Histogram(E2E_BUCKETS)}
+                     "request_inference_time_seconds": Histogram(E2E_BUCKETS),
+                     # the ingress's own share of TTFT: body + parse + tokenise, then the group's admission
+                     "ingress_parse_seconds": Histogram(TTFT_BUCKETS),
+                     "ingress_admit_seconds": Histogram(TTFT_BUCKETS)}
         self.ttft, self.itl, self.e2e = (self.hist[k] for k in ("time_to_first_token_seconds",
                                                                 "inter_token_latency_seconds",
                                                                 "e2e_request_latency_seconds"))
