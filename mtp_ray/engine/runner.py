@@ -80,10 +80,11 @@ class ModelRunner:
             per_block = 2 * c.block_size * mc.num_key_value_heads * mc.head_dim * attn_layers * self.dtype.itemsize
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * c.memory_fraction)
+                # the GDN state slots come out of the same memory (at 40 layers, 128 sequences and k = 3 they
+                # are ~40 GB: on top of the KV budget they ran the device out of memory)
+                budget = int(free * c.memory_fraction) - self._state_slots() * self._state_slot_bytes()
             else:
                 budget = CPU_CACHE_BYTES
-            budget -= self._state_slots() * self._state_slot_bytes()  # GDN states come out of the same budget
             num_blocks = max(2, min(budget // max(per_block, 1), s.max_num_seqs * per_seq + 1))
         return CacheShape(num_blocks, c.block_size, self._state_slots())
 
