@@ -329,7 +329,8 @@ class EngineCore:
         # shapes, on the first step of a new bucket: bench/cold_compiles.py)
         budget = self.cfg.scheduler.max_num_batched_tokens
         span = max(1, 65536 // self.runner.model_config.linear_num_key_heads)
-        for n in sorted({min(n, budget) for n in (1, 2, 9, 16, 64, *range(span, budget, span), budget)}):
+        large = (*range(span, budget, span), budget) if self.runner.device.type == "cuda" else ()  # (no Triton: CPU)
+        for n in sorted({min(n, budget) for n in (1, 2, 9, 16, 64, *large)}):
             with self.sync.agree(DPMeta(num_tokens=n, batch_size=1, is_decoding=int(n == 1), is_dummy=0,
                                         has_unfinished=1)):
                 self.runner.forward(dummy_inputs(n))
