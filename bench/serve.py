@@ -290,12 +290,14 @@ async def histogram_sums(url: str) -> dict[str, tuple[float, float]]:
     """(sum, count) of the TTFT parts' histograms from /metrics, over every series (groups, ranks, replicas)."""
     async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
         text = await r.text()
-    out = {h: [0.0, 0.0] for h in TTFT_PARTS}
+    out = {h: [0.0, 0.0] for h in (*TTFT_PARTS, "group_admit_seconds")}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("mtp_ray:")
         for h in TTFT_PARTS:
             if name in (h + "_sum", h + "_count"):
                 out[h][name.endswith("_count")] += float(line.rsplit(" ", 1)[1])
+        if name in ("group_admit_seconds_total", "group_admits_total"):  # counters: (seconds, admissions)
+            out["group_admit_seconds"][name == "group_admits_total"] += float(line.rsplit(" ", 1)[1])
     return {h: (v[0], v[1]) for h, v in out.items()}
 
 
@@ -303,7 +305,7 @@ def ttft_parts(before: dict, after: dict) -> dict:
     """Mean ms per request of each TTFT part over a level: the ingress's parse and admission, the rank's queue
     and prefill (add -> first token), and the time to first token the ingress measured from after parsing."""
     out = {}
-    for h in TTFT_PARTS:
+    for h in (*TTFT_PARTS, "group_admit_seconds"):  # the last: the group's part of ingress_admit
         n = after[h][1] - before[h][1]
         out[h.removesuffix("_seconds")] = round(1e3 * (after[h][0] - before[h][0]) / n, 2) if n else None
     return out

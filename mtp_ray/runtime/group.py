@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -61,6 +62,7 @@ class EngineGroup:
         self.reqs: dict[str, tuple[int, Sink]] = {}
         self.load = [0] * self.dp
         self.router = self._router()
+        self.admit_s, self.admits = 0.0, 0  # admissions through `admit` and the time the group spent on them
         self.abort_calls = [0] * self.dp  # aborts sent per rank (cancelled streams, abort()): health shows them
         self.abort_errors = [0] * self.dp  # ... and those whose call failed
         # new requests per rank: one add_many call for all that arrive while the previous one is in flight
@@ -196,8 +198,11 @@ class EngineGroup:
         refused), so the call counts as the request's while it runs (Serve's ongoing requests: autoscaling). Closing
         it before then (the caller cancels) aborts the request on its rank."""
         assert subscriber, "the group's own requests go through generate / collect"
+        t0 = time.monotonic()
         sink = RemoteSink()
         rid, rank = await self._admit(prompt_ids, params, request_id, ready_timeout, sink, subscriber)
+        self.admit_s += time.monotonic() - t0  # the group's share of an admission (validate, route, rank's ack)
+        self.admits += 1
         finished = False
         try:
             yield Admission(rid, self.group_id, self.epoch, rank, self.workers[rank])

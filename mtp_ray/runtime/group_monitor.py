@@ -124,6 +124,7 @@ class GroupMonitor:
                 "sleeping": g.commands.sleeping,
                 "in_flight": len(g.reqs), "load": list(g.load), "last_failure": self.last_failure,
                 "add_calls": [b.calls for b in g.adds],  # actor calls that carried new requests, per rank
+                "admits": g.admits, "admit_s": g.admit_s,
                 "abort_calls": list(g.abort_calls), "abort_errors": list(g.abort_errors),
                 "max_model_len": g.max_model_len,
                 "ranks": [{"step": p.get("step", 0), "wave": p.get("wave", 0), "counters": p.get("counters", {}),

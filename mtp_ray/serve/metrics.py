@@ -105,6 +105,9 @@ class Metrics:
 def group_snapshot(health: dict) -> dict[str, Any]:
     """A group's report (from EngineGroup.monitor.health()): its counters per rank and its gauges."""
     totals: dict[str, float] = {"group_restarts_total": health.get("restarts", 0),
+                                # the group's share of admissions (validate, route, the rank's ack): bench/serve.py
+                                "group_admits_total": health.get("admits", 0),
+                                "group_admit_seconds_total": health.get("admit_s", 0.0),
                                 "abort_calls_total": sum(health.get("abort_calls", [])),
                                 "abort_errors_total": sum(health.get("abort_errors", []))}
     gauges: dict[str, float] = {"group_healthy": int(bool(health.get("healthy"))),
