@@ -21,7 +21,7 @@ from mtp_ray.serve.choices import ChoiceRunner
 from mtp_ray.serve.errors import ApiError, bad
 from mtp_ray.serve.fields import CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
 from mtp_ray.serve.groups import GroupClient, GroupStream, cause_of, first_line, unavailable
-from mtp_ray.serve.intake import check_api_key, read_body, read_json_object
+from mtp_ray.serve.intake import INLINE_BYTES, check_api_key, read_body, read_json_object
 from mtp_ray.serve.metrics import Metrics, render
 from mtp_ray.serve.metrics_hub import HubReporter
 from mtp_ray.serve.openai_protocol import Limits, check_length, parse_completion
@@ -138,11 +138,15 @@ class Ingress:
         t_in = time.monotonic()
         try:
             body = await self._body(request, CHAT_FIELDS if chat else COMPLETION_FIELDS)
-            # tokenising / templating a large prompt off the event loop
+            # tokenising / templating a large prompt off the event loop (a small one: here, see INLINE_BYTES)
             limits = await self.limits()
-            req = await asyncio.to_thread(
-                lambda: parse_chat(body, self.tok, limits, self.serving) if chat else parse_completion(
-                    body, self.tok, limits))
+
+            def parse():
+                return (parse_chat(body, self.tok, limits, self.serving) if chat
+                        else parse_completion(body, self.tok, limits))
+
+            size = request.headers.get("content-length", "")
+            req = parse() if size.isdigit() and int(size) <= INLINE_BYTES else await asyncio.to_thread(parse)
             max_len = (await self.info())["max_model_len"]
             for ids in req.prompts:
                 check_length(ids, req.params, max_len)
