@@ -27,6 +27,7 @@ from mtp_ray.engine.inputs import StepInputs, build, build_uniform, dummy_inputs
 from mtp_ray.engine.mtp import DraftItem, MTPProposer
 from mtp_ray.engine.outputs import OutputProcessor, StepOutput
 from mtp_ray.engine.phases import PhaseClock
+from mtp_ray.engine.prefix_steps import publish_prefixes, restore_prefixes
 from mtp_ray.engine.rejection import verify
 from mtp_ray.engine.request import Request, Status, check_request
 from mtp_ray.engine.runner import ModelRunner
@@ -34,7 +35,7 @@ from mtp_ray.engine.sampler import Row, logprob_info, reduce_rows, sample_row
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.engine.scheduler import Scheduled, Scheduler
 from mtp_ray.engine.stats import EngineStats
-from mtp_ray.engine.warmup import warmup_requests
+from mtp_ray.engine.warmup import warmup_forwards, warmup_requests
 from mtp_ray.layers.moe import ExpertDispatcher, local_dispatch
 from mtp_ray.parallel.dp_meta import DPMeta, Gathered
 from mtp_ray.parallel.sync import LocalSync, Sync
@@ -164,7 +165,7 @@ class EngineCore:
             done = self.greedy.resolve()
         # schedule
         sched = self.scheduler.schedule(self.sync.prefill_turn() if self.scheduler.split else None)
-        self._restore_prefixes(sched)
+        restore_prefixes(sched, self.runner)
         uniform = is_uniform(sched, 1 + self.k)
         local = self._local_meta(sched, uniform)
         clock.lap("schedule")
@@ -200,34 +201,12 @@ class EngineCore:
             clock.lap("commit")
             return done
         outputs, items = self._commit(sched, inp, hidden, all_logits, fast)
-        self._publish_prefixes(sched)
+        publish_prefixes(sched, self.blocks, self.runner)
         clock.lap("commit")
         # draft
         self.proposer.propose(items, table)
         clock.lap("drafts")
         return done + outputs
-
-    def _restore_prefixes(self, sched: list[Scheduled]) -> None:
-        """Requests admitted on a cached prefix: their GDN state from the prefix's snapshot, before any forward
-        reads it (a device copy, in stream order)."""
-        pairs = []
-        for s in sched:
-            if s.req.restore_from is not None:
-                pairs.append((s.req.restore_from, s.req.state_slots[0]))
-                s.req.restore_from = None
-        self.runner.copy_states(pairs)
-
-    def _publish_prefixes(self, sched: list[Scheduled]) -> None:
-        """Requests whose prefill just reached one of their snapshot points: their full blocks before it are named in
-        the prefix cache and their GDN state there is snapshotted (after this step's forward, in stream order)."""
-        pairs = []
-        for s in sched:
-            req = s.req
-            if req.snap_points and req.num_computed in req.snap_points and not s.completes_prefill and not s.verify:
-                slot = self.blocks.publish(req, req.prefix_hashes[: req.num_computed // self.blocks.block_size])
-                if slot is not None:
-                    pairs.append((req.state_slots[0], slot))
-        self.runner.copy_states(pairs)
 
     def invalidate_prefixes(self) -> None:
         """Cached prefixes no longer hold (new weights, caches reset or freed): forget them all."""
@@ -321,30 +300,7 @@ class EngineCore:
         """All ranks together: eager dummy decode and prefill steps with the k draft forwards, then (GPU) every CUDA
         graph size is captured, largest first, on padded rows only, so that no capture stalls a serving step; then a
         small synthetic workload is served (engine/warmup.py)."""
-        # eager forwards of padded rows (KV writes dropped) at 1, 2, 9, 16 and 64 tokens: the eager kernels and their
-        # size classes (the GEMV's M == 1 / % 16 / other, on both sides of the shared expert's GEMV path at
-        # SHARED_GEMV_TOKENS, varlen attention, GDN chunk, the MoE paths) compile here rather than stalling the
-        # first requests that meet them; and up to a full step's token budget: fla's q / k
-        # L2-norm autotunes once per bucket of ceil(tokens x key heads / 65536) (25 configs, ~3.5 s at the 35B
-        # shapes, on the first step of a new bucket: bench/cold_compiles.py)
-        budget = self.cfg.scheduler.max_num_batched_tokens
-        span = max(1, 65536 // self.runner.model_config.linear_num_key_heads)
-        large = (*range(span, budget, span), budget) if self.runner.device.type == "cuda" else ()  # (no Triton: CPU)
-        for n in sorted({min(n, budget) for n in (1, 2, 9, 16, 64, *large)}):
-            with self.sync.agree(DPMeta(num_tokens=n, batch_size=1, is_decoding=int(n == 1), is_dummy=0,
-                                        has_unfinished=1)):
-                self.runner.forward(dummy_inputs(n))
-            self.proposer.propose([], None)
-        q_len = 1 + self.k
-        for size in sorted(self.runner.graph_sizes, reverse=True):
-            meta = DPMeta(num_tokens=size * q_len, batch_size=size, is_decoding=1, is_dummy=0, has_unfinished=1,
-                          graph_ok=1)
-            with self.sync.agree(meta, (size,)) as table:
-                assert table is not None and table.graph_size == size
-                self.runner.replay_target(build_uniform([], self.blocks, q_len, size, self.runner.blocks_per_seq),
-                                          size)
-            if self.k:
-                self.proposer.propose_graph([], table)
+        warmup_forwards(self)
         warmup_requests(self)
         self.drain()
         self.invalidate_prefixes()  # the workload's prefixes are nobody's

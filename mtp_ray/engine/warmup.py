@@ -1,16 +1,19 @@
-"""Warmup by serving: after the dummy forwards and graph capture (EngineCore.warmup), every rank serves a small
-synthetic workload in lock-step, shaped like what the first real requests bring: a burst of short prompts prefilled
-together, a prompt longer than one prefill chunk, greedy and sampled rows, decode / verify graph steps, draft loops
-after eager prefills. The kernels those steps meet (batched varlen prefill, chunked prefill, the MoE tile classes of
-large token counts, the sampling paths) compile and autotune here, not on the first burst of real requests (a cold
-server's first 64-request burst waited ~7 s in Triton compiles before this, bench/serve.py `cold_burst`).
+"""Warmup (EngineCore.warmup), every rank in lock-step. `warmup_forwards`: eager dummy forwards of every size
+class the serving path meets (and up to the step token budget on a GPU), then every CUDA graph captured. Then
+warmup by serving (`warmup_requests`): every rank serves a small synthetic workload, shaped like what the first
+real requests bring: a burst of short prompts prefilled together, a prompt longer than one prefill chunk, greedy
+and sampled rows, decode / verify graph steps, draft loops after eager prefills. The kernels those steps meet
+(batched varlen prefill, chunked prefill, the MoE tile classes of large token counts, the sampling paths) compile
+and autotune here, not on the first burst of real requests (bench/cold_compiles.py finds what is missed).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mtp_ray.engine.inputs import build_uniform, dummy_inputs
 from mtp_ray.engine.sampling_params import SamplingParams
+from mtp_ray.parallel.dp_meta import DPMeta
 
 if TYPE_CHECKING:
     from mtp_ray.engine.core import EngineCore
@@ -52,3 +55,32 @@ def warmup_requests(core: EngineCore) -> int:
         table = core.sync.step_table  # in lock-step: until no rank has work (the same step on every rank)
         if table is not None and table.all_dummy and not table.any_unfinished:
             return steps
+
+
+def warmup_forwards(core: EngineCore) -> None:
+    """Every rank together: eager dummy decode and prefill forwards with the k draft forwards, then (GPU) every
+    CUDA graph size captured, largest first, on padded rows only, so that no capture stalls a serving step."""
+    # eager forwards of padded rows (KV writes dropped) at 1, 2, 9, 16 and 64 tokens: the eager kernels and their
+    # size classes (the GEMV's M == 1 / % 16 / other, on both sides of the shared expert's GEMV path at
+    # SHARED_GEMV_TOKENS, varlen attention, GDN chunk, the MoE paths) compile here rather than stalling the
+    # first requests that meet them; and up to a full step's token budget: fla's q / k
+    # L2-norm autotunes once per bucket of ceil(tokens x key heads / 65536) (25 configs, ~3.5 s at the 35B
+    # shapes, on the first step of a new bucket: bench/cold_compiles.py)
+    budget = core.cfg.scheduler.max_num_batched_tokens
+    span = max(1, 65536 // core.runner.model_config.linear_num_key_heads)
+    large = (*range(span, budget, span), budget) if core.runner.device.type == "cuda" else ()  # (no Triton: CPU)
+    for n in sorted({min(n, budget) for n in (1, 2, 9, 16, 64, *large)}):
+        with core.sync.agree(DPMeta(num_tokens=n, batch_size=1, is_decoding=int(n == 1), is_dummy=0,
+                                    has_unfinished=1)):
+            core.runner.forward(dummy_inputs(n))
+        core.proposer.propose([], None)
+    q_len = 1 + core.k
+    for size in sorted(core.runner.graph_sizes, reverse=True):
+        meta = DPMeta(num_tokens=size * q_len, batch_size=size, is_decoding=1, is_dummy=0, has_unfinished=1,
+                      graph_ok=1)
+        with core.sync.agree(meta, (size,)) as table:
+            assert table is not None and table.graph_size == size
+            core.runner.replay_target(build_uniform([], core.blocks, q_len, size, core.runner.blocks_per_seq),
+                                      size)
+        if core.k:
+            core.proposer.propose_graph([], table)
