@@ -101,6 +101,18 @@ class Ingress:
     async def _ask_info(self) -> dict:
         return await self.group.info.remote()
 
+    async def _spec_positions(self) -> None:
+        """The per-position acceptance counters exist from the start, at zero, as Prometheus counters should (one
+        per draft position: the group's k); without the group's answer they come with the first drafts."""
+        if self.metrics.spec_positions is None:
+            try:
+                k = int((await asyncio.wait_for(self.info(), 2)).get("k", 0))
+            except Exception:  # no group yet: /metrics still answers
+                return
+            self.metrics.spec_positions = k
+            for i in range(k):
+                self.metrics.totals.setdefault(f'spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}', 0.0)
+
     async def _body(self, request: Request, known: set[str]) -> dict:
         check_api_key(request, self.server.api_key)
         body = await read_json_object(request, self.server.max_body_bytes)
@@ -242,6 +254,7 @@ class Ingress:
         """Every ingress replica and every group of the application, from the hub (this replica's own counters as
         they are now); without the hub, this replica's alone."""
         self.reporter.start()
+        await self._spec_positions()
         try:
             view = await asyncio.wait_for(self.reporter.hub.view.remote(), 5)
         except Exception as e:

@@ -52,6 +52,7 @@ class Metrics:
                      "request_aborted_total", "request_failed_total", "request_retried_total"):
             self.totals[name] = 0.0  # exported from the start, as Prometheus counters should be
         self.running = 0
+        self.spec_positions: int | None = None  # draft positions exported at zero (the group's k), once known
         self.hist = {"time_to_first_token_seconds": Histogram(TTFT_BUCKETS),
                      "inter_token_latency_seconds": Histogram(ITL_BUCKETS),
                      "e2e_request_latency_seconds": Histogram(E2E_BUCKETS),
