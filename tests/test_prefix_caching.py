@@ -198,7 +198,7 @@ def test_a_shared_system_prompt_is_snapshotted_where_prompts_diverge(k):
         assert llm.generate([p], params)[0].outputs[0].token_ids == off.generate([p], params)[0].outputs[0].token_ids
         hits.append(ix.hit_tokens - before)
     assert hits == [0, 0, 40]  # the 2nd computed the system prompt again, but left a snapshot at its end
-    llm.engine.blocks.invalidate()
+    llm.engine.invalidate_prefixes()
     before = ix.hit_tokens
     got = [o.outputs[0].token_ids for o in llm.generate(together, params)]
     assert got == [o.outputs[0].token_ids for o in off.generate(together, params)]

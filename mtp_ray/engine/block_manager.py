@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
-from mtp_ray.engine.prefix_cache import BlockHash, Hit, PrefixIndex, block_hashes
+from mtp_ray.engine.prefix_cache import BlockHash, Hit, PrefixIndex, prompt_block_names
 from mtp_ray.engine.request import Request
 
 
@@ -70,9 +70,8 @@ class BlockManager:
         """Names of the full blocks a request can take from the cache or leave in it: those before its last known
         token (whose logits it must compute itself)."""
         if req.hashed_known != req.num_known:  # computed once per set of known tokens (a waiting request is asked
-            known = req.all_ids[: req.num_known]  # again every step while others are admitted)
-            req.prefix_hashes = block_hashes(known[: len(known) - 1 + self.lookahead], self.block_size,
-                                             lookahead=self.lookahead)
+            # again every step while others are admitted)
+            req.prefix_hashes = prompt_block_names(req.all_ids[: req.num_known], self.block_size, self.lookahead)
             req.hashed_known = req.num_known
         return req.prefix_hashes
 
@@ -90,9 +89,6 @@ class BlockManager:
         for b, h in zip(req.block_ids, hashes, strict=False):
             self.index.publish(b, h)
         return self.index.snapshot_slot(hashes[-1])
-
-    def invalidate(self) -> None:
-        self.index.invalidate()
 
     def prefix_stats(self) -> dict:
         """vLLM's counters (tokens looked up / found at admission) and the pools' sizes, for get_stats."""

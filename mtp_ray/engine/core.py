@@ -210,7 +210,7 @@ class EngineCore:
 
     def invalidate_prefixes(self) -> None:
         """Cached prefixes no longer hold (new weights, caches reset or freed): forget them all."""
-        self.blocks.invalidate()
+        self.blocks.index.invalidate()
 
     def _inputs(self, sched: list[Scheduled], uniform: bool, table: Gathered) -> StepInputs:
         """Decodes + prefill pieces in one forward (a uniform batch is all decodes: no per-sequence scan); a graph

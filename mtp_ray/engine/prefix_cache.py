@@ -1,5 +1,5 @@
-"""PrefixIndex (pure Python): which KV blocks and GDN state snapshots hold which token prefix (issue 26, step 1:
-the bookkeeping; the engine does not use it yet, see docs/design.md "Prefix caching").
+"""PrefixIndex (pure Python): which KV blocks and GDN state snapshots hold which token prefix (docs/design.md
+10.1; the engine's BlockManager keeps its blocks here).
 
 A full block is named by a chain hash of its tokens and every token before it (`block_hashes`), so equal names
 mean equal prefixes. A hybrid model can resume a prefix only where it has both the attention KV of every block
@@ -37,6 +37,12 @@ def block_hashes(tokens: list[int], block_size: int, parent: BlockHash = b"", lo
         h = hashlib.blake2b(h + arr[end - block_size:end + lookahead].tobytes(), digest_size=16).digest()
         out.append(h)
     return out
+
+
+def prompt_block_names(tokens: list[int], block_size: int, lookahead: int) -> list[BlockHash]:
+    """The names of the full blocks a request can take from the cache or leave in it: those before its last token
+    (whose logits it must compute itself), each with its `lookahead` token (block_hashes)."""
+    return block_hashes(tokens[: len(tokens) - 1 + lookahead], block_size, lookahead=lookahead)
 
 
 @dataclass

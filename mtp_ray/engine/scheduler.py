@@ -175,7 +175,6 @@ class Scheduler:
         if hashes is None:
             return False
         bs = self.blocks.block_size
-        req.prefix_hashes = hashes
         points = {len(hashes) * bs, self.blocks.index.named_run(hashes) * bs}
         for other in itertools.islice(self.waiting, 1, 33):
             theirs = self._hashes(other)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from mtp_ray.engine.prefix_cache import BlockHash, block_hashes
+from mtp_ray.engine.prefix_cache import BlockHash, prompt_block_names
 
 
 class PrefixRouter:
@@ -20,13 +20,9 @@ class PrefixRouter:
         self.owner: OrderedDict[BlockHash, int] = OrderedDict()  # block name -> the rank it was last sent to
         self.routed_by_prefix = 0  # requests sent to a rank for its cached prefix rather than by load
 
-    def hashes(self, prompt: list[int]) -> list[BlockHash]:
-        """The names the rank will look up (BlockManager.prefix_hashes of a fresh request)."""
-        return block_hashes(prompt[: len(prompt) - 1 + self.lookahead], self.block_size, lookahead=self.lookahead)
-
     def pick(self, prompt: list[int], load: list[int]) -> int:
         """The rank for a new request, given each rank's requests in flight; remembers the choice."""
-        hashes = self.hashes(prompt)
+        hashes = prompt_block_names(prompt, self.block_size, self.lookahead)  # what the rank will look up
         least = min(range(len(load)), key=lambda r: load[r])
         rank = least
         for h in reversed(hashes):  # the longest remembered prefix
