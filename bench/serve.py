@@ -276,12 +276,6 @@ def engine_delta(before: list[dict], after: list[dict]) -> dict:
     return out
 
 
-PROCS = {"ingress": "OpenAIIngress", "group": "ServeReplica:.*:EngineGroup", "proxy": "ProxyActor",
-         "rank": "RankWorker"}
-IDLE = ("wait (threading", "main_loop (ray", "_worker (concurrent", "Thread.run (threading", "select (selectors",
-        "_run_router_event_loop", "_run_user_code_event_loop", "run_forever", "_run_once")
-
-
 TTFT_PARTS = ("ingress_parse_seconds", "ingress_admit_seconds", "request_queue_time_seconds",
               "request_prefill_time_seconds", "time_to_first_token_seconds")
 
@@ -309,6 +303,12 @@ def ttft_parts(before: dict, after: dict) -> dict:
         n = after[h][1] - before[h][1]
         out[h.removesuffix("_seconds")] = round(1e3 * (after[h][0] - before[h][0]) / n, 2) if n else None
     return out
+
+
+PROCS = {"ingress": "OpenAIIngress", "group": "ServeReplica:.*:EngineGroup", "proxy": "ProxyActor",
+         "rank": "RankWorker"}
+IDLE = ("wait (threading", "main_loop (ray", "_worker (concurrent", "Thread.run (threading", "select (selectors",
+        "_run_router_event_loop", "_run_user_code_event_loop", "run_forever", "_run_once")
 
 
 def _top(counts: dict[str, int], total: int) -> list:

@@ -21,7 +21,7 @@ from mtp_ray.serve.choices import ChoiceRunner
 from mtp_ray.serve.errors import ApiError, bad
 from mtp_ray.serve.fields import CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
 from mtp_ray.serve.groups import GroupClient, GroupStream, cause_of, first_line, unavailable
-from mtp_ray.serve.intake import INLINE_BYTES, check_api_key, read_body, read_json_object
+from mtp_ray.serve.intake import check_api_key, off_loop, read_body, read_json_object
 from mtp_ray.serve.metrics import Metrics, render
 from mtp_ray.serve.metrics_hub import HubReporter
 from mtp_ray.serve.openai_protocol import Limits, check_length, parse_completion
@@ -113,14 +113,15 @@ class Ingress:
             for i in range(k):
                 self.metrics.totals.setdefault(f'spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}', 0.0)
 
-    async def _body(self, request: Request, known: set[str]) -> dict:
+    async def _body(self, request: Request, known: set[str]) -> tuple[dict, int]:
+        """The request's JSON object (checked: API key, known fields, model) and its size in bytes."""
         check_api_key(request, self.server.api_key)
-        body = await read_json_object(request, self.server.max_body_bytes)
+        body, size = await read_json_object(request, self.server.max_body_bytes)
         check_fields(body, known)
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise ApiError(404, f"The model `{model}` does not exist.", "model", "NotFoundError", "model_not_found")
-        return body
+        return body, size
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
@@ -149,16 +150,11 @@ class Ingress:
         self.reporter.start()
         t_in = time.monotonic()
         try:
-            body = await self._body(request, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+            body, size = await self._body(request, CHAT_FIELDS if chat else COMPLETION_FIELDS)
             # tokenising / templating a large prompt off the event loop (a small one: here, see INLINE_BYTES)
             limits = await self.limits()
-
-            def parse():
-                return (parse_chat(body, self.tok, limits, self.serving) if chat
-                        else parse_completion(body, self.tok, limits))
-
-            size = request.headers.get("content-length", "")
-            req = parse() if size.isdigit() and int(size) <= INLINE_BYTES else await asyncio.to_thread(parse)
+            req = await off_loop(lambda: parse_chat(body, self.tok, limits, self.serving) if chat
+                                 else parse_completion(body, self.tok, limits), size)
             max_len = (await self.info())["max_model_len"]
             for ids in req.prompts:
                 check_length(ids, req.params, max_len)
@@ -267,7 +263,7 @@ class Ingress:
     async def tokenize(self, request: Request):
         """vLLM's /tokenize: a prompt, or chat messages through the chat template (with tools and its options)."""
         try:
-            body = await self._body(request, TOKENIZE_FIELDS)
+            body, _ = await self._body(request, TOKENIZE_FIELDS)
             special = body.get("add_special_tokens", "messages" not in body)
             if not isinstance(special, bool):
                 raise bad("'add_special_tokens' must be a boolean", "add_special_tokens")
@@ -287,7 +283,7 @@ class Ingress:
     @app.post("/detokenize")
     async def detokenize(self, request: Request):
         try:
-            body = await self._body(request, DETOKENIZE_FIELDS)
+            body, _ = await self._body(request, DETOKENIZE_FIELDS)
             toks = body.get("tokens")
             vocab = (await self.info())["vocab_size"]
             if not isinstance(toks, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in toks):

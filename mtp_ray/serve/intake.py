@@ -1,15 +1,19 @@
-"""Request intake for the HTTP routes: the API key, the body read under its size limit, and JSON parsed off the
-event loop, so that one large or hostile request cannot stall the requests beside it."""
+"""Request intake for the HTTP routes: the API key, the body read under its size limit, and a large body's JSON
+(and prompt) parsed off the event loop, so that one large or hostile request cannot stall the requests beside it."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
 import json
+from collections.abc import Callable
+from typing import TypeVar
 
 from fastapi import Request
 
 from mtp_ray.serve.errors import ApiError, bad
+
+T = TypeVar("T")
 
 
 def check_api_key(request: Request, api_key: str | None) -> None:
@@ -47,14 +51,20 @@ def too_large(size: int, max_bytes: int) -> ApiError:
 INLINE_BYTES = 4096
 
 
-async def read_json_object(request: Request, max_bytes: int) -> dict:
+async def off_loop(fn: Callable[[], T], size: int) -> T:
+    """fn() for an input of `size` bytes: on the event loop up to INLINE_BYTES, else in a thread."""
+    return fn() if size <= INLINE_BYTES else await asyncio.to_thread(fn)
+
+
+async def read_json_object(request: Request, max_bytes: int) -> tuple[dict, int]:
+    """The body as a JSON object, and its size in bytes (what later work on it is sized by: `off_loop`)."""
     raw = await read_body(request, max_bytes)
     try:
-        body = json.loads(raw) if len(raw) <= INLINE_BYTES else await asyncio.to_thread(json.loads, raw)
+        body = await off_loop(lambda: json.loads(raw), len(raw))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad(f"malformed JSON body: {e}") from e
     except RecursionError:
         raise bad("malformed JSON body: nested too deeply") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    return body
+    return body, len(raw)

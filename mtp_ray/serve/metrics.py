@@ -114,7 +114,7 @@ def group_snapshot(health: dict) -> dict[str, Any]:
     gauges: dict[str, float] = {"group_healthy": int(bool(health.get("healthy"))),
                                 "num_requests_waiting": sum(r.get("num_waiting", 0) for r in health.get("ranks", []))}
     for r, rank in enumerate(health.get("ranks", [])):
-        c, lab = rank.get("counters", {}), f'{{rank="{r}"}}'
+        c, lab, pc = rank.get("counters", {}), f'{{rank="{r}"}}', rank.get("prefix_cache", {})
         totals.update({f"dpmeta_steps_total{lab}": rank.get("step", 0),
                        f"dpmeta_gathers_total{lab}": c.get("gathers", 0),
                        f"dummy_forwards_total{lab}": c.get("dummy_forwards", 0),
@@ -125,14 +125,14 @@ def group_snapshot(health: dict) -> dict[str, Any]:
                        f"rank_generation_tokens_total{lab}": rank.get("spec", {}).get("output_tokens", 0),
                        f"rank_step_seconds_total{lab}": rank.get("spec", {}).get("step_s", 0.0),
                        # vLLM's prefix-cache counters: prompt tokens looked up / found cached at admission
-                       f"prefix_cache_queries_total{lab}": rank.get("prefix_cache", {}).get("prefix_cache_queries", 0),
-                       f"prefix_cache_hits_total{lab}": rank.get("prefix_cache", {}).get("prefix_cache_hits", 0)})
+                       f"prefix_cache_queries_total{lab}": pc.get("prefix_cache_queries", 0),
+                       f"prefix_cache_hits_total{lab}": pc.get("prefix_cache_hits", 0)})
         totals.update(_iteration_tokens(rank.get("spec", {}), r))
         gauges.update({f"kv_cache_usage_perc{lab}": rank.get("kv_usage", 0.0),
                        f"rank_num_requests_running{lab}": rank.get("num_running", 0),
                        f"rank_num_requests_waiting{lab}": rank.get("num_waiting", 0),
-                       f"prefix_cache_blocks{lab}": rank.get("prefix_cache", {}).get("named_blocks", 0),
-                       f"prefix_cache_snapshots{lab}": rank.get("prefix_cache", {}).get("snapshots", 0)})
+                       f"prefix_cache_blocks{lab}": pc.get("named_blocks", 0),
+                       f"prefix_cache_snapshots{lab}": pc.get("snapshots", 0)})
     return {"totals": totals, "gauges": gauges}
 
 

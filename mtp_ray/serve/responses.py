@@ -145,7 +145,7 @@ def usage(req: ParsedRequest, choices: list[Choice]) -> dict:
     out = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
     cached = [c.cached_tokens for c in choices if c.cached_tokens is not None]
     if cached:  # prefix caching on: per prompt, the most any of its n samples found cached
-        n = max(1, len(choices) // max(1, len(req.prompts)))
+        n = req.params.n  # choices i * n .. i * n + n - 1 are prompt i's (new_choices)
         per_prompt = [max((c.cached_tokens or 0) for c in choices[i : i + n]) for i in range(0, len(choices), n)]
         out["prompt_tokens_details"] = {"cached_tokens": sum(per_prompt)}
     return out
