@@ -1,9 +1,10 @@
 """Prefix caching: TTFT and prefill tokens computed with the cache on vs off, side by side in one run.
 
     python bench/prefix.py [--device cpu|cuda] [--dtype auto] [--k 3] [--conversations 4] [--turns 4] [--samples 8]
-                           [--out bench/results/prefix.json]
+                           [--model bundled|35b] [--layers 8] [--out bench/results/prefix.json]
 
-Two workloads on the bundled model (engine API, one rank):
+Three workloads on the bundled model, or (--model 35b, GPU) random weights at the Qwen3.5-35B-A3B shapes cut to
+--layers layers, where a prefill token costs what it does in serving (engine API, one rank):
 - chat: --conversations conversations of --turns turns; every turn of every conversation is sent together, its
   prompt = a shared system prompt + the whole history (earlier user turns and the model's answers) + a new user
   turn; greedy answers of --answer tokens;
@@ -92,8 +93,8 @@ def run_samples(core, args, rng: random.Random) -> dict:
 
 
 def run_unique(core, args, rng: random.Random, params) -> dict:
-    """Prompts that share nothing: what the cache costs when it never hits (a miss prefills its last partial
-    block as a piece of its own, after the snapshot)."""
+    """Prompts that share nothing: what the cache costs when it never hits (hashing, and each prompt's snapshot
+    taken inside its prefill: the GDN recurrence over its rows once more)."""
     prompts = [[rng.randrange(3, 2000) for _ in range(args.sample_prompt)] for _ in range(args.samples)]
     t0 = time.perf_counter()
     outs, ttft, cached = serve(core, [(p, params) for p in prompts])
@@ -120,22 +121,36 @@ def main() -> None:
     ap.add_argument("--answer", type=int, default=32, help="tokens per answer / sample")
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--sample-prompt", type=int, default=300)
+    ap.add_argument("--model", choices=["bundled", "35b"], default="bundled")
+    ap.add_argument("--layers", type=int, default=8, help="--model 35b: layers kept of the 40")
     ap.add_argument("--out", default="bench/results/prefix.json")
     args = ap.parse_args()
+    model: dict = {}
+    if args.model == "35b":  # config.json only: random weights (load_format dummy), a bounded cache
+        import json
+        import tempfile
+
+        from decode import hf_config
+
+        tmp = Path(tempfile.mkdtemp(prefix="prefix35b-"))
+        (tmp / "config.json").write_text(json.dumps(hf_config(args.layers, mtp=args.k > 0)))
+        model = {"model": str(tmp), "load_format": "dummy", "num_blocks": 4096}
 
     from mtp_ray.engine.core import EngineCore
     from mtp_ray.engine.sampling_params import SamplingParams
     from mtp_ray.llm import engine_config
 
     greedy = SamplingParams(temperature=0, max_tokens=args.answer, ignore_eos=True)
-    result = {"machine": machine(), "device": args.device, "k": args.k, "model": "bundled", "args": vars(args),
+    name = "bundled" if args.model == "bundled" else f"random Qwen3.5-35B-A3B shapes, {args.layers} layers"
+    result = {"machine": machine(), "device": args.device, "k": args.k, "model": name, "args": vars(args),
               "workloads": {}}
     for name in ("chat", "samples", "unique"):
         rows = {}
         for on in (False, True):
             cfg = engine_config(num_speculative_tokens=args.k, device=args.device, dtype=args.dtype,
                                 enable_prefix_caching=on,
-                                max_num_seqs=max(args.conversations, args.samples), max_num_batched_tokens=1024)
+                                max_num_seqs=max(args.conversations, args.samples), max_num_batched_tokens=1024,
+                                **model)
             core = EngineCore(cfg)
             if core.runner.graphs is not None:
                 core.warmup()
@@ -143,6 +158,14 @@ def main() -> None:
             r = (run_chat(core, args, rng, greedy) if name == "chat" else run_samples(core, args, rng)
                  if name == "samples" else run_unique(core, args, rng, greedy))
             rows["on" if on else "off"] = (summary(r, cfg.cache.block_size), r["outputs"])
+            del core  # its device memory back before the next engine
+            if args.device == "cuda":
+                import gc
+
+                import torch
+
+                gc.collect()
+                torch.cuda.empty_cache()
         (on_s, on_out), (off_s, off_out) = rows["on"], rows["off"]
         w = {"cache_off": off_s, "cache_on": on_s,
              "computed_drop": round(1 - on_s["prefill_tokens_computed"] / max(1, off_s["prefill_tokens_computed"]), 3),

@@ -36,6 +36,8 @@ class RequestOutput:
     finished: bool = True
     # prompt_logprobs: per prompt position None (the first) or {token: logprob} (the prompt token and the top-n)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # prompt tokens taken from the prefix cache (the most any of its n samples took; None: caching off), as vLLM's
+    num_cached_tokens: int | None = None
 
 
 def engine_config(model: str = BUNDLED_MODEL, *, num_speculative_tokens: int = 0, dtype: str = "auto",
@@ -44,7 +46,7 @@ def engine_config(model: str = BUNDLED_MODEL, *, num_speculative_tokens: int = 0
                   max_model_len: int | None = None, tokenizer: str | None = None, cuda_graphs: bool = True,
                   graph_sizes: tuple[int, ...] | None = None, split_prefill: bool | None = None,
                   async_scheduling: bool = True, async_verify: bool = True, load_format: str = "auto",
-                  enable_prefix_caching: bool = False, prefix_snapshots: int | None = None) -> EngineConfig:
+                  enable_prefix_caching: bool = True, prefix_snapshots: int | None = None) -> EngineConfig:
     """Flat keyword arguments (vLLM style) -> EngineConfig."""
     return EngineConfig(
         model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, load_format=load_format,
@@ -140,6 +142,8 @@ class LLM:
         if out.prompt_logprobs is not None and ro.prompt_logprobs is None:
             ro.prompt_logprobs = [None if e is None else {t: e[0], **dict(e[1])}
                                   for e, t in zip(out.prompt_logprobs, ro.prompt_token_ids, strict=True)]
+        if out.num_cached_tokens is not None:
+            ro.num_cached_tokens = max(ro.num_cached_tokens or 0, out.num_cached_tokens)
         co.token_ids += out.new_token_ids
         co.logprobs += out.new_logprobs
         co.top_logprobs += out.new_top_logprobs

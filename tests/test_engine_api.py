@@ -324,16 +324,18 @@ def test_top_logprobs_past_a_small_vocabulary():
 
 def test_iteration_tokens_histogram_counts_every_scheduled_token():
     """EngineStats.iteration_tokens (vLLM's iteration_tokens_total): every step with work lands in one bucket, and
-    the tokens sum to what was fed: each prompt once, and each generated token but the last (k = 0)."""
+    the tokens sum to what was fed: each prompt once but what it took from the prefix cache (the three share their
+    first tokens), and each generated token but the last (k = 0)."""
     from mtp_ray.engine.stats import ITERATION_TOKEN_BUCKETS
 
     llm = LLM(num_speculative_tokens=0)
     prompts = [list(range(5, 5 + n)) for n in (3, 40, 17)]
     max_tokens = [6, 2, 9]
-    llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens])
+    outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens])
+    cached = sum(o.num_cached_tokens for o in outs)
     st = llm.engine.stats
-    assert sum(st.iteration_tokens) == st.steps > 0
-    assert st.iteration_tokens_sum == sum(map(len, prompts)) + sum(m - 1 for m in max_tokens)
+    assert sum(st.iteration_tokens) == st.steps > 0 and cached == 16  # the 17-token prompt's first block
+    assert st.iteration_tokens_sum == sum(map(len, prompts)) - cached + sum(m - 1 for m in max_tokens)
     assert len(st.iteration_tokens) == len(ITERATION_TOKEN_BUCKETS) + 1
 
 

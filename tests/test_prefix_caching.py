@@ -13,6 +13,7 @@ from tests.test_graph_steps import emulated_graphs, with_graphs  # noqa: F401 (a
 
 BLOCK = 8
 KW = {"block_size": BLOCK, "prefill_chunk": 24, "max_num_batched_tokens": 96, "max_num_seqs": 8}
+OFF = {"enable_prefix_caching": False}  # on by default
 
 
 def workload(seed: int = 0) -> list[list[int]]:
@@ -45,7 +46,7 @@ def test_greedy_and_seeded_outputs_equal_with_the_cache_on_and_off(k):
     prompts = workload()
     for params in (SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                    SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_tokens=12, ignore_eos=True)):
-        off = rounds(LLM(num_speculative_tokens=k, **KW), prompts, params)
+        off = rounds(LLM(num_speculative_tokens=k, **OFF, **KW), prompts, params)
         llm = LLM(num_speculative_tokens=k, enable_prefix_caching=True, prefix_snapshots=16, **KW)
         on = rounds(llm, prompts, params)
         assert on == off
@@ -59,7 +60,7 @@ def test_a_small_cache_evicts_and_leaks_nothing():
     prompts = workload(1) * 2
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     small = dict(KW, num_blocks=48, max_model_len=200)  # a few sequences' worth: cached prefixes get evicted
-    off = rounds(LLM(num_speculative_tokens=3, **small), prompts, params)
+    off = rounds(LLM(num_speculative_tokens=3, **OFF, **small), prompts, params)
     llm = LLM(num_speculative_tokens=3, enable_prefix_caching=True, **small)
     assert rounds(llm, prompts, params) == off
     st = llm.engine.blocks.prefix_stats()
@@ -72,8 +73,9 @@ def test_prompt_logprobs_requests_do_not_take_cached_prefixes():
     p = workload()[0]
     plain = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([p], plain)
-    want = LLM(**KW).generate([p], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1))
-    got = llm.generate([p], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1))
+    scored = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    want = LLM(**OFF, **KW).generate([p], scored)
+    got = llm.generate([p], scored)
     assert got[0].prompt_logprobs == want[0].prompt_logprobs and len(got[0].prompt_logprobs) == len(p)
 
 
@@ -120,7 +122,7 @@ def test_n_samples_of_one_prompt_share_its_prefill(k):
     uncached engine's, which prefills it four times."""
     prompt = workload()[0]  # 78 tokens: 9 full blocks before the last token
     params = SamplingParams(n=4, temperature=0.8, seed=5, max_tokens=8, ignore_eos=True)
-    off = LLM(num_speculative_tokens=k, **KW)
+    off = LLM(num_speculative_tokens=k, **OFF, **KW)
     llm = LLM(num_speculative_tokens=k, enable_prefix_caching=True, **KW)
     want = [o.token_ids for o in off.generate([prompt], params)[0].outputs]
     assert [o.token_ids for o in llm.generate([prompt], params)[0].outputs] == want
@@ -189,7 +191,7 @@ def test_a_shared_system_prompt_is_snapshotted_where_prompts_diverge(k):
 
     alone, together = [user() for _ in range(3)], [user() for _ in range(4)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    off = LLM(num_speculative_tokens=k, **KW)
+    off = LLM(num_speculative_tokens=k, **OFF, **KW)
     llm = LLM(num_speculative_tokens=k, enable_prefix_caching=True, **KW)
     ix = llm.engine.blocks.index
     hits = []
@@ -204,6 +206,23 @@ def test_a_shared_system_prompt_is_snapshotted_where_prompts_diverge(k):
     assert got == [o.outputs[0].token_ids for o in off.generate(together, params)]
     assert ix.hit_tokens - before == 3 * 40
     settled(llm)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_miss_prefills_in_as_many_steps_as_without_the_cache(k):
+    """A prompt nobody shared yet: its snapshot is taken inside its prefill piece, not by cutting the piece there
+    (a miss would pay one more step: bench/prefix.py `unique`), and the same prompt then resumes from it."""
+    kw = {**KW, "prefill_chunk": 96}
+    prompt = list(range(300, 341))  # 41 tokens: its snapshot point (40) lies inside its one prefill piece
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    off, on = LLM(num_speculative_tokens=k, **OFF, **kw), LLM(num_speculative_tokens=k, **kw)
+    want = off.generate([prompt], params)[0].outputs[0].token_ids
+    assert on.generate([prompt], params)[0].outputs[0].token_ids == want
+    assert on.engine.stats.steps == off.engine.stats.steps
+    assert on.engine.blocks.prefix_stats()["snapshots"] == 1
+    again = on.generate([prompt], params)[0]
+    assert again.outputs[0].token_ids == want and again.num_cached_tokens == 40
+    settled(on)
 
 
 def test_prefix_benchmark_runs_and_the_cache_saves_the_shared_prefill(tmp_path):
@@ -235,7 +254,7 @@ def test_other_layer_layouts_with_the_cache_on_equal_off(tmp_path, layout):
     system = [rng.randrange(3, 97) for _ in range(29)]
     prompts = [system + [rng.randrange(3, 97) for _ in range(rng.randint(1, 12))] for _ in range(5)] + [system[:24]]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    off = rounds(LLM(str(tmp_path), num_speculative_tokens=3, **KW), prompts, params)
+    off = rounds(LLM(str(tmp_path), num_speculative_tokens=3, **OFF, **KW), prompts, params)
     llm = LLM(str(tmp_path), num_speculative_tokens=3, enable_prefix_caching=True, **KW)
     assert rounds(llm, prompts, params) == off
     assert llm.engine.blocks.prefix_stats()["prefix_cache_hits"] > 0
@@ -281,7 +300,7 @@ def test_cache_with_graph_steps_and_async_scheduling_equals_off(emulated_graphs,
     device greedy, async scheduling and async verify): restored snapshots feed graph decode / verify steps."""
     prompts = workload(3)
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
-    want = rounds(LLM(num_speculative_tokens=k, **KW), prompts, params)
+    want = rounds(LLM(num_speculative_tokens=k, **OFF, **KW), prompts, params)
     llm = with_graphs(LLM(num_speculative_tokens=k, enable_prefix_caching=True, prefix_snapshots=16, **KW))
     assert rounds(llm, prompts, params) == want
     assert llm.engine.stats.device_greedy_steps > 0 and llm.engine.blocks.prefix_stats()["prefix_cache_hits"] > 0
@@ -301,7 +320,7 @@ def test_random_arrivals_and_aborts_in_a_small_cache(k):
     prompts = [rng.choice(stems) + [rng.randrange(3, 2000) for _ in range(rng.randint(0, 12))] for _ in range(40)]
     prompts += [prompts[3]] * 3 + [prompts[7]] * 2  # repeats (n > 1 style)
     mts = [rng.randint(1, 14) for _ in prompts]
-    ref = LLM(num_speculative_tokens=k, **KW).generate(
+    ref = LLM(num_speculative_tokens=k, **OFF, **KW).generate(
         prompts, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in mts])
     want = [o.outputs[0].token_ids for o in ref]
     core = EngineCore(engine_config(num_speculative_tokens=k, enable_prefix_caching=True, prefix_snapshots=6,

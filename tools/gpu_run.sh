@@ -13,6 +13,7 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     kernels) python3 -m pytest -q -p no:cacheprovider --durations=8 -m gpu tests/test_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
+    gdnsnap) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gdn_prefill.py -k snapshots 2>&1 | tee "$OUT/gdnsnap.log" | tail -3 ;;
     gdn) python3 -m pytest -q -p no:cacheprovider --durations=4 -m gpu tests/test_gdn_prefill.py 2>&1 | tee "$OUT/gdn.log" | tail -12 ;;
     e2e) python3 -m pytest -q -rs -p no:cacheprovider --durations=8 -m gpu tests/test_gpu.py tests/test_deepep.py 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;
     tests) python3 -m pytest -q -p no:cacheprovider --durations=12 -rs -m gpu tests/test_kernels.py tests/test_gdn_prefill.py tests/test_gpu.py tests/test_deepep.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
@@ -31,6 +32,7 @@ for stage in "$@"; do
             TRITON_CACHE_DIR=$(mktemp -d) python3 bench/cold_compiles.py --model $m --k $k --out $f.json > $f.log 2>&1
             python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], d['engine_start_s'], d['compiles_in_warmup'], d['compiles_after_warmup'], [c['kernel'] for c in d['after_warmup']])" $f.json || tail -20 $f.log; done ;;
     prefix) for dt in float32 bfloat16; do python3 bench/prefix.py --device cuda --dtype $dt --out "$OUT/prefix_h200_$dt.json" 2>&1 | grep "prefill tokens computed"; done ;;
+    prefix35) python3 bench/prefix.py --device cuda --dtype bfloat16 --model 35b --layers 8 --system 1000 --sample-prompt 2000 --out "$OUT/prefix_h200_35b.json" 2>&1 | grep "prefill tokens computed\|Error" ;;
     graphkern) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py -k "greedy_block or feed_in" 2>&1 | tee "$OUT/graphkern.log" | tail -3 ;;
     graphops) python3 bench/graph_ops.py --out "$OUT/graph_ops_h200.json" 2>&1 | tail -2 ;;
     offline256) python3 bench/offline.py --device cuda --dtype bfloat16 --prompts 16 --max-tokens 256 --repeats 3 --no-transformers --out "$OUT/offline_h200_bf16_256.json" 2>&1 | tail -16 ;;

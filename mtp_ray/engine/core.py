@@ -27,7 +27,7 @@ from mtp_ray.engine.inputs import StepInputs, build, build_uniform, dummy_inputs
 from mtp_ray.engine.mtp import DraftItem, MTPProposer
 from mtp_ray.engine.outputs import OutputProcessor, StepOutput
 from mtp_ray.engine.phases import PhaseClock
-from mtp_ray.engine.prefix_steps import publish_prefixes, restore_prefixes
+from mtp_ray.engine.prefix_steps import plan_snapshots, publish_prefixes, restore_prefixes
 from mtp_ray.engine.rejection import verify
 from mtp_ray.engine.request import Request, Status, check_request
 from mtp_ray.engine.runner import ModelRunner
@@ -184,6 +184,7 @@ class EngineCore:
             decodes = len(sched) if uniform else sum(s.req.is_decode for s in sched)
             self.stats.count_step(uniform, bool(table.graph_size), mixed=0 < decodes < len(sched),
                                   tokens=0 if local.is_dummy else local.num_tokens)  # the tokens it scheduled
+            plan_snapshots(sched, self.blocks)
             inp = self._inputs(sched, uniform, table)
             clock.lap("inputs")
             hidden, all_logits = self._forward(inp, sched, table)

@@ -43,6 +43,7 @@ class Piece:
     tokens: list[int]
     logits: str  # "none" | "last" | "all"
     spec_slots: list[int] | None = None  # GDN snapshot slot per token (verify)
+    snapshots: list[tuple[int, int]] | None = None  # prefix-cache GDN snapshots: (tokens into the piece, slot)
 
 
 def build(pieces: list[Piece], blocks: BlockManager) -> StepInputs:
@@ -71,6 +72,7 @@ def build(pieces: list[Piece], blocks: BlockManager) -> StepInputs:
         slot_mapping=torch.from_numpy(slots),
         state_slots=[p.req.state_slots[0] for p in pieces],
         spec_state_slots=spec if any(spec) else None,
+        snapshots=[(b, j, slot) for b, p in enumerate(pieces) for j, slot in p.snapshots or ()] or None,
     )
     return StepInputs(torch.from_numpy(ids), torch.from_numpy(pos), batch, rows)
 
@@ -191,16 +193,19 @@ def target_pieces(sched: list[Scheduled]) -> list[Piece]:
             toks = r.tokens(r.num_computed, r.num_computed + s.num_new)
             # prompt_logprobs: every row of a piece that scores prompt tokens (EngineCore._score_prompts)
             scores = r.params.prompt_logprobs is not None and r.num_computed < len(r.prompt_ids) - 1
-            out.append(Piece(r, r.num_computed, toks, "all" if scores else "last" if s.completes_prefill else "none"))
+            out.append(Piece(r, r.num_computed, toks, "all" if scores else "last" if s.completes_prefill else "none",
+                             snapshots=s.snapshots))
     return out
 
 
-def dummy_inputs(num_tokens: int = 1) -> StepInputs:
+def dummy_inputs(num_tokens: int = 1, snapshot_at: int | None = None) -> StepInputs:
     """A padded forward for a rank with no work: reserved block 0 and state slot 0, KV writes dropped. The table
-    names block 0 once per token, enough for any block size."""
+    names block 0 once per token, enough for any block size. snapshot_at (warmup): a prefix-cache snapshot after
+    that many tokens, into slot 0 too."""
     batch = ForwardBatch(
         query_lens=[num_tokens], context_lens=[0], block_tables=torch.zeros(1, num_tokens, dtype=torch.long),
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long), state_slots=[0],
+        snapshots=None if snapshot_at is None else [(0, snapshot_at, 0)],
     )
     zeros = torch.zeros(num_tokens, dtype=torch.long)
     return StepInputs(zeros, torch.arange(num_tokens), batch, [[]])

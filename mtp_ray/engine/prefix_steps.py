@@ -1,6 +1,7 @@
 """The device side of prefix caching around a step (design.md 10.1): GDN state snapshots restored into the slots
-of requests admitted on a cached prefix, before the forward; taken from requests that reached a snapshot point,
-after it. Both are device copies in stream order (`ModelRunner.copy_states`)."""
+of requests admitted on a cached prefix, before the forward; taken inside a prefill piece by the forward itself
+(`plan_snapshots`), or after it from requests whose piece ended at a snapshot point. Device work in stream order
+(`ModelRunner.copy_states`, the GDN layers), so a later step that restores a snapshot reads it complete."""
 
 from __future__ import annotations
 
@@ -23,9 +24,24 @@ def restore_prefixes(sched: list[Scheduled], runner: ModelRunner) -> None:
     runner.copy_states(pairs)
 
 
+def plan_snapshots(sched: list[Scheduled], blocks: BlockManager) -> None:
+    """Snapshot points strictly inside a step's prefill pieces: their blocks are named now (this forward writes
+    their KV before any later step reads it) and each new snapshot's state slot goes into `Scheduled.snapshots`,
+    for the GDN layers to fill in this forward. Called once the step's batch is final."""
+    for s in sched:
+        req, start = s.req, s.req.num_computed
+        if s.verify or not req.snap_points:
+            continue
+        for p in req.snap_points:
+            if start < p < start + s.num_new:
+                slot = blocks.publish(req, req.prefix_hashes[: p // blocks.block_size])
+                if slot is not None:
+                    s.snapshots.append((p - start, slot))
+
+
 def publish_prefixes(sched: list[Scheduled], blocks: BlockManager, runner: ModelRunner) -> None:
-    """Requests whose prefill just reached one of their snapshot points: their full blocks before it are named in
-    the prefix cache and their GDN state there is snapshotted (after the step's forward)."""
+    """Requests whose prefill piece just ended at one of their snapshot points: their full blocks before it are
+    named in the prefix cache and their GDN state there is snapshotted (after the step's forward)."""
     pairs = []
     for s in sched:
         req = s.req

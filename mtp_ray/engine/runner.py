@@ -105,7 +105,7 @@ class ModelRunner:
         c = self.cfg.cache
         if not c.prefix_caching:
             return 0
-        return c.prefix_snapshots or self.cfg.scheduler.max_num_seqs
+        return c.prefix_snapshots or min(self.cfg.scheduler.max_num_seqs, 64)
 
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """GDN conv + recurrent state of slot src into slot dst, every layer, for each (src, dst): a prefix-cache

@@ -30,6 +30,9 @@ class Scheduled:
     # after this step every token is computed: the last row's logits sample a new token. Fixed when scheduled
     # (read several times per sequence per step, always before the step moves num_computed)
     completes_prefill: bool = field(init=False)
+    # prefix-cache snapshots this forward takes inside the piece: (tokens into the piece, state slot); set by
+    # prefix_steps.plan_snapshots once the step's batch is final
+    snapshots: list[tuple[int, int]] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.completes_prefill = self.req.num_computed + self.num_new >= self.req.num_tokens
@@ -66,12 +69,8 @@ class Scheduler:
         remaining = req.num_tokens - req.num_computed
         if remaining == 1:
             return self._decode_cost(req)
-        n = min(remaining, self.cfg.prefill_chunk, budget)
-        for p in req.snap_points:  # a piece ends at each prefix-cache snapshot point
-            if req.num_computed < p < req.num_computed + n:
-                n = p - req.num_computed
-                break
-        return n, False
+        # prefix-cache snapshot points inside the piece do not cut it: the GDN layers take them in the same forward
+        return min(remaining, self.cfg.prefill_chunk, budget), False
 
     def schedule(self, prefill_turn: bool | None = None) -> list[Scheduled]:
         """prefill_turn (split mode): the turn a DP group agreed on (None: this scheduler alternates alone). In a

@@ -69,10 +69,17 @@ def warmup_forwards(core: EngineCore) -> None:
     budget = core.cfg.scheduler.max_num_batched_tokens
     span = max(1, 65536 // core.runner.model_config.linear_num_key_heads)
     large = (*range(span, budget, span), budget) if core.runner.device.type == "cuda" else ()  # (no Triton: CPU)
-    for n in sorted({min(n, budget) for n in (1, 2, 9, 16, 64, *large)}):
+    # with prefix caching a piece's snapshots add their rows to the GDN layers' varlen batch (design.md 10.1): up
+    # to twice the budget, so the buckets past it too, a full-budget forward with a snapshot making up the rest
+    over = (*range(span * (budget // span + 1), 2 * budget - 1, span), 2 * budget - 1) if large else ()
+    if not core.blocks.caching:
+        over = ()
+    forwards = [(n, None) for n in sorted({min(n, budget) for n in (1, 2, 9, 16, 64, *large)})]
+    forwards += [(budget, m - budget) for m in over if 0 < m - budget < budget]
+    for n, snap in forwards:
         with core.sync.agree(DPMeta(num_tokens=n, batch_size=1, is_decoding=int(n == 1), is_dummy=0,
                                     has_unfinished=1)):
-            core.runner.forward(dummy_inputs(n))
+            core.runner.forward(dummy_inputs(n, snap))
         core.proposer.propose([], None)
     q_len = 1 + core.k
     for size in sorted(core.runner.graph_sizes, reverse=True):

@@ -32,6 +32,19 @@ class UniformDecode:
     spec_slots: torch.Tensor | None = None  # [B, q_len] int64 GDN state after token j (verify rollback)
 
 
+@dataclass(frozen=True)
+class SnapshotMeta:
+    """ForwardBatch.snapshots on the device; S snapshots, R = the sum of their j."""
+
+    seq: torch.Tensor  # [S] int64 the sequence each snapshot is taken from
+    offset: torch.Tensor  # [S] int64 j: the state after that sequence's first j new tokens
+    start: torch.Tensor  # [S] int64 that sequence's first row in the batch
+    slots: torch.Tensor  # [S] int64 state slot receiving the snapshot
+    rows: torch.Tensor  # [R] int64 batch rows of the appended sequences (each snapshot's first j rows)
+    cu_seqlens: torch.Tensor  # [N + S + 1] the batch's sequences, then the appended ones
+    chunk_indices: torch.Tensor  # [NC, 2] fla's chunk layout of that extended batch
+
+
 @dataclass
 class ForwardBatch:
     query_lens: list[int]  # new tokens of each sequence in this forward
@@ -43,6 +56,9 @@ class ForwardBatch:
     # sequence b, so that the engine can commit the state at the accepted length (rollback).
     spec_state_slots: list[list[int]] | None = None
     uniform: UniformDecode | None = None  # set: the batched decode form (lists above unused, may be empty)
+    # Prefix-cache snapshots inside a prefill piece (design.md 10.1): (sequence b, j, slot) asks every GDN layer
+    # for b's conv + recurrent state after its first j new tokens, written to state slot `slot`
+    snapshots: list[tuple[int, int, int]] | None = None
     # RoPE cos / sin of this forward's positions, computed by the first attention layer and shared by the rest
     rope_cache: dict = field(default_factory=dict, repr=False)
 
@@ -50,6 +66,8 @@ class ForwardBatch:
         if self.uniform is None:
             assert len(self.query_lens) == len(self.context_lens) == len(self.state_slots)
         assert self.slot_mapping.numel() == sum(self.query_lens)
+        assert not self.snapshots or self.uniform is None and all(
+            0 < j < self.query_lens[b] for b, j, _ in self.snapshots), "a snapshot lies inside a prefill piece"
         self.cu_seqlens = [0]
         for q in self.query_lens:
             self.cu_seqlens.append(self.cu_seqlens[-1] + q)
@@ -82,6 +100,29 @@ class ForwardBatch:
         chunk_indices, built on the host and copied with device_lists, so that no GDN layer derives it on the
         device (a device sync per layer: a repeat_interleave of device-side counts)."""
         return self._device_meta(device)[3]
+
+    def snapshot_meta(self, device: torch.device) -> SnapshotMeta:
+        """The snapshots as one more varlen batch: each is a copy of its sequence's first j rows appended after the
+        batch's own sequences, so one chunked delta-rule call yields its state exactly as a piece ending there."""
+        cached = self.rope_cache.get("snapshots")
+        if cached is None or cached.seq.device.type != torch.device(device).type:
+            snaps = self.snapshots
+            assert snaps, "no snapshots in this batch"
+            lens = list(self.query_lens) + [j for _, j, _ in snaps]
+            cu = [0]
+            for n in lens:
+                cu.append(cu[-1] + n)
+            rows = [r for b, j, _ in snaps for r in range(self.cu_seqlens[b], self.cu_seqlens[b] + j)]
+
+            def dev(x: list[int]) -> torch.Tensor:
+                return torch.tensor(x, dtype=torch.long).to(device)
+
+            cached = SnapshotMeta(seq=dev([b for b, _, _ in snaps]), offset=dev([j for _, j, _ in snaps]),
+                                  start=dev([self.cu_seqlens[b] for b, _, _ in snaps]),
+                                  slots=dev([s for _, _, s in snaps]), rows=dev(rows), cu_seqlens=dev(cu),
+                                  chunk_indices=dev([x for pair in fla_chunks(lens) for x in pair]).view(-1, 2))
+            self.rope_cache["snapshots"] = cached
+        return cached
 
     def _device_meta(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         cached = self.rope_cache.get("varlen")

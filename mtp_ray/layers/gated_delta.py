@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp_ray.config.model import ModelConfig
-from mtp_ray.layers.context import ForwardBatch
+from mtp_ray.layers.context import ForwardBatch, SnapshotMeta
 from mtp_ray.layers.gated_delta_ops import causal_conv1d, chunk_gated_delta, l2norm, recurrent_gated_delta
 from mtp_ray.layers.linear import FusedProjections, Linear
 from mtp_ray.layers.norm import GatedRMSNorm
@@ -119,22 +119,51 @@ class GatedDeltaNet(nn.Module):
         from mtp_ray.layers.triton.gated_delta import conv_varlen
 
         cu, ctx, slots = batch.device_lists(mixed.device)  # [N + 1], [N], [N]; ctx 0: a fresh sequence, zero states
-        t = mixed.shape[0]
+        t, n = mixed.shape[0], len(batch.query_lens)
+        snaps = batch.snapshot_meta(mixed.device) if batch.snapshots else None
+        if snaps is not None:  # their conv windows, before conv_varlen moves the states they may reach back into
+            conv_snaps = self._conv_windows(mixed, ctx, slots, snaps)
         conv = conv_varlen(mixed, self.conv_state, weight, cu, slots, ctx)  # [T, C], conv state updated
-        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         g = -self.A_log.float().exp() * F.softplus(a_raw.float() + self.dt_bias.float())  # [T, Hv] fp32
         beta = b_raw.sigmoid()  # [T, Hv] in the model dtype, as fla's own GDN layer passes it
         h0 = self.ssm_state.index_select(0, slots)  # [N, Hv, dk, dv] fp32
         h0 = torch.where(ctx[:, None, None, None] > 0, h0, torch.zeros((), dtype=h0.dtype, device=h0.device))
-        core, final = chunk_fn(q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk), v.view(t, self.hv, self.dv),
-                               g, beta, self.dk**-0.5, h0, cu, batch.chunk_indices(mixed.device))
-        self.ssm_state.index_copy_(0, slots, final.to(self.ssm_state.dtype))
-        return core  # [T, Hv, dv]
+        chunks = batch.chunk_indices(mixed.device)
+        if snaps is not None:  # the snapshots' rows again, as sequences of their own after the batch's
+            conv, g, beta = (torch.cat([x, x.index_select(0, snaps.rows)]) for x in (conv, g, beta))
+            h0 = torch.cat([h0, h0.index_select(0, snaps.seq)])
+            cu, chunks = snaps.cu_seqlens, snaps.chunk_indices
+        rows = conv.shape[0]
+        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        core, final = chunk_fn(q.view(rows, self.hk, self.dk), k.view(rows, self.hk, self.dk),
+                               v.view(rows, self.hv, self.dv), g, beta, self.dk**-0.5, h0, cu, chunks)
+        final = final.to(self.ssm_state.dtype)
+        self.ssm_state.index_copy_(0, slots, final[:n])
+        if snaps is not None:
+            self.ssm_state.index_copy_(0, snaps.slots, final[n:])
+            self.conv_state.index_copy_(0, snaps.slots, conv_snaps)
+        return core[:t]  # [T, Hv, dv]
+
+    def _conv_windows(self, mixed: torch.Tensor, ctx: torch.Tensor, slots: torch.Tensor,
+                      snaps: SnapshotMeta) -> torch.Tensor:
+        """Conv state after each snapshot's first j tokens: the K - 1 inputs ending there, from the piece's rows or,
+        where j < K - 1, from its sequence's conv state before this forward -> [S, C, K - 1] (state dtype)."""
+        km1 = self.kernel - 1
+        col = snaps.offset[:, None] + torch.arange(km1, device=mixed.device)  # [S, K-1]: in state ++ piece
+        old = self.conv_state.index_select(0, slots.index_select(0, snaps.seq))  # [S, C, K-1]
+        old = old * (ctx.index_select(0, snaps.seq) > 0)[:, None, None].to(old.dtype)  # fresh: zeros
+        from_old = old.gather(2, col.clamp(max=km1 - 1)[:, None, :].expand_as(old))
+        from_rows = mixed.index_select(0, (snaps.start[:, None] + col - km1).clamp(min=0).flatten())
+        from_rows = from_rows.view(*col.shape, -1).transpose(1, 2)  # [S, C, K-1]
+        return torch.where((col < km1)[:, None, :], from_old, from_rows.to(old.dtype))
 
     def _per_sequence(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor,
                       batch: ForwardBatch) -> torch.Tensor:
         t = mixed.shape[0]
         core = torch.empty(t, self.hv, self.dv, dtype=torch.float32, device=mixed.device)
+        prefix_snaps: dict[int, list[tuple[int, int]]] = {}
+        for b, j, dst in batch.snapshots or ():
+            prefix_snaps.setdefault(b, []).append((j, dst))
         for b in range(batch.num_seqs):
             s, e = batch.seq_range(b)
             slot = batch.state_slots[b]
@@ -152,6 +181,9 @@ class GatedDeltaNet(nn.Module):
                     self.ssm_state[dst] = snaps[j]
                     self.conv_state[dst] = full[:, j + 1 : j + self.kernel]
             else:
+                for j, dst in prefix_snaps.get(b, ()):  # as a piece ending after j tokens would leave it
+                    _, self.ssm_state[dst] = chunk_gated_delta(q[:j], k[:j], v[:j], g[s : s + j], beta[s : s + j], ssm)
+                    self.conv_state[dst] = full[:, j : j + self.kernel - 1]
                 o, ssm = chunk_gated_delta(q, k, v, g[s:e], beta[s:e], ssm)
             core[s:e] = o
             self.conv_state[slot] = full[:, -(self.kernel - 1) :]
