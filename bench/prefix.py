@@ -134,7 +134,7 @@ def main() -> None:
 
         tmp = Path(tempfile.mkdtemp(prefix="prefix35b-"))
         (tmp / "config.json").write_text(json.dumps(hf_config(args.layers, mtp=args.k > 0)))
-        model = {"model": str(tmp), "load_format": "dummy", "num_blocks": 4096}
+        model = {"model": str(tmp), "load_format": "dummy", "num_blocks": 4096, "max_model_len": 8192}
 
     from mtp_ray.engine.core import EngineCore
     from mtp_ray.engine.sampling_params import SamplingParams

@@ -135,7 +135,7 @@ def test_n_samples_of_one_prompt_share_its_prefill(k):
 
 
 def test_server_reports_cached_tokens_and_counters(ray_cluster):
-    """Through `serve run`'s app with `cache.prefix_caching: true`: a repeated prompt reports usage
+    """Through `serve run`'s app (the cache on, as by default): a repeated prompt reports usage
     .prompt_tokens_details.cached_tokens and streams the same completion; /metrics counts queries and hits."""
     from pathlib import Path
 
@@ -223,6 +223,28 @@ def test_a_miss_prefills_in_as_many_steps_as_without_the_cache(k):
     again = on.generate([prompt], params)[0]
     assert again.outputs[0].token_ids == want and again.num_cached_tokens == 40
     settled(on)
+
+
+def test_on_by_default_and_off_by_the_yaml_switch():
+    """The default engine caches prefixes; `cache: {prefix_caching: false}` (the YAML form) turns it off: no snapshot
+    slots, nothing looked up, no cached-token count reported."""
+    from mtp_ray.config.engine import EngineConfig
+    from mtp_ray.engine.core import EngineCore
+
+    assert EngineConfig.from_dict({}).cache.prefix_caching
+    core = EngineCore(EngineConfig.from_dict({"cache": {"block_size": BLOCK, "prefix_caching": False}}))
+    assert not core.blocks.caching and core.runner.snapshot_slots == 0
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    on = LLM(**KW)
+    for _ in range(2):
+        assert on.generate([list(range(300, 341))], params)[0].num_cached_tokens is not None
+    assert on.engine.blocks.prefix_stats()["prefix_cache_hits"] == 40
+    core.add_request("a", list(range(300, 341)), params)
+    core.add_request("b", list(range(300, 341)), params)
+    outs = []
+    while core.has_unfinished():
+        outs += core.step()
+    assert {o.num_cached_tokens for o in outs} == {None} and core.blocks.prefix_stats()["prefix_cache_queries"] == 0
 
 
 def test_prefix_benchmark_runs_and_the_cache_saves_the_shared_prefill(tmp_path):
