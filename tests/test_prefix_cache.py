@@ -22,7 +22,9 @@ def test_block_hashes_name_whole_prefixes():
 
 
 def served(idx: PrefixIndex, tokens: list[int]) -> tuple[list[int], list[bytes]]:
-    """A request that computed `tokens`: its blocks, each full one published, a snapshot at its last boundary."""
+    """A request that computed `tokens` (in a step of its own): its blocks, each full one published, a snapshot at
+    its last boundary."""
+    idx.begin_step()
     hashes = block_hashes(tokens, B)
     blocks = [idx.allocate() for _ in range(-(-len(tokens) // B))]
     for blk, h in zip(blocks, hashes, strict=False):
@@ -74,6 +76,17 @@ def test_snapshot_pool_is_bounded_and_lru():
     assert idx.match(reqs[1][1]) is not None and idx.match(reqs[2][1]) is not None
     assert sorted(idx.snaps.values()) == [1, 2]
     assert idx.snapshot_slot(reqs[2][1][-1]) is None  # already snapshotted: nothing to copy
+    idx.check()
+
+
+def test_one_step_never_gets_one_snapshot_slot_twice():
+    idx = PrefixIndex(num_blocks=32, block_size=B, snapshot_slots=[1, 2])
+    names = [bytes([i]) * 16 for i in range(4)]
+    idx.begin_step()
+    assert [idx.snapshot_slot(h) for h in names[:3]] == [1, 2, None]  # the third would evict this step's first
+    assert list(idx.snaps) == names[:2]
+    idx.begin_step()
+    assert idx.snapshot_slot(names[2]) == 1 and idx.snapshot_slot(names[3]) == 2  # a new step: LRU again
     idx.check()
 
 

@@ -225,6 +225,33 @@ def test_a_miss_prefills_in_as_many_steps_as_without_the_cache(k):
     settled(on)
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_step_never_writes_one_snapshot_slot_twice(monkeypatch, k):
+    """More snapshot points in one step than the pool holds (a burst of new prompts, two points each, a pool of 2):
+    the step takes what fits and skips the rest, never giving one slot to two snapshots of the same forward (the
+    device could leave either); outputs still equal the uncached engine's."""
+    import mtp_ray.engine.core as core_mod
+    from mtp_ray.engine import prefix_steps
+
+    seen: list[list[int]] = []
+
+    def plan(sched, blocks):
+        prefix_steps.plan_snapshots(sched, blocks)
+        seen.append([slot for s in sched for _, slot in s.snapshots])
+
+    monkeypatch.setattr(core_mod, "plan_snapshots", plan)
+    rng = random.Random(5)
+    system = [rng.randrange(3, 2000) for _ in range(20)]
+    prompts = [system + [rng.randrange(3, 2000) for _ in range(30)] for _ in range(6)]  # points 16 and 48
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    kw = {**KW, "prefill_chunk": 96, "max_num_batched_tokens": 512}
+    want = rounds(LLM(num_speculative_tokens=k, **OFF, **kw), prompts, params)
+    llm = LLM(num_speculative_tokens=k, prefix_snapshots=2, **kw)
+    assert rounds(llm, prompts, params) == want
+    assert max(map(len, seen)) == 2 and all(len(set(s)) == len(s) for s in seen), seen
+    settled(llm)
+
+
 def test_on_by_default_and_off_by_the_yaml_switch():
     """The default engine caches prefixes; `cache: {prefix_caching: false}` (the YAML form) turns it off: no snapshot
     slots, nothing looked up, no cached-token count reported."""

@@ -67,6 +67,7 @@ class PrefixIndex:
         self.hash_of: dict[int, BlockHash] = {}
         self.snap_free: deque[int] = deque(snapshot_slots)
         self.snaps: OrderedDict[BlockHash, int] = OrderedDict()  # boundary hash -> state slot, oldest first
+        self.step_slots: set[int] = set()  # snapshot slots being written by the current step (begin_step)
         self.queries = self.hit_tokens = self.query_tokens = self.evictions = 0
 
     # ---- blocks ----
@@ -109,8 +110,13 @@ class PrefixIndex:
             self.hash_of[block] = h
 
     # ---- snapshots ----
+    def begin_step(self) -> None:
+        """A new step's snapshots start: none of its slots is written yet."""
+        self.step_slots.clear()
+
     def snapshot_slot(self, h: BlockHash) -> int | None:
-        """The state slot to copy the GDN state at boundary h into (None: already there). Evicts the oldest
+        """The state slot to copy the GDN state at boundary h into (None: already there, or the pool is full of
+        snapshots this step writes: two writes to one slot in one step would leave either). Evicts the oldest
         snapshot when the pool is full."""
         if h in self.snaps:
             self.snaps.move_to_end(h)
@@ -118,8 +124,12 @@ class PrefixIndex:
         if self.snap_free:
             slot = self.snap_free.popleft()
         else:
-            _, slot = self.snaps.popitem(last=False)
+            victim = next(iter(self.snaps))
+            if self.snaps[victim] in self.step_slots:  # the oldest is written this step: skip this snapshot
+                return None
+            slot = self.snaps.pop(victim)
         self.snaps[h] = slot
+        self.step_slots.add(slot)
         return slot
 
     # ---- lookups ----

@@ -28,6 +28,7 @@ def plan_snapshots(sched: list[Scheduled], blocks: BlockManager) -> None:
     """Snapshot points strictly inside a step's prefill pieces: their blocks are named now (this forward writes
     their KV before any later step reads it) and each new snapshot's state slot goes into `Scheduled.snapshots`,
     for the GDN layers to fill in this forward. Called once the step's batch is final."""
+    blocks.index.begin_step()
     for s in sched:
         req, start = s.req, s.req.num_computed
         if s.verify or not req.snap_points:
