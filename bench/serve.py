@@ -33,6 +33,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -94,7 +95,8 @@ def model_micro(mtp: bool) -> Path:
 
 
 def variant_yaml(base: dict, dp: int, k: int, model: dict, out: Path, groups: int | None = None,
-                 ingress: int | None = None, port: int | None = None) -> tuple[Path, int, str]:
+                 ingress: int | None = None, port: int | None = None,
+                 interval_ms: float | None = None) -> tuple[Path, int, str]:
     cfg = json.loads(json.dumps(base))
     if port:
         cfg["http_options"] = {**cfg.get("http_options", {}), "port": port}
@@ -105,6 +107,8 @@ def variant_yaml(base: dict, dp: int, k: int, model: dict, out: Path, groups: in
     if groups:  # a fixed number of engine groups (no autoscaling): e.g. one group on a one-GPU machine
         app["args"]["group"] = {**app["args"].get("group", {}), "num_replicas": groups}
         app["args"]["group"].pop("autoscaling_config", None)
+    if interval_ms is not None:
+        app["args"]["server"] = {**(app["args"].get("server") or {}), "stream_interval_ms": interval_ms}
     eng = app["args"]["engine"]
     eng.update(model)
     eng.setdefault("parallel", {})["dp"] = dp
@@ -150,13 +154,22 @@ class Server:
         raise TimeoutError(f"server not healthy after {timeout:.0f}s:\n{self.log.read_text()[-3000:]}")
 
     def stop(self) -> None:
+        """SIGTERM, then SIGKILL to whatever of the group is left; returns once the port is closed, so that the next
+        variant's readiness check cannot be answered by this one's proxy while it winds down."""
         for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
             try:
                 os.killpg(self.proc.pid, sig)
                 self.proc.wait(timeout=wait)
-                break
             except (subprocess.TimeoutExpired, ProcessLookupError):
                 continue
+        host, port = self.url.removeprefix("http://").split(":")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection((host, int(port)), timeout=1).close()
+            except OSError:
+                return
+            time.sleep(0.5)
 
 
 # ---- the client ----
@@ -357,13 +370,14 @@ def save(result: dict, path: str) -> None:
 async def run_variant(args, name: str, dp: int, k: int, model: dict, work: Path, result: dict) -> dict:
     base = yaml.safe_load(Path(args.yaml).read_text())
     path, port, served = variant_yaml(base, dp, k, model, work / f"{name}.yaml", args.groups,
-                                      args.ingress, args.port)
+                                      args.ingress, args.port, stream_interval(name))
     server = Server(path, port, work / f"{name}.log")
     try:
         up = await server.wait_ready(args.start_timeout)
         url = server.url
         prompt = lambda i: [(7 * i + j) % 2000 + 3 for j in range(args.prompt_tokens)]  # noqa: E731
-        out: dict = {"dp": dp, "k": k, "server_up_s": round(up, 1), "levels": {}}
+        out: dict = {"dp": dp, "k": k, "stream_interval_ms": stream_interval(name), "server_up_s": round(up, 1),
+                     "levels": {}}
         result["variants"][name] = out
         burst = [prompt(10_000 + i) for i in range(args.cold_burst)]
         if args.cold_burst:
@@ -413,8 +427,14 @@ async def run_variant(args, name: str, dp: int, k: int, model: dict, work: Path,
 
 
 def parse_variant(v: str) -> tuple[int, int]:
+    """dp<N>k<K>[s<ms>] -> (dp, k); the optional s<ms> is the variant's server.stream_interval_ms."""
     dp, _, k = v.removeprefix("dp").partition("k")
-    return int(dp), int(k)
+    return int(dp), int(k.partition("s")[0])
+
+
+def stream_interval(v: str) -> float | None:
+    _, s, ms = v.partition("s")
+    return float(ms) if s else None
 
 
 async def main_async(args) -> dict:
@@ -437,13 +457,14 @@ async def main_async(args) -> dict:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     top = str(max(args.concurrency))
-    by_dp: dict[int, dict] = {}
+    by_dp: dict[tuple, dict] = {}
     for r in result["variants"].values():
-        by_dp.setdefault(r["k"], {})[r["dp"]] = r["levels"][top]["output_tok_s"]
-    for k, rows in by_dp.items():
+        by_dp.setdefault((r["k"], r["stream_interval_ms"]), {})[r["dp"]] = r["levels"][top]["output_tok_s"]
+    for (k, iv), rows in by_dp.items():
         for dp in sorted(rows):
             if dp > 1 and 1 in rows:
-                result[f"dp{dp}_over_dp1_k{k}_c{top}"] = round(rows[dp] / rows[1], 3)
+                tag = "" if iv is None else f"_s{iv:g}"
+                result[f"dp{dp}_over_dp1_k{k}{tag}_c{top}"] = round(rows[dp] / rows[1], 3)
     return result
 
 
@@ -452,7 +473,8 @@ def main() -> None:
     ap.add_argument("--yaml", default="deployments/qwen35_mtp.yaml")
     ap.add_argument("--model", choices=["bundled", "35b", "micro"], default="bundled")
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--variants", nargs="+", default=["dp1k3", "dp1k0"], help="dp<N>k<K> each")
+    ap.add_argument("--variants", nargs="+", default=["dp1k3", "dp1k0"],
+                    help="dp<N>k<K> each, s<ms> after it: that server.stream_interval_ms (else the YAML's)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 128, 256])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--ranged", type=int, nargs="*", default=[], help="concurrencies run again with --range-ratio")

@@ -115,6 +115,39 @@ def test_deliveries_merge_each_pull_per_request_and_end_requests_of_a_dead_rank(
     asyncio.run(go())
 
 
+def test_pulls_are_spaced_by_the_stream_interval_only_for_many_streams():
+    """A rank stepping every 5 ms: with SPACED_STREAMS streams on it the replica pulls at most once per interval
+    (each pull bringing the steps since the last, as larger deltas), with fewer it pulls after every step; no token
+    is lost either way."""
+    from mtp_ray.serve.delivery import SPACED_STREAMS
+
+    async def run(streams: int, interval: float) -> tuple[int, list[int]]:
+        d, box = Deliveries(interval), Outboxes()
+        rank = FakeRank(box)
+        rids = [f"r{i}" for i in range(streams)]
+        queues = [d.expect(r) for r in rids]
+        for r in rids:
+            box.route(r, d.subscriber)
+            d.attach(Admission(r, "g1", 1, 0, rank))
+        for step in range(40):
+            box.publish(step, [out(r, [step], done=step == 39) for r in rids])
+            await asyncio.sleep(0.005)
+        tokens = []
+        for q in queues:
+            got: list[int] = []
+            finished = False
+            while not finished:
+                item = await asyncio.wait_for(q.get(), 5)
+                got, finished = got + item.new_token_ids, item.finished
+            tokens.append(len(got))
+        return d.pulls, tokens
+
+    spaced, toks = asyncio.run(run(SPACED_STREAMS, 0.05))
+    assert toks == [40] * SPACED_STREAMS and spaced <= 8, spaced  # 0.2 s of steps: ~5 pulls, not ~40
+    every, toks = asyncio.run(run(SPACED_STREAMS - 1, 0.05))
+    assert toks == [40] * (SPACED_STREAMS - 1) and every >= 16, every
+
+
 def test_deliveries_end_requests_with_the_ranks_error():
     async def go():
         d = Deliveries()
@@ -173,3 +206,13 @@ def test_a_step_wakes_only_its_readers():
     box.wake_all()
     t.join(2.0)
     assert not t.is_alive() and got["ing"][1] == []
+
+
+def test_stream_interval_is_checked_by_name():
+    from mtp_ray.config.server import ServerConfig
+
+    assert ServerConfig.from_dict({"stream_interval_ms": 0}).stream_interval_ms == 0
+    assert ServerConfig().stream_interval_ms == 5.0
+    for bad in (-1, "5", True, 1e6):
+        with pytest.raises(ValueError, match="server.stream_interval_ms"):
+            ServerConfig.from_dict({"stream_interval_ms": bad})

@@ -23,6 +23,10 @@ class ServerConfig:
     reasoning_parser: str | None = None  # "qwen3" (alias "deepseek_r1"): <think> ... </think> -> reasoning_content
     tool_call_parser: str | None = None  # "qwen3_coder" (Qwen3.5's XML calls) or "hermes" (JSON in <tool_call>)
     chat_template: str | None = None  # a Jinja file or the template itself; None: the tokenizer's
+    # an ingress replica holding many streams on one rank pulls that rank's tokens at most this often (0: after every
+    # step): each pull costs the rank, the ingress and Serve's proxy per call and per chunk, whatever it carries
+    # (serve/delivery.py, docs/performance.md); a few streams always get every step at once
+    stream_interval_ms: float = 5.0
 
     def __post_init__(self) -> None:
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
@@ -33,8 +37,11 @@ class ServerConfig:
                 raise ValueError(f"server.{name} must be one of {sorted(known)}, got {v!r}")
         if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template):
             raise ValueError("server.chat_template must be a file path or a Jinja template")
+        iv = self.stream_interval_ms
+        if isinstance(iv, bool) or not isinstance(iv, (int, float)) or not 0 <= iv <= 1000:
+            raise ValueError(f"server.stream_interval_ms must be a number in [0, 1000], got {iv!r}")
         for f in fields(self):
-            if isinstance(f.default, int):
+            if isinstance(f.default, int) and not isinstance(f.default, bool):
                 v = getattr(self, f.name)
                 if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                     raise ValueError(f"server.{f.name} must be an integer >= 1, got {v!r}")

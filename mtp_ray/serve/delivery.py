@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 
 from mtp_ray.engine.outputs import StepOutput
@@ -21,10 +22,14 @@ from mtp_ray.runtime.messages import Admission, unpack_step
 
 log = logging.getLogger("mtp_ray.ingress")
 PULL_S = 1.0  # a pull waits at most this long for its first message (the rank drops a subscriber silent for 30 s)
+# streams on one rank from which its pulls are spaced by the stream interval: below it every step goes out as soon
+# as the rank has it (a single stream's time per token is the engine's step, not the interval)
+SPACED_STREAMS = 8
 
 
 class Deliveries:
-    def __init__(self) -> None:
+    def __init__(self, interval_s: float = 0.0) -> None:
+        self.interval_s = interval_s  # server.stream_interval_ms: the least time from one pull of a rank to the next
         self.subscriber = uuid.uuid4().hex  # this replica, to the ranks
         self.queues: dict[str, asyncio.Queue] = {}  # request id -> its deltas (StepOutput) or the exception ending it
         self.by_source: dict[str, set[str]] = {}  # Admission.source -> its requests here
@@ -53,6 +58,7 @@ class Deliveries:
         rids = self.by_source[source]
         try:
             while rids:
+                started = time.monotonic()
                 try:
                     res = await worker.pull.remote(self.subscriber, PULL_S)
                 except Exception as e:  # the rank died, or its group was torn down
@@ -66,6 +72,8 @@ class Deliveries:
                     why = (res["error"] or "stopped").splitlines()[0]
                     self._fail(source, GroupFailed(f"engine group failed, request aborted. Cause: {why}"))
                     return
+                if self.interval_s and len(rids) >= SPACED_STREAMS:  # the next pull brings the steps meanwhile
+                    await asyncio.sleep(self.interval_s - (time.monotonic() - started))
         finally:
             self.loops.pop(source, None)
             if not self.by_source.get(source):

@@ -49,10 +49,10 @@ def unavailable(e: BaseException) -> bool:
 
 class GroupClient:
     def __init__(self, handle, queue_s: float, retry_after_s: int, count: Callable[[str], None] = lambda _: None,
-                 max_resends: int = 3):
+                 max_resends: int = 3, stream_interval_s: float = 0.0):
         self.handle = handle
         self.streaming = handle.options(stream=True)  # (made once: options() builds a new handle each call)
-        self.deliveries = Deliveries()
+        self.deliveries = Deliveries(stream_interval_s)
         self.queue_s, self.retry_after_s, self.max_resends = queue_s, retry_after_s, max_resends
         self.count = count  # metrics: request_retried_total (sent again: its group could not serve it)
 
