@@ -10,8 +10,8 @@
 #                     torch triton numpy transformers and their dependencies, aiohttp, grpcio, protobuf, ...)
 #     --pin "SPEC .." extra pinned requirements (default grpcio-reflection==1.84.0: must match the host's grpcio)
 #     --with-torch    also download torch (multi-GB CUDA wheels; only when the host has no torch)
-# The ray wheel is repacked without ray/jars (Java workers, 32 MB), the dashboard's web UI build and RLlib, which
-# mtp-ray never uses. py-spy (bench/serve.py --profile-s) is in it.
+# The ray wheel is repacked without ray/jars (Java workers, 32 MB), the dashboard's web UI build, RLlib, Ray Data,
+# Tune, Train, AIR and Ray LLM, which mtp-ray never uses. py-spy (bench/serve.py --profile-s) is in it.
 # On the host:  python3 -m pip install --no-index --no-deps --target /tmp/site DIR/*.whl
 #               export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH RAY_AUTH_MODE=disabled
 set -euo pipefail
@@ -56,7 +56,9 @@ python3 - "$tmp/deps" "$out" <<'PY'
 import glob, sys, zipfile
 src = glob.glob(f"{sys.argv[1]}/ray-*.whl")[0]
 dst = f"{sys.argv[2]}/{src.rsplit('/', 1)[1]}"
-drop = lambda name: name.startswith(("ray/jars/", "ray/dashboard/client/", "ray/rllib/"))  # noqa: E731
+# Ray Data / Tune / Train / AIR / LLM: Serve and the engine never import them (tests pass with them blocked)
+drop = lambda name: name.startswith(("ray/jars/", "ray/dashboard/client/", "ray/rllib/", "ray/data/", "ray/tune/",  # noqa: E731
+                                     "ray/train/", "ray/air/", "ray/llm/"))
 with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
     for info in zin.infolist():
         if not drop(info.filename):
