@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp_ray.config.model import ModelConfig
-from mtp_ray.layers.context import ForwardBatch, SnapshotMeta
+from mtp_ray.layers.context import FLA_CHUNK, ForwardBatch, SnapshotMeta
 from mtp_ray.layers.gated_delta_ops import causal_conv1d, chunk_gated_delta, l2norm, recurrent_gated_delta
 from mtp_ray.layers.linear import FusedProjections, Linear
 from mtp_ray.layers.norm import GatedRMSNorm
@@ -181,10 +181,20 @@ class GatedDeltaNet(nn.Module):
                     self.ssm_state[dst] = snaps[j]
                     self.conv_state[dst] = full[:, j + 1 : j + self.kernel]
             else:
-                for j, dst in prefix_snaps.get(b, ()):  # as a piece ending after j tokens would leave it
-                    _, self.ssm_state[dst] = chunk_gated_delta(q[:j], k[:j], v[:j], g[s : s + j], beta[s : s + j], ssm)
+                snaps_b = prefix_snaps.get(b, ())
+                # prefix-cache snapshots after j tokens, as a piece ending there would leave them: the state after
+                # the whole chunks before j comes from this run; only the partial chunk up to j runs again
+                kept: dict[int, torch.Tensor | None] = {j // FLA_CHUNK: None for j, _ in snaps_b}
+                ssm0 = ssm
+                o, ssm = chunk_gated_delta(q, k, v, g[s:e], beta[s:e], ssm0, FLA_CHUNK, kept)
+                for j, dst in snaps_b:
+                    a = j // FLA_CHUNK * FLA_CHUNK
+                    base = kept[j // FLA_CHUNK]
+                    if j > a:
+                        _, base = chunk_gated_delta(q[a:j], k[a:j], v[a:j], g[s + a : s + j], beta[s + a : s + j],
+                                                    base)
+                    self.ssm_state[dst] = base
                     self.conv_state[dst] = full[:, j : j + self.kernel - 1]
-                o, ssm = chunk_gated_delta(q, k, v, g[s:e], beta[s:e], ssm)
             core[s:e] = o
             self.conv_state[slot] = full[:, -(self.kernel - 1) :]
             self.ssm_state[slot] = ssm

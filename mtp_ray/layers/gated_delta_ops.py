@@ -43,6 +43,7 @@ def chunk_gated_delta(
     beta: torch.Tensor,  # [n, Hv]
     state: torch.Tensor,  # [Hv, dk, dv]
     chunk: int = 64,
+    kept: dict[int, torch.Tensor | None] | None = None,  # c -> filled with the state after the first c chunks
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked (WY) form: within a chunk the deltas solve one unit-lower-triangular system
     (I + L) D = V*beta - (K*beta*Gamma) S0, with L_tj = beta_t Gamma_t/Gamma_j k_t.k_j for j < t."""
@@ -70,10 +71,14 @@ def chunk_gated_delta(
     k_tail = k * (gc[..., -1:] - gc).exp()[..., None]
     out = torch.empty_like(v)
     s = state.clone()
+    if kept is not None and 0 in kept:
+        kept[0] = s
     for c in range(nc):
         delta = u[:, c] - w[:, c] @ s  # [Hv, C, dv]
         out[:, c] = q_dec[:, c] @ s + qk[:, c] @ delta
         s = s * gc[:, c, -1].exp()[:, None, None] + k_tail[:, c].transpose(-1, -2) @ delta
+        if kept is not None and c + 1 in kept:
+            kept[c + 1] = s
     out = out.permute(1, 2, 0, 3).reshape(nc * chunk, -1, v.shape[-1])[:n]
     return out, s
 
