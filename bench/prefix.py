@@ -19,6 +19,7 @@ token). `computed_drop` (1 - computed on / computed off) should be at least `sha
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import sys
@@ -160,8 +161,6 @@ def main() -> None:
             rows["on" if on else "off"] = (summary(r, cfg.cache.block_size), r["outputs"])
             del core  # its device memory back before the next engine
             if args.device == "cuda":
-                import gc
-
                 import torch
 
                 gc.collect()

@@ -367,17 +367,17 @@ def save(result: dict, path: str) -> None:
     Path(path).write_text(json.dumps(result, indent=1))
 
 
-async def run_variant(args, name: str, dp: int, k: int, model: dict, work: Path, result: dict) -> dict:
+async def run_variant(args, name: str, dp: int, k: int, interval_ms: float | None, model: dict, work: Path,
+                      result: dict) -> dict:
     base = yaml.safe_load(Path(args.yaml).read_text())
     path, port, served = variant_yaml(base, dp, k, model, work / f"{name}.yaml", args.groups,
-                                      args.ingress, args.port, stream_interval(name))
+                                      args.ingress, args.port, interval_ms)
     server = Server(path, port, work / f"{name}.log")
     try:
         up = await server.wait_ready(args.start_timeout)
         url = server.url
         prompt = lambda i: [(7 * i + j) % 2000 + 3 for j in range(args.prompt_tokens)]  # noqa: E731
-        out: dict = {"dp": dp, "k": k, "stream_interval_ms": stream_interval(name), "server_up_s": round(up, 1),
-                     "levels": {}}
+        out: dict = {"dp": dp, "k": k, "stream_interval_ms": interval_ms, "server_up_s": round(up, 1), "levels": {}}
         result["variants"][name] = out
         burst = [prompt(10_000 + i) for i in range(args.cold_burst)]
         if args.cold_burst:
@@ -426,15 +426,11 @@ async def run_variant(args, name: str, dp: int, k: int, model: dict, work: Path,
         server.stop()
 
 
-def parse_variant(v: str) -> tuple[int, int]:
-    """dp<N>k<K>[s<ms>] -> (dp, k); the optional s<ms> is the variant's server.stream_interval_ms."""
-    dp, _, k = v.removeprefix("dp").partition("k")
-    return int(dp), int(k.partition("s")[0])
-
-
-def stream_interval(v: str) -> float | None:
-    _, s, ms = v.partition("s")
-    return float(ms) if s else None
+def parse_variant(v: str) -> tuple[int, int, float | None]:
+    """dp<N>k<K>[s<ms>] -> (dp, k, server.stream_interval_ms or None: the YAML's)."""
+    dp, _, rest = v.removeprefix("dp").partition("k")
+    k, s, ms = rest.partition("s")
+    return int(dp), int(k), float(ms) if s else None
 
 
 async def main_async(args) -> dict:
@@ -450,8 +446,7 @@ async def main_async(args) -> dict:
               "prompt_tokens": args.prompt_tokens, "requests_per_stream": args.requests_per_stream, "variants": {}}
     try:
         for v in args.variants:
-            dp, k = parse_variant(v)
-            await run_variant(args, v, dp, k, model, work, result)
+            await run_variant(args, v, *parse_variant(v), model, work, result)
             save(result, args.out)
     finally:
         if tmp is not None:

@@ -41,7 +41,7 @@ class ServerConfig:
         if isinstance(iv, bool) or not isinstance(iv, (int, float)) or not 0 <= iv <= 1000:
             raise ValueError(f"server.stream_interval_ms must be a number in [0, 1000], got {iv!r}")
         for f in fields(self):
-            if isinstance(f.default, int) and not isinstance(f.default, bool):
+            if isinstance(f.default, int):
                 v = getattr(self, f.name)
                 if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                     raise ValueError(f"server.{f.name} must be an integer >= 1, got {v!r}")

@@ -83,9 +83,11 @@ class BlockManager:
             req.block_ids = list(hit.blocks)
         return hit
 
-    def publish(self, req: Request, hashes: list[BlockHash]) -> int | None:
-        """req has computed every block named in `hashes` (its prefix up to a snapshot boundary): name them, and
-        return the state slot to copy its GDN state into (None: that snapshot exists already)."""
+    def publish(self, req: Request, point: int) -> int | None:
+        """req has computed (or this step computes) its tokens up to the snapshot point `point`: name its blocks
+        before it, and return the state slot for its GDN state there (None: that snapshot exists already, or the
+        step has no slot left for it)."""
+        hashes = req.prefix_hashes[: point // self.block_size]
         for b, h in zip(req.block_ids, hashes, strict=False):
             self.index.publish(b, h)
         return self.index.snapshot_slot(hashes[-1])

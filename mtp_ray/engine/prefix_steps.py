@@ -35,7 +35,7 @@ def plan_snapshots(sched: list[Scheduled], blocks: BlockManager) -> None:
             continue
         for p in req.snap_points:
             if start < p < start + s.num_new:
-                slot = blocks.publish(req, req.prefix_hashes[: p // blocks.block_size])
+                slot = blocks.publish(req, p)
                 if slot is not None:
                     s.snapshots.append((p - start, slot))
 
@@ -47,7 +47,7 @@ def publish_prefixes(sched: list[Scheduled], blocks: BlockManager, runner: Model
     for s in sched:
         req = s.req
         if req.snap_points and req.num_computed in req.snap_points and not s.completes_prefill and not s.verify:
-            slot = blocks.publish(req, req.prefix_hashes[: req.num_computed // blocks.block_size])
+            slot = blocks.publish(req, req.num_computed)
             if slot is not None:
                 pairs.append((req.state_slots[0], slot))
     runner.copy_states(pairs)

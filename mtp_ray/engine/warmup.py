@@ -71,9 +71,8 @@ def warmup_forwards(core: EngineCore) -> None:
     large = (*range(span, budget, span), budget) if core.runner.device.type == "cuda" else ()  # (no Triton: CPU)
     # with prefix caching a piece's snapshots add their rows to the GDN layers' varlen batch (design.md 10.1): up
     # to twice the budget, so the buckets past it too, a full-budget forward with a snapshot making up the rest
-    over = (*range(span * (budget // span + 1), 2 * budget - 1, span), 2 * budget - 1) if large else ()
-    if not core.blocks.caching:
-        over = ()
+    over = (*range(span * (budget // span + 1), 2 * budget - 1, span), 2 * budget - 1) \
+        if large and core.blocks.caching else ()
     forwards = [(n, None) for n in sorted({min(n, budget) for n in (1, 2, 9, 16, 64, *large)})]
     forwards += [(budget, m - budget) for m in over if 0 < m - budget < budget]
     for n, snap in forwards:

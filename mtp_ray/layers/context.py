@@ -11,6 +11,7 @@ the forward is a fixed sequence of batched kernels that a CUDA graph can capture
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -109,9 +110,7 @@ class ForwardBatch:
             snaps = self.snapshots
             assert snaps, "no snapshots in this batch"
             lens = list(self.query_lens) + [j for _, j, _ in snaps]
-            cu = [0]
-            for n in lens:
-                cu.append(cu[-1] + n)
+            cu = self.cu_seqlens + list(accumulate((j for _, j, _ in snaps), initial=self.cu_seqlens[-1]))[1:]
             rows = [r for b, j, _ in snaps for r in range(self.cu_seqlens[b], self.cu_seqlens[b] + j)]
 
             def dev(x: list[int]) -> torch.Tensor:

@@ -185,8 +185,7 @@ class GatedDeltaNet(nn.Module):
                 # prefix-cache snapshots after j tokens, as a piece ending there would leave them: the state after
                 # the whole chunks before j comes from this run; only the partial chunk up to j runs again
                 kept: dict[int, torch.Tensor | None] = {j // FLA_CHUNK: None for j, _ in snaps_b}
-                ssm0 = ssm
-                o, ssm = chunk_gated_delta(q, k, v, g[s:e], beta[s:e], ssm0, FLA_CHUNK, kept)
+                o, ssm = chunk_gated_delta(q, k, v, g[s:e], beta[s:e], ssm, FLA_CHUNK, kept)
                 for j, dst in snaps_b:
                     a = j // FLA_CHUNK * FLA_CHUNK
                     base = kept[j // FLA_CHUNK]
