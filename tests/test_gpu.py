@@ -296,9 +296,10 @@ def test_warmup_leaves_nothing_to_compile_for_the_first_requests(tmp_path):
 @needs_gpu
 @pytest.mark.parametrize("k", [0, 3])
 def test_prefix_caching_on_the_gpu_equals_off(k):
-    """Prefix caching with CUDA graphs, async scheduling and fla's varlen prefill resuming from restored GDN
-    snapshots (fp32: token identity is an fp32 claim): three rounds of shared-prefix prompts, greedy and seeded,
-    equal with the cache on and off; the cache is used."""
+    """Prefix caching with CUDA graphs and async scheduling, resuming from restored GDN snapshots (fp32: token
+    identity is an fp32 claim, so GDN prefill takes the per-sequence path; fla's snapshots are checked in
+    test_gdn_prefill.py): three rounds of shared-prefix prompts, greedy and seeded, equal with the cache on and
+    off; the cache is used."""
     import random
 
     rng = random.Random(0)
