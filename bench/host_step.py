@@ -37,7 +37,7 @@ def measure(k: int, batch: int, steps: int) -> dict:
     llm = LLM(num_speculative_tokens=k, max_num_seqs=batch, device="cpu", dtype="float32")
     eng, r = llm.engine, llm.engine.runner
     r.graphs = CudaGraphs(r.model, (batch,), r.k, r.blocks_per_seq, llm.config.cache.block_size, r.device,
-                          async_verify=llm.config.scheduler.async_verify)
+                          async_verify=llm.config.scheduler.async_verify, draft_vocab=r.draft_vocab)
     eng.scheduler.split = True  # as with graphs on a GPU
     eng.warmup()
     gc.collect()

@@ -46,7 +46,8 @@ def engine_config(model: str = BUNDLED_MODEL, *, num_speculative_tokens: int = 0
                   max_model_len: int | None = None, tokenizer: str | None = None, cuda_graphs: bool = True,
                   graph_sizes: tuple[int, ...] | None = None, split_prefill: bool | None = None,
                   async_scheduling: bool = True, async_verify: bool = True, load_format: str = "auto",
-                  enable_prefix_caching: bool = True, prefix_snapshots: int | None = None) -> EngineConfig:
+                  enable_prefix_caching: bool = True, prefix_snapshots: int | None = None,
+                  draft_vocab_size: int = 0) -> EngineConfig:
     """Flat keyword arguments (vLLM style) -> EngineConfig."""
     return EngineConfig(
         model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, load_format=load_format,
@@ -56,7 +57,7 @@ def engine_config(model: str = BUNDLED_MODEL, *, num_speculative_tokens: int = 0
                                   prefill_chunk=prefill_chunk, max_model_len=max_model_len,
                                   split_prefill=split_prefill, async_scheduling=async_scheduling,
                                   async_verify=async_verify),
-        spec=SpecConfig(num_speculative_tokens=num_speculative_tokens),
+        spec=SpecConfig(num_speculative_tokens=num_speculative_tokens, draft_vocab_size=draft_vocab_size),
         graphs=GraphConfig(enabled=cuda_graphs, sizes=graph_sizes),
     )
 

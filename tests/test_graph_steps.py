@@ -40,7 +40,7 @@ def emulated_graphs(monkeypatch):
 def with_graphs(llm: LLM, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> LLM:
     r = llm.engine.runner
     r.graphs = CudaGraphs(r.model, sizes, r.k, r.blocks_per_seq, llm.config.cache.block_size, r.device,
-                          async_verify=llm.config.scheduler.async_verify)
+                          async_verify=llm.config.scheduler.async_verify, draft_vocab=r.draft_vocab)
     llm.engine.scheduler.split = True  # as with graphs on a GPU: decode steps never mix with prefill
     llm.engine.warmup()
     return llm
@@ -252,3 +252,42 @@ def test_drafts_after_prefill_graph_in_a_group_of_one(emulated_graphs):
     assert st.draft_graphs_after_eager > 0
     assert st.accepted == eager.engine.stats.accepted and st.drafted == eager.engine.stats.drafted
     assert not DPSync(DistContext(0, 2, experts, torch.device("cpu"), 60.0)).single_rank
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_reduced_draft_vocabulary_keeps_the_output(emulated_graphs, monkeypatch, graphs):
+    """spec.draft_vocab_size: the MTP head drafts from ids [0, N) only (eager loop and draft-loop graph); the
+    verify keeps the whole vocabulary, so greedy output equals k = 0 and seeded sampling still runs; acceptance
+    falls when the tokens the model writes lie past N."""
+    from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
+
+    n = 64
+    widths: list[int] = []
+    real = Qwen3_5MoeForCausalLM.draft_logits
+
+    def recorded(self, hidden, vocab=0):
+        out = real(self, hidden, vocab)
+        widths.append(out.shape[-1])
+        return out
+
+    monkeypatch.setattr(Qwen3_5MoeForCausalLM, "draft_logits", recorded)
+    greedy = [SamplingParams(temperature=0, max_tokens=20 + 2 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    plain = run(LLM(num_speculative_tokens=0, max_num_seqs=8), greedy)
+    make = (lambda **kw: with_graphs(LLM(**kw))) if graphs else (lambda **kw: LLM(**kw))
+    full = make(num_speculative_tokens=3, max_num_seqs=8)
+    assert run(full, greedy) == plain
+    assert set(widths) == {full.engine.runner.model_config.vocab_size}
+    widths.clear()
+    small = make(num_speculative_tokens=3, max_num_seqs=8, draft_vocab_size=n)
+    assert run(small, greedy) == plain
+    assert widths and set(widths) == {n}, "a draft forward read logits past the draft vocabulary"
+    assert small.engine.stats.accepted < full.engine.stats.accepted
+    sampled = [SamplingParams(temperature=0.8, seed=i, max_tokens=16) for i in range(len(PROMPTS))]
+    assert all(len(t) == 16 for t in run(small, sampled))
+
+
+def test_a_draft_vocabulary_past_the_model_s_is_an_error_naming_the_field():
+    with pytest.raises(ValueError, match="spec.draft_vocab_size"):
+        LLM(num_speculative_tokens=3, draft_vocab_size=10**6)
+    with pytest.raises(ValueError, match="spec.draft_vocab_size"):
+        LLM(num_speculative_tokens=3, draft_vocab_size=-1)

@@ -55,10 +55,15 @@ class SchedulerConfig:
 class SpecConfig:
     method: str | None = "qwen3_5_mtp"  # None or "none": no speculative decoding
     num_speculative_tokens: int = 0
+    # the MTP head drafts from token ids [0, N) only (0: the whole vocabulary). Its logits are the draft loop's
+    # largest read (the lm_head, 1 GB a step at a 248k vocabulary); BPE vocabularies put frequent tokens first
+    # (FR-Spec). The verify keeps the whole vocabulary: the output is unchanged, only acceptance may fall
+    draft_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         _check(self.method in (None, "none", "qwen3_5_mtp", "mtp"), "spec.method", "must be qwen3_5_mtp or none")
         _check(0 <= self.num_speculative_tokens <= 8, "spec.num_speculative_tokens", "must be in 0..8")
+        _check(self.draft_vocab_size >= 0, "spec.draft_vocab_size", "must be >= 0 (0: the whole vocabulary)")
 
     @property
     def k(self) -> int:

@@ -68,8 +68,10 @@ class Staging:
 
 class CudaGraphs:
     def __init__(self, model: Qwen3_5MoeForCausalLM, sizes: tuple[int, ...], k: int, width: int, block_size: int,
-                 device: torch.device, barrier: Callable[[], None] | None = None, async_verify: bool = False):
+                 device: torch.device, barrier: Callable[[], None] | None = None, async_verify: bool = False,
+                 draft_vocab: int = 0):
         self.model, self.sizes, self.k, self.q = model, sizes, k, k + 1
+        self.draft_vocab = draft_vocab  # the draft loop's argmax covers ids [0, draft_vocab) (0: all)
         self.feed = k > 0 and async_verify  # the k > 0 graphs take in-flight rows from the device (graph_ops.py)
         self.width, self.block_size, self.device = width, block_size, device
         self.barrier = barrier or (lambda: None)
@@ -136,7 +138,7 @@ class CudaGraphs:
         h = h[torch.arange(b, device=self.device) * self.q + last]  # [b, H] at the last committed position
         # the argmax of the model-dtype logits: the fp32 cast compute_logits adds is exact and keeps the order (same
         # ids, first max on ties) but writes [b, V] fp32 per draft step (~1.5 MB a row at a 248k vocabulary)
-        drafts = [m.lm_head(h).argmax(-1)]
+        drafts = [m.draft_logits(h, self.draft_vocab).argmax(-1)]
         base = v["ctx"] + last  # position of the last committed token
         tables = v["tables"]
         for j in range(1, self.k):
@@ -144,7 +146,7 @@ class CudaGraphs:
             slot = tables.gather(1, (pos // self.block_size)[:, None])[:, 0] * self.block_size + pos % self.block_size
             batch = ForwardBatch.decode(UniformDecode(1, pos, v["state"]), tables, slot)
             h = m.mtp_forward(drafts[-1], h, pos, batch, j)
-            drafts.append(m.lm_head(h).argmax(-1))
+            drafts.append(m.draft_logits(h, self.draft_vocab).argmax(-1))
         out = torch.stack(drafts, 1)
         if self.feed:
             self.drafts[:b].copy_(out)  # what the next verify of these sequences feeds if this step is left in flight

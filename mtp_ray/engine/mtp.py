@@ -76,7 +76,7 @@ class MTPProposer:
             rows = [r for rs in inp.logit_rows for r in rs]
             h_last = h[rows] if live else self._dummy_hidden()  # [B, H]
             if live:
-                self._draft_rows(self.runner.logits(h_last), live, drafts, probs)
+                self._draft_rows(self.runner.draft_logits(h_last), live, drafts, probs)
             if step + 1 == self.k:
                 break
             # next step: one token per live sequence, at the position after its last one

@@ -45,6 +45,10 @@ class ModelRunner:
         self.model = load_model(cfg.model, self.dtype, self.device, expert_range, with_mtp=self.k > 0,
                                 dispatch=dispatch, dummy_seed=cfg.seed if cfg.load_format == "dummy" else None)
         self.model_config: ModelConfig = self.model.config
+        self.draft_vocab = cfg.spec.draft_vocab_size
+        if self.draft_vocab > self.model_config.vocab_size:
+            raise ValueError(f"spec.draft_vocab_size {self.draft_vocab} exceeds the model's vocab_size "
+                             f"{self.model_config.vocab_size}")
         self.fuse_projections()
         self.slots_per_seq = 1 + (self.k + 1 if self.k else 0)
         # blocks one sequence of max_model_len needs, with the MTP draft loop's lookahead and a spare (async verify:
@@ -63,7 +67,7 @@ class ModelRunner:
         if self.device.type == "cuda" and cfg.graphs.enabled:
             sizes = cfg.graphs.batch_sizes(cfg.scheduler.max_num_seqs)
             self.graphs = CudaGraphs(self.model, sizes, self.k, self.blocks_per_seq, cfg.cache.block_size,
-                                     self.device, barrier, cfg.scheduler.async_verify)
+                                     self.device, barrier, cfg.scheduler.async_verify, self.draft_vocab)
 
     @property
     def graph_sizes(self) -> tuple[int, ...]:
@@ -220,6 +224,17 @@ class ModelRunner:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, V] fp32 on the model's device (reduce there; move only the rows sampling needs)."""
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """MTP hidden [N, H] -> [N, V] fp32; with spec.draft_vocab_size the ids past it are -inf (a draft never
+        takes them, and a sampled draft's distribution is zero there, as the rejection sampler must see it)."""
+        logits = self.model.draft_logits(hidden, self.draft_vocab).float()
+        if not self.draft_vocab or self.draft_vocab == self.model_config.vocab_size:
+            return logits
+        full = logits.new_full((logits.shape[0], self.model_config.vocab_size), float("-inf"))
+        full[:, : self.draft_vocab] = logits
+        return full
 
     @torch.inference_mode()
     def replay_target(self, inp: StepInputs, size: int, src: list[int] | None = None

@@ -54,6 +54,12 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         # hidden: [N, H] -> [N, V] fp32
         return self.lm_head(hidden).float()
 
+    def draft_logits(self, hidden: torch.Tensor, vocab: int = 0) -> torch.Tensor:
+        """hidden: [N, H] MTP hidden -> [N, vocab or V] logits in the model dtype over token ids [0, vocab): a
+        prefix of the lm_head, a view (weight updates and sleep need nothing more)."""
+        w = self.lm_head.weight
+        return torch.nn.functional.linear(hidden, w[:vocab] if vocab else w)
+
     def mtp_forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                     batch: ForwardBatch, step: int = 0) -> torch.Tensor:
         """One MTP draft forward. next_ids: [T] token after each position; hidden: [T, H] target (or previous MTP)
