@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from mtp_ray.layers.triton.linear import _gemv_kernel, _gemv_row_kernel, tiles
-from mtp_ray.layers.triton.moe_small import _down_kernel, _gate_up_kernel
+from mtp_ray.layers.triton.moe_small import _gate_up_kernel, down_sum
 
 H, INTER, EXPERTS, TOPK = 2048, 512, 256, 8
 # (name, N, K): the dense projections of one layer (fused GDN input, fused attention q/k/v, outputs, router)
@@ -92,11 +92,8 @@ def _up(x, idss, gv, uv, sg, act, bn, bk, warps, i) -> None:
 
 
 def _down(act, idss, tw, down, x, sd, gw, y, bn, bk, warps, i) -> None:
-    ids = idss[i]
-    _down_kernel[(y.shape[0], triton.cdiv(H, bn))](
-        act, ids, tw, down, x, sd, gw, y, 0, EXPERTS, H, INTER, INTER, act.stride(0), down.stride(0),
-        down.stride(1), x.stride(0), sd.stride(0), y.stride(0), TOPK=TOPK, SH=1, BN=bn, BK=bk, BH=2048,
-        I_TILES=triton.cdiv(INTER, bk), H_TILES=triton.cdiv(H, 2048), num_warps=warps)
+    # bk, warps: fixed by down_sum (one I tile of up to 512, 4 warps); the sweep varies BN
+    down_sum(act, idss[i], tw, down, 0, x, (sd, gw), y, TOPK, 1, INTER, INTER, bn)
 
 
 def sweep_gemv(rows: int, dev: torch.device) -> list[dict]:

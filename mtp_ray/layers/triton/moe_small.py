@@ -4,13 +4,13 @@ time planning tiles than multiplying.
 
 - `route_topk`: per token, softmax over the router logits (fp32), top-k by repeated argmax (descending, lowest
   id first on ties), renormalised -> ids, weights in the activation dtype.
-- `pair_experts`: gate_up + SwiGLU per (token, slot) pair (one program per pair and output tile), then down +
-  weighting + sum over the slots in slot order per token (no atomics: deterministic). Roundings follow
-  Experts / fused_experts: each GEMM output, SiLU, the product and the weighted output are rounded to the
-  activation dtype; the slot sum runs in fp32 and is rounded once. With `shared` (no EP exchange between the
-  routed and the shared expert) the shared expert is one more pair per token in the same two launches: a MoE
-  layer of a decode step is router GEMV + top-k + 2 launches.
-- `shared_expert_add`: the shared expert alone in the same two kernels (the EP path: routed sum from the exchange).
+- `pair_experts`: gate_up + SwiGLU per (token, slot) pair (one program per pair and output tile), down +
+  weighting per pair the same way (into fp32 partials), then the sum over the slots in slot order per token (no
+  atomics: deterministic). Roundings follow Experts / fused_experts: each GEMM output, SiLU, the product and the
+  weighted output are rounded to the activation dtype; the slot sum runs in fp32 and is rounded once. With
+  `shared` (no EP exchange between the routed and the shared expert) the shared expert is one more pair per token
+  in the same launches: a MoE layer of a decode step is router GEMV + top-k + 3 launches.
+- `shared_expert_add`: the shared expert alone in the same kernels (the EP path: routed sum from the exchange).
 """
 
 from __future__ import annotations
@@ -102,59 +102,69 @@ def _gate_up_kernel(x_ptr, ids_ptr, g_ptr, u_ptr, sg_ptr, su_ptr, act_ptr, start
 
 
 @triton.jit
-def _down_kernel(act_ptr, ids_ptr, tw_ptr, w_ptr, x_ptr, sw_ptr, gw_ptr, out_ptr, start, E_LOCAL, H, INTER, INTER_SH,
-                 stride_a, stride_we, stride_wn, stride_x, stride_swn, stride_o,
+def _down_kernel(act_ptr, ids_ptr, tw_ptr, w_ptr, x_ptr, sw_ptr, gw_ptr, part_ptr, start, E_LOCAL, H, INTER,
+                 INTER_SH, stride_a, stride_we, stride_wn, stride_x, stride_swn,
                  TOPK: tl.constexpr, SH: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
                  I_TILES: tl.constexpr, H_TILES: tl.constexpr):
-    """out[t] = sum_j w[t, j] * (act[t, j] @ D[e].T) over the local routed slots (fp32 sum in slot order, one
-    rounding); SH = 1 adds sigmoid(x[t] @ gw) * (act[t, TOPK] @ SD.T), each step rounded as SparseMoE.forward
-    rounds it."""
-    t = tl.program_id(0).to(tl.int64)
+    """part[p] = w[t, j] * (act[p] @ D[e].T) for pair p = t * (TOPK + SH) + j (zero for a foreign expert); the
+    shared pair: sigmoid(x[t] @ gw) * (act[p] @ SD.T); each step rounded as SparseMoE.forward rounds it, kept in
+    fp32 for _slot_sum_kernel. One pair per program: a program waits on one weight tile's round trip to memory,
+    not on one per slot in turn."""
+    p = tl.program_id(0).to(tl.int64)
+    t = p // (TOPK + SH)
+    j = p % (TOPK + SH)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < H
-    dt = out_ptr.dtype.element_ty
-    total = tl.zeros([BN], tl.float32)
-    # straight-line over the slots and tiles (static counts; foreign experts masked, not branched): every weight
-    # tile's load can be in flight at once, instead of one round trip to memory per slot
-    for j in tl.static_range(TOPK):
-        p = t * (TOPK + SH) + j
-        e = tl.load(ids_ptr + t * TOPK + j) - start
-        valid = (e >= 0) & (e < E_LOCAL)
-        e = tl.where(valid, e, 0)
-        lim = tl.where(valid, INTER, 0)  # a foreign expert's loads are all masked off
-        acc = tl.zeros([BN], tl.float32)
-        for i in tl.static_range(I_TILES):
-            kk = i * BK + tl.arange(0, BK)
-            km = kk < lim
-            a = tl.load(act_ptr + p * stride_a + kk, mask=km, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + e * stride_we + n[:, None].to(tl.int64) * stride_wn + kk[None, :],
-                        mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * a[None, :], 1)
-        weight = tl.load(tw_ptr + t * TOPK + j).to(tl.float32)
-        total += tl.where(valid, (acc.to(dt).to(tl.float32) * weight).to(dt).to(tl.float32), 0.0)
-    if SH:
-        p = t * (TOPK + SH) + TOPK
-        acc = tl.zeros([BN], tl.float32)
-        for i in tl.static_range(I_TILES):
-            kk = i * BK + tl.arange(0, BK)
-            km = kk < INTER_SH
-            a = tl.load(act_ptr + p * stride_a + kk, mask=km, other=0.0).to(tl.float32)
-            w = tl.load(sw_ptr + n[:, None].to(tl.int64) * stride_swn + kk[None, :], mask=nm[:, None] & km[None, :],
-                        other=0.0)
-            acc += tl.sum(w.to(tl.float32) * a[None, :], 1)
+    dt = act_ptr.dtype.element_ty
+    if j >= TOPK:  # the shared expert (only when SH = 1)
+        wd_ptr = sw_ptr
+        lim = INTER_SH
+        stride_n = stride_swn
+        valid = t >= 0
         gacc = tl.zeros([BH], tl.float32)
-        for i in tl.static_range(H_TILES):  # the shared-expert gate: one dot product per token
+        for i in tl.static_range(H_TILES):  # its gate: one dot product per token
             hh = i * BH + tl.arange(0, BH)
             hm = hh < H
             gacc += tl.load(x_ptr + t * stride_x + hh, mask=hm, other=0.0).to(tl.float32) * \
                 tl.load(gw_ptr + hh, mask=hm, other=0.0).to(tl.float32)
-        gate = tl.sigmoid(tl.sum(gacc, 0).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        shared = (acc.to(dt).to(tl.float32) * gate).to(dt).to(tl.float32)
+        scale = tl.sigmoid(tl.sum(gacc, 0).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    else:
+        e = tl.load(ids_ptr + t * TOPK + j) - start
+        valid = (e >= 0) & (e < E_LOCAL)
+        wd_ptr = w_ptr + tl.where(valid, e, 0) * stride_we
+        lim = tl.where(valid, INTER, 0)  # a foreign expert's loads are all masked off
+        stride_n = stride_wn
+        scale = tl.load(tw_ptr + t * TOPK + j).to(tl.float32)
+    acc = tl.zeros([BN], tl.float32)
+    for i in tl.static_range(I_TILES):
+        kk = i * BK + tl.arange(0, BK)
+        km = kk < lim
+        a = tl.load(act_ptr + p * stride_a + kk, mask=km, other=0.0).to(tl.float32)
+        w = tl.load(wd_ptr + n[:, None].to(tl.int64) * stride_n + kk[None, :], mask=nm[:, None] & km[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[None, :], 1)
+    val = tl.where(valid, (acc.to(dt).to(tl.float32) * scale).to(dt).to(tl.float32), 0.0)
+    tl.store(part_ptr + p * H + n, val, mask=nm)
+
+
+@triton.jit
+def _slot_sum_kernel(part_ptr, out_ptr, H, stride_o, TOPK: tl.constexpr, SH: tl.constexpr, BN: tl.constexpr):
+    """out[t] = the routed slots' sum in slot order (fp32, one rounding), then + the shared expert's output (SH),
+    as SparseMoE.forward adds them; TOPK = 0: out holds the routed sum already (the EP path)."""
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nm = n < H
+    dt = out_ptr.dtype.element_ty
+    base = part_ptr + t * (TOPK + SH) * H + n
+    total = tl.zeros([BN], tl.float32)
+    for j in tl.static_range(TOPK):
+        total += tl.load(base + j * H, mask=nm, other=0.0)
+    if SH:
         if TOPK > 0:
             total = total.to(dt).to(tl.float32)  # the routed sum, rounded once, then the shared expert added
         else:
             total = tl.load(out_ptr + t * stride_o + n, mask=nm, other=0.0).to(tl.float32)  # routed input
-        total += shared
+        total += tl.load(base + TOPK * H, mask=nm, other=0.0)
     tl.store(out_ptr + t * stride_o + n, total.to(dt), mask=nm)
 
 
@@ -186,21 +196,39 @@ def _experts(x: torch.Tensor, ids: torch.Tensor | None, tw: torch.Tensor | None,
     width = max(inter if topk else 0, inter_sh)
     pairs = t * (topk + sh)
     act = torch.empty(pairs, width, dtype=x.dtype, device=x.device)
-    bn_up = bn_down = 4  # GEMV tiles: 4 weight rows over the whole input dim a program (bench/kernels.py, H200)
-    bk_up = min(triton.next_power_of_2(h), 2048)
+    # GEMV tiles (bench/kernels.py, H200, 1 and 4 tokens): 4 weight rows a program, gate_up 1024 inputs a load
+    # (the down sweep of 2026-12-01 favours BN = 16: 9.4 / 24.0 us against 10.1 / 27.3 at 1 / 4 tokens; not yet
+    # run in a step or the GPU tests)
+    bn_up = bn_down = 4
+    bk_up = min(triton.next_power_of_2(h), 1024)
     _gate_up_kernel[(pairs, triton.cdiv(width, bn_up))](
         x, ids, gate_up[:, :inter], gate_up[:, inter:], sg, su, act, start, e, h, inter, inter_sh,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), sg.stride(0), act.stride(0),
         TOPK=topk, SH=sh, BN=bn_up, BK=bk_up, H_TILES=triton.cdiv(h, bk_up), num_warps=4,
     )
-    bk_down, bh = min(triton.next_power_of_2(max(width, 16)), 512), min(triton.next_power_of_2(h), 2048)
-    _down_kernel[(t, triton.cdiv(h, bn_down))](
-        act, ids, tw, down, x, sd, gw, out, start, e, h, inter, inter_sh,
-        act.stride(0), down.stride(0), down.stride(1), x.stride(0), sd.stride(0), out.stride(0),
-        TOPK=topk, SH=sh, BN=bn_down, BK=bk_down, BH=bh, I_TILES=triton.cdiv(width, bk_down),
-        H_TILES=triton.cdiv(h, bh), num_warps=4,
-    )
+    down_sum(act, ids, tw, down, start, x, (sd, gw), out, topk, sh, inter, inter_sh, bn_down)
     return out
+
+
+def down_sum(act: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, down: torch.Tensor, start: int,
+             x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor, topk: int, sh: int,
+             inter: int, inter_sh: int, bn: int = 4) -> None:
+    """The down launches: one program per (pair, BN outputs) into fp32 partials [pairs, H], then their sum per
+    token in slot order into out [T, H]. shared: (down [H, I_sh], gate [1, H]) or stand-ins when sh = 0."""
+    t, h = out.shape
+    sd, gw = shared
+    width = act.shape[1]
+    pairs = t * (topk + sh)
+    part = torch.empty(pairs, h, dtype=torch.float32, device=out.device)
+    bk, bh = min(triton.next_power_of_2(max(width, 16)), 512), min(triton.next_power_of_2(h), 2048)
+    _down_kernel[(pairs, triton.cdiv(h, bn))](
+        act, ids, tw, down, x, sd, gw, part, start, down.shape[0], h, inter, inter_sh,
+        act.stride(0), down.stride(0), down.stride(1), x.stride(0), sd.stride(0),
+        TOPK=topk, SH=sh, BN=bn, BK=bk, BH=bh, I_TILES=triton.cdiv(width, bk), H_TILES=triton.cdiv(h, bh),
+        num_warps=4,
+    )
+    bs = min(triton.next_power_of_2(h), 1024)
+    _slot_sum_kernel[(t, triton.cdiv(h, bs))](part, out, h, out.stride(0), TOPK=topk, SH=sh, BN=bs, num_warps=4)
 
 
 def pair_experts(
