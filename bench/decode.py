@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 
 import torch
+from oracle import oracle_rows, positions_needed  # bench/ is on the path: the script's own folder
 
 from mtp_ray.config.model import ModelConfig
 from mtp_ray.engine.cache import CacheShape, bind_caches
@@ -58,12 +59,26 @@ def config(layers: int, mtp: bool = False) -> ModelConfig:
     return ModelConfig.from_hf_dict(hf_config(layers, mtp))
 
 
-def random_model(cfg: ModelConfig, device: torch.device) -> Qwen3_5MoeForCausalLM:
+def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype = torch.bfloat16
+                 ) -> Qwen3_5MoeForCausalLM:
     with torch.device("meta"):
         model = Qwen3_5MoeForCausalLM(cfg, with_mtp=cfg.mtp_num_hidden_layers > 0)
-    model = model.to(torch.bfloat16).to_empty(device=device).eval()  # bf16 on meta first: no fp32 copy on the GPU
+    model = model.to(dtype).to_empty(device=device).eval()  # dtype on meta first: no fp32 copy on the GPU
     init_dummy_weights(model, seed=0)
     return model
+
+
+def prepare(model: Qwen3_5MoeForCausalLM, max_b: int, width: int, slots: int, dtype: torch.dtype,
+            dev: torch.device) -> None:
+    """Caches for max_b sequences of `width` blocks and `slots` GDN state slots, filled with random context, as the
+    engine binds them (rope tables, fused projections)."""
+    bind_caches(model, CacheShape(1 + max_b * width, BLOCK, slots), dtype, dev)
+    bind_rope_tables(model, width * BLOCK, dtype, dev)
+    fuse_projections(model)
+    for gdn in model.gdn_layers():
+        gdn.ssm_state.normal_(0, 0.1)
+    for attn in model.attention_layers():
+        attn.kv_cache.normal_()
 
 
 def bandwidth(device: torch.device) -> float:
@@ -127,24 +142,27 @@ def timed(fn, reps: int) -> float:
     return t[len(t) // 2]
 
 
-def step_bytes(model: Qwen3_5MoeForCausalLM, cfg: ModelConfig, bsz: int, context: int, experts_hit: list[int]
-               ) -> dict:
+def step_bytes(model: Qwen3_5MoeForCausalLM, cfg: ModelConfig, bsz: int, context: int, experts_hit: list[int],
+               q: int = 1) -> dict:
+    """A target step of bsz x q tokens (q > 1: a verify, which reads each GDN state once and writes q snapshots)."""
     expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
     dense = sum(p.numel() * 2 for n, p in model.named_parameters()  # the target step reads no MTP weight
                 if "experts." not in n and "embed_tokens" not in n and not n.startswith("mtp."))
     n_attn, n_gdn = len(cfg.full_attention_layers), cfg.num_hidden_layers - len(cfg.full_attention_layers)
-    kv = n_attn * bsz * (context + 1) * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
-    state = n_gdn * bsz * 2 * (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-                               + cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * 2)
+    kv = n_attn * bsz * (context + q) * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    state = n_gdn * bsz * (1 + q) * (cfg.linear_num_value_heads * cfg.linear_key_head_dim
+                                     * cfg.linear_value_head_dim * 4
+                                     + cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * 2)
     parts = {"dense_weights": dense, "routed_experts": sum(experts_hit) * expert_bytes,
-             "embedding_rows": bsz * cfg.hidden_size * 2, "kv_read": kv, "gdn_state_rw": state,
-             "logits_written": bsz * cfg.vocab_size * 4}
+             "embedding_rows": bsz * q * cfg.hidden_size * 2, "kv_read": kv, "gdn_state_rw": state,
+             "logits_written": bsz * q * cfg.vocab_size * 4}
     parts["total"] = sum(parts.values())
     return parts
 
 
-def count_experts(model: Qwen3_5MoeForCausalLM, moes: list[SparseMoE], inp: StepInputs) -> list[int]:
-    """Distinct experts each MoE layer routes this step's tokens to (one eager forward, routers wrapped)."""
+def count_experts(moes: list[SparseMoE], forward) -> list[int]:
+    """Distinct experts each call of a MoE layer in `moes` routes its tokens to during forward() (eager, routers
+    wrapped)."""
     hits: list[int] = []
     for m in moes:
         def counted(x, route=m.route):
@@ -153,28 +171,57 @@ def count_experts(model: Qwen3_5MoeForCausalLM, moes: list[SparseMoE], inp: Step
             return ids, w
         m.route = counted
     try:
-        model(inp.input_ids, inp.positions, inp.batch)
+        forward()
     finally:
         for m in moes:
             del m.route  # back to the class method
     return hits
 
 
-def mtp_step(model: Qwen3_5MoeForCausalLM, bsz: int, context: int, width: int, k: int, vocab: int, plain: float,
-             dev: torch.device) -> dict:
-    """Graph replays of one MTP step: verify of B x (k + 1) tokens, then the k-step greedy draft loop."""
-    graphs = CudaGraphs(model, (bsz,), k, width, BLOCK, dev)
-    inp = inputs(bsz, context, width, vocab, dev, q=k + 1)
+def draft_bytes(model: Qwen3_5MoeForCausalLM, cfg: ModelConfig, bsz: int, context: int, k: int,
+                experts_hit: list[int], vocab: int) -> dict:
+    """The k-step draft loop: per step the MTP layer's dense weights, the lm_head rows of the draft vocabulary
+    (shared, bf16 logits of the last row per sequence), the MTP KV; the routed experts its k MoE calls hit."""
+    expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
+    dense = sum(p.numel() * 2 for n, p in model.named_parameters() if n.startswith("mtp.") and "experts." not in n)
+    kv = bsz * (context + 2 * k) * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    parts = {"mtp_dense_weights": k * dense, "lm_head": k * vocab * cfg.hidden_size * 2,
+             "routed_experts": sum(experts_hit) * expert_bytes, "kv_read": k * kv,
+             "logits_written": k * bsz * vocab * 2}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def mtp_step(model: Qwen3_5MoeForCausalLM, cfg: ModelConfig, bsz: int, context: int, width: int, k: int,
+             plain: float, bw: float, dev: torch.device, draft_vocab: int = 0) -> dict:
+    """Graph replays of one MTP step: verify of B x (k + 1) tokens, then the k-step greedy draft loop (drafting
+    from ids [0, draft_vocab), 0: all), each next to its roofline."""
+    graphs = CudaGraphs(model, (bsz,), k, width, BLOCK, dev, draft_vocab=draft_vocab)
+    inp = inputs(bsz, context, width, cfg.vocab_size, dev, q=k + 1)
+    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    mtp_moes = [m for m in model.mtp.modules() if isinstance(m, SparseMoE)]
     with torch.inference_mode():
+        verify_hit = count_experts(moes, lambda: model(inp.input_ids, inp.positions, inp.batch))
         graphs.run_target(inp, bsz)
-        next_ids = torch.randint(0, vocab, (bsz * (k + 1),), device=dev)
+        next_ids = torch.randint(0, cfg.vocab_size, (bsz * (k + 1),), device=dev)
         graphs.run_drafts(next_ids, torch.full((bsz,), k, device=dev), bsz)
+        draft_hit = count_experts(mtp_moes, lambda: graphs._draft_fn(bsz, graphs.target[bsz][1],
+                                                                      graphs.target[bsz][3]))
         verify = timed(graphs.target[bsz][0].replay, 20)
         drafts = timed(graphs.draft[bsz][0].replay, 20)
         both = timed(lambda: (graphs.target[bsz][0].replay(), graphs.draft[bsz][0].replay()), 20)
-    return {"k": k, "verify_ms": round(verify * 1e3, 3), "draft_loop_ms": round(drafts * 1e3, 3),
+        kernels = kernel_table(graphs.target[bsz][0].replay) if bsz == 1 and not draft_vocab else None
+    vb = step_bytes(model, cfg, bsz, context, verify_hit, q=k + 1)
+    db = draft_bytes(model, cfg, bsz, context, k, draft_hit, draft_vocab or cfg.vocab_size)
+    return {"k": k, "draft_vocab": draft_vocab or cfg.vocab_size,
+            "verify_ms": round(verify * 1e3, 3), "verify_roofline_ms": round(vb["total"] / bw * 1e3, 3),
+            "verify_over_roofline": round(verify / (vb["total"] / bw), 2),
+            "verify_experts_hit_per_layer": round(sum(verify_hit) / len(verify_hit), 1),
+            "draft_loop_ms": round(drafts * 1e3, 3), "draft_roofline_ms": round(db["total"] / bw * 1e3, 3),
+            "draft_over_roofline": round(drafts / (db["total"] / bw), 2),
             "mtp_step_ms": round(both * 1e3, 3), "plain_step_ms": round(plain * 1e3, 3),
-            "speedup_over_acceptance_bound": round(plain / both, 3)}
+            "speedup_over_acceptance_bound": round(plain / both, 3),
+            "verify_bytes": vb, "draft_bytes": db, **({"verify_kernels": kernels} if kernels else {})}
 
 
 def main() -> None:
@@ -184,30 +231,29 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--mtp-k", type=int, default=3)
     ap.add_argument("--mtp-batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--oracle-accept", type=float, nargs="*", default=[1.0, 0.8, 0.6, 0.4, 0.0],
+                    help="per-draft acceptance rates of the oracle-draft runs (bench/oracle.py); none: skip them")
+    ap.add_argument("--oracle-steps", type=int, default=48)
+    ap.add_argument("--draft-vocab", type=int, nargs="+", default=[0, 32768],
+                    help="MTP draft vocabularies (spec.draft_vocab_size) to time side by side; 0: the whole one")
     ap.add_argument("--out", default="bench/results/decode.json")
     args = ap.parse_args()
-    dev = torch.device("cuda")
+    dev, cpu = torch.device("cuda"), torch.device("cpu")
     bw = bandwidth(dev)
     k = args.mtp_k
     cfg = config(args.layers, mtp=k > 0)
     model = random_model(cfg, dev)
-    width = (args.context + 2 * k + BLOCK) // BLOCK + 1
+    width = (args.context + positions_needed(args.oracle_steps, k) + BLOCK) // BLOCK + 1  # room for the oracle runs
     max_b = max(args.batches + args.mtp_batches)
     slots = 1 + max(args.batches) + max(args.mtp_batches) * (k + 1)  # main slots + MTP verify snapshots
-    bind_caches(model, CacheShape(1 + max_b * width, BLOCK, slots), torch.bfloat16, dev)
-    bind_rope_tables(model, width * BLOCK, torch.bfloat16, dev)  # as the engine does
-    fuse_projections(model)
-    for gdn in model.gdn_layers():
-        gdn.ssm_state.normal_(0, 0.1)
-    for attn in model.attention_layers():
-        attn.kv_cache.normal_()
+    prepare(model, max_b, width, slots, torch.bfloat16, dev)
     moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
     rows = []
     for bsz in args.batches:
         inp = inputs(bsz, args.context, width, cfg.vocab_size, dev)
         graphs = CudaGraphs(model, (bsz,), 0, width, BLOCK, dev)
         with torch.inference_mode():
-            experts_hit = count_experts(model, moes, inp)
+            experts_hit = count_experts(moes, lambda inp=inp: model(inp.input_ids, inp.positions, inp.batch))
             eager = timed(lambda inp=inp: model.compute_logits(model(inp.input_ids, inp.positions, inp.batch)), 5)
             graphs.run_target(inp, bsz)
             g = graphs.target[bsz][0]
@@ -222,9 +268,15 @@ def main() -> None:
                      "bytes": dict(by)})
         if kernels is not None:
             rows[-1]["kernels"] = kernels
-        if k and bsz in args.mtp_batches:
-            rows[-1]["mtp"] = mtp_step(model, bsz, args.context, width, k, cfg.vocab_size, graph, dev)
         del graphs
+        for dv in args.draft_vocab if k and bsz in args.mtp_batches else ():
+            rows[-1].setdefault("mtp", []).append(mtp_step(model, cfg, bsz, args.context, width, k, graph, bw, dev, dv))
+            if args.oracle_accept:
+                make = lambda ctx, q, b=bsz: inputs(b, ctx, width, cfg.vocab_size, cpu, q)  # noqa: E731
+                with torch.inference_mode():
+                    rows[-1]["mtp"][-1]["oracle"] = oracle_rows(model, bsz, args.context, width, k,
+                                                                args.oracle_accept, args.oracle_steps, make, dev,
+                                                                BLOCK, dv)
         torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "measured_bandwidth_GBps": round(bw / 1e9, 1),
@@ -233,18 +285,30 @@ def main() -> None:
               "context": args.context, "runs": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"bandwidth {bw / 1e9:.0f} GB/s; {result['model']}; context {args.context}")
+    report(result)
+
+
+def report(result: dict) -> None:
+    rows = result["runs"]
+    print(f"bandwidth {result['measured_bandwidth_GBps']} GB/s; {result['model']}; context {result['context']}")
     print("| batch | graph step ms | eager step ms | roofline ms | graph / roofline | GB/s | tok/s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['batch']} | {r['graph_step_ms']} | {r['eager_step_ms']} | {r['roofline_ms']} | "
               f"{r['graph_over_roofline']} | {r['achieved_GBps']} | {r['tokens_per_s']} |")
-    for r in rows:
-        if "mtp" in r:
-            m = r["mtp"]
-            print(f"MTP k={m['k']} batch {r['batch']}: verify {m['verify_ms']} ms + draft loop {m['draft_loop_ms']} ms "
-                  f"= {m['mtp_step_ms']} ms vs plain {m['plain_step_ms']} ms -> speedup / acceptance length <= "
-                  f"{m['speedup_over_acceptance_bound']}")
+    for row, m in ((r, m) for r in rows for m in r.get("mtp", [])):
+        print(f"MTP k={m['k']} batch {row['batch']}, draft vocab {m['draft_vocab']}: plain {m['plain_step_ms']} ms "
+              f"(x{row['graph_over_roofline']} roofline); verify {m['verify_ms']} ms (x{m['verify_over_roofline']} "
+              f"of {m['verify_roofline_ms']}); "
+              f"draft loop {m['draft_loop_ms']} ms (x{m['draft_over_roofline']} of {m['draft_roofline_ms']}); "
+              f"speedup / acceptance length <= {m['speedup_over_acceptance_bound']}")
+        if "oracle" in m:
+            o = m["oracle"]
+            print(f"  oracle drafts, batch {row['batch']}: plain loop {o['plain']['tokens_per_s']} tok/s")
+            for x in o["runs"]:
+                print(f"    accept {x['accept']}: {x['tokens_per_s']} tok/s = x{x['over_plain']} plain; acceptance "
+                      f"length {x['mean_acceptance_length']} (expected {x['expected_acceptance_length']}), "
+                      f"agreement with the continuation {x['agreement']}")
     top = [(x["kernel"][:40], x["count"], x["us"]) for x in rows[0].get("kernels", [])[:14]]
     print("batch-1 kernels (name, count, us):", *top, sep="\n  ")
 

@@ -127,7 +127,10 @@ def test_deepep_dp2_on_two_gpus(ray_cluster, tmp_path):
     from mtp_ray.rl.engine import launch_engine
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "bench"))
-    from decode import hf_config
+    try:  # only while importing: bench/kernels.py would pass for transformers' `kernels` package
+        from decode import hf_config
+    finally:
+        sys.path.pop(0)
 
     (tmp_path / "config.json").write_text(json.dumps(hf_config(4)))
     prompts = [list(range(10 + i, 40 + i)) for i in range(16)]
