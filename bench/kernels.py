@@ -1,13 +1,14 @@
 """Tile sweep for the bandwidth-bound decode kernels at Qwen3.5-35B-A3B shapes (GPU), next to cuBLAS.
 
-    python bench/kernels.py [--out bench/results/kernels.json] [--rows 1 4]
+    python bench/kernels.py [--out bench/results/kernels.json] [--rows 1 4] [--grouped-rows 2 4 8 16 32]
 
 For each shape and tile config: the time of one launch inside a CUDA graph of 20 launches (the launch gap
 included, as in a decode step), and the bandwidth that implies. The launches cycle through enough weight copies
 (dense) or expert choices (MoE) to read > 2x the L2 cache per cycle, so a small weight is timed from memory, as in
 a decode step, not from L2 (sweeps before 2026-11-30 lacked this and flattered shapes under ~50 MB). Also the
 time of an empty kernel in a graph (the per-launch floor). The JSON lists every config and the best per shape,
-to set the heuristics in layers/triton/linear.py and layers/triton/moe_small.py.
+to set the heuristics in layers/triton/linear.py and layers/triton/moe_small.py. And a whole small-batch MoE
+layer per (token, slot) pair against each expert read once for its tokens (layers/triton/moe_grouped.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import triton
 import triton.language as tl
 
 from mtp_ray.layers.triton.linear import _gemv_kernel, _gemv_row_kernel, tiles
-from mtp_ray.layers.triton.moe_small import _gate_up_kernel, down_sum
+from mtp_ray.layers.triton.moe_grouped import grouped_experts
+from mtp_ray.layers.triton.moe_small import SharedWeights, _gate_up_kernel, down_sum, pair_experts
 
 H, INTER, EXPERTS, TOPK = 2048, 512, 256, 8
 # (name, N, K): the dense projections of one layer (fused GDN input, fused attention q/k/v, outputs, router)
@@ -167,10 +169,37 @@ def sweep_experts(rows: int, dev: torch.device) -> list[dict]:
     return [res]
 
 
+def grouped_vs_pairs(rows: int, dev: torch.device) -> dict:
+    """A whole small-batch MoE layer (routed + shared experts) with each token routed on its own (so tokens share
+    experts as a verify's do), per (token, slot) pair (`pair_experts`) against each expert's weights read once
+    for its tokens (`grouped_experts`, incl. its sort): us per layer, distinct experts, equal outputs."""
+    g = torch.Generator(device=dev).manual_seed(1)
+    gate_up = torch.randn(EXPERTS, 2 * INTER, H, dtype=torch.bfloat16, device=dev, generator=g) * H**-0.5
+    down = torch.randn(EXPERTS, H, INTER, dtype=torch.bfloat16, device=dev, generator=g) * INTER**-0.5
+    shared = SharedWeights(*(torch.randn(*shape, dtype=torch.bfloat16, device=dev, generator=g) * shape[1]**-0.5
+                             for shape in ((INTER, H), (INTER, H), (H, INTER), (1, H))))
+    x = torch.randn(rows, H, dtype=torch.bfloat16, device=dev, generator=g)
+    idss = [torch.stack([torch.randperm(EXPERTS, device=dev, generator=g)[:TOPK] for _ in range(rows)])
+            for _ in range(20)]
+    tw = torch.rand(rows, TOPK, dtype=torch.bfloat16, device=dev, generator=g)
+    timed = functools.partial(graph_time, variants=len(idss))
+    pair = timed(lambda i: pair_experts(x, idss[i], tw, gate_up, down, 0, shared))
+    grouped = timed(lambda i: grouped_experts(x, idss[i], tw, gate_up, down, 0, shared))
+    same = all(torch.equal(pair_experts(x, ids, tw, gate_up, down, 0, shared),
+                           grouped_experts(x, ids, tw, gate_up, down, 0, shared)) for ids in idss)
+    res = {"rows": rows, "pairs_us": round(pair * 1e6, 2), "grouped_us": round(grouped * 1e6, 2),
+           "distinct_experts": round(sum(int(ids.unique().numel()) for ids in idss) / len(idss), 1),
+           "bitwise_equal": same}
+    print(f"experts rows={rows}: pairs {res['pairs_us']} us, grouped {res['grouped_us']} us, "
+          f"{res['distinct_experts']} distinct of {rows * TOPK}, equal {same}")
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/kernels.json")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--grouped-rows", type=int, nargs="*", default=[2, 4, 8, 16, 32])
     args = ap.parse_args()
     dev = torch.device("cuda")
     flag = torch.zeros(1024, device=dev)
@@ -178,7 +207,8 @@ def main() -> None:
     print(f"empty kernel in a graph: {floor * 1e6:.2f} us per launch")
     result = {"device": torch.cuda.get_device_name(), "empty_kernel_us": round(floor * 1e6, 2),
               "gemv": [r for rows in args.rows for r in sweep_gemv(rows, dev)],
-              "experts": [r for rows in args.rows for r in sweep_experts(rows, dev)]}
+              "experts": [r for rows in args.rows for r in sweep_experts(rows, dev)],
+              "grouped_vs_pairs": [grouped_vs_pairs(rows, dev) for rows in args.grouped_rows]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 

@@ -58,6 +58,23 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch
 
 
 @triton.jit
+def _gate_up_rows(shared, e, g_ptr, u_ptr, sg_ptr, su_ptr, stride_we, stride_wn, stride_swn, INTER, INTER_SH):
+    """-> the gate and up weight rows a gate_up program reads (the shared expert's, or local expert e's), their
+    count and row stride."""
+    if shared:
+        wg_ptr = sg_ptr
+        wu_ptr = su_ptr
+        inter = INTER_SH
+        stride_n = stride_swn
+    else:
+        wg_ptr = g_ptr + e * stride_we
+        wu_ptr = u_ptr + e * stride_we
+        inter = INTER
+        stride_n = stride_wn
+    return wg_ptr, wu_ptr, inter, stride_n
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, g_ptr, u_ptr, sg_ptr, su_ptr, act_ptr, start, E_LOCAL, H, INTER, INTER_SH,
                     stride_x, stride_we, stride_wn, stride_swn, stride_a,
                     TOPK: tl.constexpr, SH: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -68,20 +85,11 @@ def _gate_up_kernel(x_ptr, ids_ptr, g_ptr, u_ptr, sg_ptr, su_ptr, act_ptr, start
     p = tl.program_id(0).to(tl.int64)
     t = p // (TOPK + SH)
     j = p % (TOPK + SH)
-    if j >= TOPK:  # the shared expert (only when SH = 1)
-        wg_ptr = sg_ptr
-        wu_ptr = su_ptr
-        inter = INTER_SH
-        stride_n = stride_swn
-        ok = t >= 0
-    else:
-        e = tl.load(ids_ptr + t * TOPK + j) - start
-        ok = (e >= 0) & (e < E_LOCAL)
-        e = tl.where(ok, e, 0)
-        wg_ptr = g_ptr + e * stride_we
-        wu_ptr = u_ptr + e * stride_we
-        inter = INTER
-        stride_n = stride_wn
+    shared = j >= TOPK  # the shared expert (only when SH = 1)
+    e = tl.load(ids_ptr + t * TOPK + j, mask=j < TOPK, other=0) - start
+    ok = shared | ((e >= 0) & (e < E_LOCAL))
+    wg_ptr, wu_ptr, inter, stride_n = _gate_up_rows(shared, tl.where(ok, e, 0), g_ptr, u_ptr, sg_ptr, su_ptr,
+                                                    stride_we, stride_wn, stride_swn, INTER, INTER_SH)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < inter
     if ok & (tl.program_id(1) * BN < inter):
@@ -227,6 +235,12 @@ def down_sum(act: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, down: torch
         TOPK=topk, SH=sh, BN=bn, BK=bk, BH=bh, I_TILES=triton.cdiv(width, bk), H_TILES=triton.cdiv(h, bh),
         num_warps=4,
     )
+    slot_sum(part, out, topk, sh)
+
+
+def slot_sum(part: torch.Tensor, out: torch.Tensor, topk: int, sh: int) -> None:
+    """out[t] = the fp32 partials [T * (topk + sh), H] of t's slots summed in slot order (+ the shared expert's)."""
+    t, h = out.shape
     bs = min(triton.next_power_of_2(h), 1024)
     _slot_sum_kernel[(t, triton.cdiv(h, bs))](part, out, h, out.stride(0), TOPK=topk, SH=sh, BN=bs, num_warps=4)
 
