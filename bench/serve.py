@@ -1,11 +1,12 @@
 """Serving benchmark: what a client of `serve run` sees, next to what the engine group did, in one run.
 
     python bench/serve.py [--yaml deployments/qwen35_mtp.yaml] [--model bundled|35b|micro] [--layers 4]
-                          [--variants dp1k3 dp1k0 dp2k3] [--concurrency 1 16 64 128 256] [--max-tokens 128]
+                          [--variants dp1k3 dp1k0 dp2k3 dp1k0s5d] [--concurrency 1 16 64 128 256] [--max-tokens 128]
                           [--prompt-tokens 32] [--requests-per-stream 4] [--cold-burst 64]
                           [--out bench/results/serve.json]
 
-Per variant (dp, k) it starts `serve run` on a YAML made from --yaml (engine overrides: dp, k, and with
+Per variant (dp, k; s<ms>: server.stream_interval_ms; a trailing d: Ray Serve's direct ingress, no proxy hop) it
+starts `serve run` on a YAML made from --yaml (engine overrides: dp, k, and with
 --model 35b random weights at the Qwen3.5-35B-A3B shapes cut to --layers layers + the MTP layer, with a word-level
 tokenizer of the full vocabulary; --model micro: random weights at tiny shapes with the bundled tokenizer, engine
 steps of a few ms on a CPU), waits for /health, then:
@@ -128,10 +129,14 @@ def tool(name: str) -> str:
 
 class Server:
     """`serve run` in a process group of its own, with a local Ray cluster of its own (never another one on the
-    machine); stopped with SIGTERM to the group, as an operator would, then SIGKILL."""
+    machine); stopped with SIGTERM to the group, as an operator would, then SIGKILL. direct: Ray Serve's direct
+    ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS, experimental in Ray 2.60): the ingress replica serves HTTP on `port`
+    itself, no proxy hop (the proxy, started anyway, is moved to port + 100)."""
 
-    def __init__(self, yaml_path: Path, port: int, log: Path):
+    def __init__(self, yaml_path: Path, port: int, log: Path, direct: bool = False):
         env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": "local"}
+        if direct:  # the controller allocates replica ports from this minimum: the first ingress replica gets `port`
+            env |= {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port)}
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
         self.proc = subprocess.Popen([tool("serve"), "run", str(yaml_path)],
@@ -367,17 +372,19 @@ def save(result: dict, path: str) -> None:
     Path(path).write_text(json.dumps(result, indent=1))
 
 
-async def run_variant(args, name: str, dp: int, k: int, interval_ms: float | None, model: dict, work: Path,
-                      result: dict) -> dict:
+async def run_variant(args, name: str, dp: int, k: int, interval_ms: float | None, direct: bool, model: dict,
+                      work: Path, result: dict) -> dict:
     base = yaml.safe_load(Path(args.yaml).read_text())
-    path, port, served = variant_yaml(base, dp, k, model, work / f"{name}.yaml", args.groups,
-                                      args.ingress, args.port, interval_ms)
-    server = Server(path, port, work / f"{name}.log")
+    client_port = args.port or base.get("http_options", {}).get("port", 8000)
+    path, port, served = variant_yaml(base, dp, k, model, work / f"{name}.yaml", args.groups, args.ingress,
+                                      client_port + 100 if direct else args.port, interval_ms)
+    server = Server(path, client_port if direct else port, work / f"{name}.log", direct)
     try:
         up = await server.wait_ready(args.start_timeout)
         url = server.url
         prompt = lambda i: [(7 * i + j) % 2000 + 3 for j in range(args.prompt_tokens)]  # noqa: E731
-        out: dict = {"dp": dp, "k": k, "stream_interval_ms": interval_ms, "server_up_s": round(up, 1), "levels": {}}
+        out: dict = {"dp": dp, "k": k, "stream_interval_ms": interval_ms, "direct_ingress": direct,
+                     "server_up_s": round(up, 1), "levels": {}}
         result["variants"][name] = out
         burst = [prompt(10_000 + i) for i in range(args.cold_burst)]
         if args.cold_burst:
@@ -426,11 +433,12 @@ async def run_variant(args, name: str, dp: int, k: int, interval_ms: float | Non
         server.stop()
 
 
-def parse_variant(v: str) -> tuple[int, int, float | None]:
-    """dp<N>k<K>[s<ms>] -> (dp, k, server.stream_interval_ms or None: the YAML's)."""
-    dp, _, rest = v.removeprefix("dp").partition("k")
+def parse_variant(v: str) -> tuple[int, int, float | None, bool]:
+    """dp<N>k<K>[s<ms>][d] -> (dp, k, server.stream_interval_ms or None: the YAML's, direct ingress)."""
+    direct = v.endswith("d")
+    dp, _, rest = v.removesuffix("d").removeprefix("dp").partition("k")
     k, s, ms = rest.partition("s")
-    return int(dp), int(k), float(ms) if s else None
+    return int(dp), int(k), float(ms) if s else None, direct
 
 
 async def main_async(args) -> dict:

@@ -31,6 +31,21 @@ def test_serving_benchmark_smoke(tmp_path):
     assert v["cold_burst"]["completed"] == 4 and v["warm_burst"]["completed"] == 4 and v["cold_over_warm_ttft"] > 0
 
 
+def test_serving_benchmark_with_direct_ingress(tmp_path):
+    """Variant suffix d: `serve run` with Ray Serve's direct ingress, the client on the ingress replica's own port
+    (the proxy moved to port + 100): every stream completes, every token the ranks made reaches the client."""
+    out = tmp_path / "serve.json"
+    cmd = [sys.executable, "bench/serve.py", "--variants", "dp1k0d", "--concurrency", "1", "4", "--max-tokens", "12",
+           "--requests-per-stream", "2", "--cold-burst", "0", "--port", "8023", "--out", str(out)]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    v = json.loads(out.read_text())["variants"]["dp1k0d"]
+    assert v["direct_ingress"] and (v["dp"], v["k"]) == (1, 0)
+    for name, level in v["levels"].items():
+        assert level["completed"] == level["requests"] and not level["errors"], (name, level)
+        assert level["usage_tokens_match"] and level["engine"]["output_tokens"] == level["output_tokens"], level
+
+
 def test_ingress_chunk_benchmark_smoke(tmp_path):
     out = tmp_path / "chunk.json"
     run = subprocess.run([sys.executable, "bench/ingress_chunk.py", "--streams", "1", "3", "--steps", "12", "--out",

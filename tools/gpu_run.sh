@@ -31,6 +31,7 @@ for stage in "$@"; do
     prof35d) python3 bench/profile_step.py --device cuda --model 35b --layers 8 --phase decode --batch 256 --steps 20 --k 0 --out "$OUT/profile_35b_decode.json" 2>&1 | grep -v USDT | tail -30 ;;
     serve) TRITON_CACHE_DIR=$(mktemp -d) python3 bench/serve.py --yaml deployments/qwen35_gpu.yaml --model 35b --layers 4 --groups 1 --variants ${SERVE_VARIANTS:-dp1k0 dp1k3} --profile-s 6 ${SERVE_ARGS:-} --out "$OUT/serve_h200.json" 2>&1 | grep -v '^ \|^{\|^}' | tail -40 ;;
     serveint) TRITON_CACHE_DIR=$(mktemp -d) python3 bench/serve.py --yaml deployments/qwen35_gpu.yaml --model 35b --layers 4 --groups 1 --variants ${SERVE_VARIANTS:-dp1k0s0 dp1k0s5} --concurrency 1 64 128 --cold-burst 0 --out "$OUT/serve_h200_interval.json" 2>&1 | grep "c=" | cut -c1-330 ;;
+    servedirect) TRITON_CACHE_DIR=$(mktemp -d) python3 bench/serve.py --yaml deployments/qwen35_gpu.yaml --model 35b --layers 4 --groups 1 --variants ${SERVE_VARIANTS:-dp1k0s5 dp1k0s5d} --concurrency 1 64 128 --cold-burst 0 --out "$OUT/serve_h200_direct.json" 2>&1 | grep "c=" | cut -c1-330 ;;
     cold) for mk in ${COLD:-bundled:0 bundled:3 35b:0 35b:3}; do m=${mk%:*} k=${mk#*:} f="$OUT/cold_${m}_k$k"
             TRITON_CACHE_DIR=$(mktemp -d) python3 bench/cold_compiles.py --model $m --k $k --out $f.json > $f.log 2>&1
             python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], d['engine_start_s'], d['compiles_in_warmup'], d['compiles_after_warmup'], [c['kernel'] for c in d['after_warmup']])" $f.json || tail -20 $f.log; done ;;
