@@ -75,6 +75,18 @@ def test_dp_outputs_equal_dp1(ray_cluster, ref, dp, k, draft_gathers):
         ray_cluster.get(h.shutdown.remote())
 
 
+def test_dp2_mtp_with_a_reduced_draft_vocabulary_equals_dp1(ray_cluster, ref):
+    """spec.draft_vocab_size in a DP group (set from the engine config on every rank): same tokens as dp = 1, every
+    rank the same collectives."""
+    h = launch_engine(cfg(2, 3, spec={"draft_vocab_size": 256}))
+    try:
+        assert [r["token_ids"] for r in run(h, PROMPTS, MAX_TOKENS)] == ref
+        st = settled_stats(h)
+        assert st["health"]["restarts"] == 0 and len({r["collectives"] for r in st["ranks"]}) == 1
+    finally:
+        ray_cluster.get(h.shutdown.remote())
+
+
 def test_dp2_mtp3_near_max_model_len_finishes_and_equals_dp1(ray_cluster):
     """Requests that run into max_model_len on one rank while the other rank keeps drafting (vllm #44185: a rank
     that skipped its draft forwards near the limit left its peer alone in the MoE exchange, and the group hung).
