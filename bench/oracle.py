@@ -94,9 +94,8 @@ def verify_loop(graphs: CudaGraphs, make_inputs, bsz: int, context: int, first: 
     return hist.cpu(), ctx_hist.cpu(), time.perf_counter() - t0
 
 
-def committed_tokens(hist: torch.Tensor, ctx: torch.Tensor, first: torch.Tensor, context: int, q: int) -> torch.Tensor:
-    """The tokens a verify_loop committed -> [B, n + 1] from position `context` (column 0 = first [B]), n the
-    fewest any sequence committed."""
+def committed(hist: torch.Tensor, ctx: torch.Tensor, first: torch.Tensor, context: int, q: int) -> list[list[int]]:
+    """The tokens a verify_loop committed, per sequence from position `context` (first [B] at index 0)."""
     acc = hist[:, :, 2 * q].long()  # [S, B]
     seqs = []
     for b in range(ctx.shape[1]):
@@ -106,8 +105,7 @@ def committed_tokens(hist: torch.Tensor, ctx: torch.Tensor, first: torch.Tensor,
             assert c + 1 == len(toks), "each verify starts after the tokens committed so far"
             toks += hist[s, b, : a + 1].long().tolist()  # positions ctx + 1 .. ctx + a + 1
         seqs.append(toks)
-    n = min(len(t) for t in seqs)
-    return torch.tensor([t[:n] for t in seqs])
+    return seqs
 
 
 def oracle_generation(graphs: CudaGraphs, make_inputs, bsz: int, context: int, cont: torch.Tensor, accept: float,
@@ -129,27 +127,16 @@ def oracle_generation(graphs: CudaGraphs, make_inputs, bsz: int, context: int, c
     first[:, 1:] = drafts(0, torch.full((bsz,), context - 1, device=dev), torch.zeros(bsz, dtype=torch.long,
                                                                                         device=dev))
     hist, ctx_hist, wall = verify_loop(graphs, make_inputs, bsz, context, first.cpu(), steps, drafts)
-    return {"accept": accept, **_committed(hist, ctx_hist, cont.cpu(), context, q), "wall_s": wall}
-
-
-def _committed(hist: torch.Tensor, ctx: torch.Tensor, cont: torch.Tensor, context: int, q: int) -> dict:
-    """hist [S, B, 2q + 1] greedy blocks (argmax per row, log-probs, accepted), ctx [S, B] each verify's first
-    position -> counts over steps 2 .. S (the timed ones) and agreement with cont over all."""
-    steps, bsz = ctx.shape
-    acc = hist[:, :, 2 * q].long()  # [S, B]
+    cont = cont.cpu()
     same = total = 0
-    for s in range(steps):
-        for b in range(bsz):
-            a, c = int(acc[s, b]), int(ctx[s, b]) - context
-            got = hist[s, b, : a + 1].long()  # tokens at positions ctx + 1 .. ctx + a + 1
-            want = cont[b, c + 1 : c + a + 2]
-            n = min(len(got), len(want))
-            same += int((got[:n] == want[:n]).sum())
-            total += n
-    timed = acc[1:] + 1
-    return {"tokens": int(timed.sum()), "steps": steps - 1,
+    for b, toks in enumerate(committed(hist, ctx_hist, cont[:, 0], context, q)):
+        n = min(len(toks), cont.shape[1])
+        same += sum(int(t == w) for t, w in zip(toks[1:n], cont[b, 1:n].tolist(), strict=True))
+        total += n - 1
+    timed = hist[1:, :, 2 * q].long() + 1  # tokens each timed step committed [S - 1, B]
+    return {"accept": accept, "tokens": int(timed.sum()), "steps": steps - 1,
             "mean_acceptance_length": round(float(timed.float().mean()), 3),
-            "agreement": round(same / max(total, 1), 4)}
+            "agreement": round(same / max(total, 1), 4), "wall_s": wall}
 
 
 def continuation_length(steps: int, k: int) -> int:
@@ -184,7 +171,8 @@ def oracle_rows(model: Qwen3_5MoeForCausalLM, bsz: int, context: int, width: int
     seed = torch.zeros(bsz, k + 1, dtype=torch.long)
     seed[:, 0] = first.cpu()
     hist, ctx_hist, _ = verify_loop(gk, make_inputs, bsz, context, seed, n_cont)
-    cont = committed_tokens(hist, ctx_hist, first.cpu(), context, k + 1)[:, : n_cont + 1]
+    seqs = committed(hist, ctx_hist, first.cpu(), context, k + 1)
+    cont = torch.tensor([t[: n_cont + 1] for t in seqs])  # every verify commits >= 1 token: n_cont + 1 at least
     same = (cont == plain.cpu()[:, : cont.shape[1]]).long().cumprod(1).sum(1)  # common prefix per sequence
     out = {"plain": {"tokens": bsz * (n_cont - 1), "wall_s": plain_wall,
                      "tokens_per_s": round(bsz * (n_cont - 1) / plain_wall, 1),

@@ -376,9 +376,9 @@ async def run_variant(args, name: str, dp: int, k: int, interval_ms: float | Non
                       work: Path, result: dict) -> dict:
     base = yaml.safe_load(Path(args.yaml).read_text())
     client_port = args.port or base.get("http_options", {}).get("port", 8000)
-    path, port, served = variant_yaml(base, dp, k, model, work / f"{name}.yaml", args.groups, args.ingress,
-                                      client_port + 100 if direct else args.port, interval_ms)
-    server = Server(path, client_port if direct else port, work / f"{name}.log", direct)
+    path, _, served = variant_yaml(base, dp, k, model, work / f"{name}.yaml", args.groups, args.ingress,
+                                   client_port + 100 if direct else client_port, interval_ms)
+    server = Server(path, client_port, work / f"{name}.log", direct)
     try:
         up = await server.wait_ready(args.start_timeout)
         url = server.url

@@ -45,10 +45,10 @@ class ModelRunner:
         self.model = load_model(cfg.model, self.dtype, self.device, expert_range, with_mtp=self.k > 0,
                                 dispatch=dispatch, dummy_seed=cfg.seed if cfg.load_format == "dummy" else None)
         self.model_config: ModelConfig = self.model.config
-        self.draft_vocab = cfg.spec.draft_vocab_size
-        if self.draft_vocab > self.model_config.vocab_size:
-            raise ValueError(f"spec.draft_vocab_size {self.draft_vocab} exceeds the model's vocab_size "
-                             f"{self.model_config.vocab_size}")
+        vocab, n = self.model_config.vocab_size, cfg.spec.draft_vocab_size
+        if n > vocab:
+            raise ValueError(f"spec.draft_vocab_size {n} exceeds the model's vocab_size {vocab}")
+        self.draft_vocab = n if n < vocab else 0  # ids the MTP drafts from: [0, draft_vocab), 0: all
         self.fuse_projections()
         self.slots_per_seq = 1 + (self.k + 1 if self.k else 0)
         # blocks one sequence of max_model_len needs, with the MTP draft loop's lookahead and a spare (async verify:
@@ -230,7 +230,7 @@ class ModelRunner:
         """MTP hidden [N, H] -> [N, V] fp32; with spec.draft_vocab_size the ids past it are -inf (a draft never
         takes them, and a sampled draft's distribution is zero there, as the rejection sampler must see it)."""
         logits = self.model.draft_logits(hidden, self.draft_vocab).float()
-        if not self.draft_vocab or self.draft_vocab == self.model_config.vocab_size:
+        if not self.draft_vocab:
             return logits
         full = logits.new_full((logits.shape[0], self.model_config.vocab_size), float("-inf"))
         full[:, : self.draft_vocab] = logits
