@@ -1,6 +1,6 @@
 """Decode step time on a random-weight model with the Qwen3.5-35B-A3B layer shapes, next to the memory roofline.
 
-    python bench/decode.py [--layers 40] [--batches 1 8 64 256] [--context 1024] [--out bench/results/decode.json]
+    python bench/decode.py [--layers 40] [--batches 1 8 64 256] [--context 1024] [--fp8] [--out bench/results/x.json]
 
 Shapes (the public Qwen3.5-35B-A3B config): hidden 2048, 40 layers (3 Gated DeltaNet : 1 gated attention), 16 query /
 2 KV heads of 256, GDN 16 key / 32 value heads of 128, 256 experts (top 8) of 512, a 512 shared expert, vocab 248320.
@@ -9,6 +9,8 @@ of B sequences x 1 token plus the lm_head, timed as a CUDA graph replay (median 
 With --mtp-k k (default 3) the model also has its MTP layer, and the MTP step (the target verify of B x (k + 1)
 tokens + the k-step greedy draft loop, both graphs) is timed next to the plain step: plain / MTP step is the bound
 on (MTP speedup / mean acceptance length) from device time alone. The kernels of the batch-1 step are listed.
+With --fp8 the plain steps run again on the same shapes with FP8-resident weights (Qwen's FP8 format: e4m3, 128 x
+128 block scales, router / shared-expert gate / embedding / lm_head left in bf16): FP8 step / bf16 step per batch.
 
 Roofline: the bytes a step must move at least (every dense weight once, the routed experts actually selected,
 the embedding rows, KV read for every context token, GDN state read and written, fp32 logits written) over the
@@ -35,6 +37,7 @@ from mtp_ray.layers.context import ForwardBatch, UniformDecode
 from mtp_ray.layers.linear import fuse_projections
 from mtp_ray.layers.moe import SparseMoE
 from mtp_ray.layers.rope import bind_rope_tables
+from mtp_ray.model.fp8 import Fp8Format, config_fp8, make_fp8
 from mtp_ray.model.loader import init_dummy_weights
 from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
 
@@ -62,13 +65,45 @@ def config(layers: int, mtp: bool = False) -> ModelConfig:
     return ModelConfig.from_hf_dict(hf_config(layers, mtp))
 
 
-def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype = torch.bfloat16
+# Qwen's FP8 releases: e4m3 weights, 128 x 128 block scales; the router, the shared expert's gate, the embedding
+# and the lm_head unquantized
+FP8 = Fp8Format(block=(128, 128), not_convert=("lm_head", "embed_tokens", "mlp.gate.", "shared_expert_gate"))
+
+
+def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype = torch.bfloat16, fp8: bool = False
                  ) -> Qwen3_5MoeForCausalLM:
     with torch.device("meta"):
         model = Qwen3_5MoeForCausalLM(cfg, with_mtp=cfg.mtp_num_hidden_layers > 0)
-    model = model.to(dtype).to_empty(device=device).eval()  # dtype on meta first: no fp32 copy on the GPU
+    model = model.to(dtype)  # dtype on meta first: no fp32 copy on the GPU
+    if fp8:
+        make_fp8(model, FP8, config_fp8(FP8))
+    model = model.to_empty(device=device).eval()
     init_dummy_weights(model, seed=0)
     return model
+
+
+def plain_step(model: Qwen3_5MoeForCausalLM, cfg: ModelConfig, bsz: int, context: int, width: int,
+               dev: torch.device, bw: float, kernels: bool) -> dict:
+    """The plain decode step of bsz sequences: graph and eager times, roofline, experts hit (and the kernels)."""
+    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    inp = inputs(bsz, context, width, cfg.vocab_size, dev)
+    graphs = CudaGraphs(model, (bsz,), 0, width, BLOCK, dev)
+    with torch.inference_mode():
+        experts_hit = count_experts(moes, lambda: model(inp.input_ids, inp.positions, inp.batch))
+        eager = timed(lambda: model.compute_logits(model(inp.input_ids, inp.positions, inp.batch)), 5)
+        graphs.run_target(inp, bsz)
+        g = graphs.target[bsz][0]
+        graph = timed(g.replay, 20)
+        table = kernel_table(g.replay) if kernels else None
+    by = step_bytes(model, cfg, bsz, context, experts_hit)
+    floor = by["total"] / bw
+    row = {"batch": bsz, "graph_step_ms": round(graph * 1e3, 3), "eager_step_ms": round(eager * 1e3, 3),
+           "roofline_ms": round(floor * 1e3, 3), "graph_over_roofline": round(graph / floor, 2),
+           "achieved_GBps": round(by["total"] / graph / 1e9, 1), "tokens_per_s": round(bsz / graph, 1),
+           "mean_experts_hit_per_layer": round(sum(experts_hit) / len(experts_hit), 1), "bytes": dict(by)}
+    if table is not None:
+        row["kernels"] = table
+    return row
 
 
 def prepare(model: Qwen3_5MoeForCausalLM, max_b: int, width: int, slots: int, dtype: torch.dtype,
@@ -192,6 +227,7 @@ def main() -> None:
     ap.add_argument("--oracle-steps", type=int, default=48)
     ap.add_argument("--draft-vocab", type=int, nargs="+", default=[0, 32768],
                     help="MTP draft vocabularies (spec.draft_vocab_size) to time side by side; 0: the whole one")
+    ap.add_argument("--fp8", action="store_true", help="also time the plain steps with FP8-resident weights")
     ap.add_argument("--out", default="bench/results/decode.json")
     args = ap.parse_args()
     dev, cpu = torch.device("cuda"), torch.device("cpu")
@@ -203,28 +239,10 @@ def main() -> None:
     max_b = max(args.batches + args.mtp_batches)
     slots = 1 + max(args.batches) + max(args.mtp_batches) * (k + 1)  # main slots + MTP verify snapshots
     prepare(model, max_b, width, slots, torch.bfloat16, dev)
-    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
     rows = []
     for bsz in args.batches:
-        inp = inputs(bsz, args.context, width, cfg.vocab_size, dev)
-        graphs = CudaGraphs(model, (bsz,), 0, width, BLOCK, dev)
-        with torch.inference_mode():
-            experts_hit = count_experts(moes, lambda inp=inp: model(inp.input_ids, inp.positions, inp.batch))
-            eager = timed(lambda inp=inp: model.compute_logits(model(inp.input_ids, inp.positions, inp.batch)), 5)
-            graphs.run_target(inp, bsz)
-            g = graphs.target[bsz][0]
-            graph = timed(g.replay, 20)
-            kernels = kernel_table(g.replay) if bsz == 1 else None
-        by = step_bytes(model, cfg, bsz, args.context, experts_hit)
-        floor = by["total"] / bw
-        rows.append({"batch": bsz, "graph_step_ms": round(graph * 1e3, 3), "eager_step_ms": round(eager * 1e3, 3),
-                     "roofline_ms": round(floor * 1e3, 3), "graph_over_roofline": round(graph / floor, 2),
-                     "achieved_GBps": round(by["total"] / graph / 1e9, 1), "tokens_per_s": round(bsz / graph, 1),
-                     "mean_experts_hit_per_layer": round(sum(experts_hit) / len(experts_hit), 1),
-                     "bytes": dict(by)})
-        if kernels is not None:
-            rows[-1]["kernels"] = kernels
-        del graphs
+        rows.append(plain_step(model, cfg, bsz, args.context, width, dev, bw, kernels=bsz == 1))
+        graph = rows[-1]["graph_step_ms"] / 1e3
         for dv in args.draft_vocab if k and bsz in args.mtp_batches else ():
             rows[-1].setdefault("mtp", []).append(mtp_step(model, cfg, bsz, args.context, width, k, graph, bw, dev, dv))
             if args.oracle_accept:
@@ -234,6 +252,15 @@ def main() -> None:
                                                                 args.oracle_accept, args.oracle_steps, make, dev,
                                                                 BLOCK, dv)
         torch.cuda.empty_cache()
+    if args.fp8:  # the same plain steps with FP8-resident weights, after the bf16 model is gone (memory)
+        del model
+        torch.cuda.empty_cache()
+        model = random_model(cfg, dev, fp8=True)
+        prepare(model, max_b, width, slots, torch.bfloat16, dev)
+        for row in rows:
+            f = plain_step(model, cfg, row["batch"], args.context, width, dev, bw, kernels=row["batch"] == 1)
+            row["fp8"] = {**f, "over_bf16": round(f["graph_step_ms"] / row["graph_step_ms"], 3)}
+            torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "measured_bandwidth_GBps": round(bw / 1e9, 1),
               "model": f"random bf16, Qwen3.5-35B-A3B shapes, {args.layers} layers (of 40)"
@@ -265,8 +292,15 @@ def report(result: dict) -> None:
                 print(f"    accept {x['accept']}: {x['tokens_per_s']} tok/s = x{x['over_plain']} plain; acceptance "
                       f"length {x['mean_acceptance_length']} (expected {x['expected_acceptance_length']}), "
                       f"agreement with the continuation {x['agreement']}")
-    top = [(x["kernel"][:40], x["count"], x["us"]) for x in rows[0].get("kernels", [])[:14]]
-    print("batch-1 kernels (name, count, us):", *top, sep="\n  ")
+    for r in rows:
+        if "fp8" in r:
+            f = r["fp8"]
+            print(f"FP8 batch {r['batch']}: graph step {f['graph_step_ms']} ms = x{f['over_bf16']} the bf16 step "
+                  f"({r['graph_step_ms']} ms); x{f['graph_over_roofline']} its roofline ({f['roofline_ms']} ms)")
+    for name, r in (("batch-1", rows[0]), ("FP8 batch-1", rows[0].get("fp8", {}))):
+        top = [(x["kernel"][:40], x["count"], x["us"]) for x in r.get("kernels", [])[:14]]
+        if top:
+            print(f"{name} kernels (name, count, us):", *top, sep="\n  ")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,13 @@
 """Tile sweep for the bandwidth-bound decode kernels at Qwen3.5-35B-A3B shapes (GPU), next to cuBLAS.
 
-    python bench/kernels.py [--out bench/results/kernels.json] [--rows 1 4] [--grouped-rows 2 4 8 16 32]
+    python bench/kernels.py [--out bench/results/kernels.json] [--rows 1 4]
 
 For each shape and tile config: the time of one launch inside a CUDA graph of 20 launches (the launch gap
 included, as in a decode step), and the bandwidth that implies. The launches cycle through enough weight copies
 (dense) or expert choices (MoE) to read > 2x the L2 cache per cycle, so a small weight is timed from memory, as in
 a decode step, not from L2 (sweeps before 2026-11-30 lacked this and flattered shapes under ~50 MB). Also the
 time of an empty kernel in a graph (the per-launch floor). The JSON lists every config and the best per shape,
-to set the heuristics in layers/triton/linear.py and layers/triton/moe_small.py. And a whole small-batch MoE
-layer per (token, slot) pair against each expert read once for its tokens (layers/triton/moe_grouped.py).
+to set the heuristics in layers/triton/linear.py and layers/triton/moe_small.py.
 """
 
 from __future__ import annotations
@@ -24,9 +23,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from mtp_ray.layers.triton.linear import _gemv_kernel, _gemv_row_kernel, tiles
-from mtp_ray.layers.triton.moe_grouped import grouped_experts
-from mtp_ray.layers.triton.moe_small import SharedWeights, _gate_up_kernel, down_sum, pair_experts
+from mtp_ray.layers.fp8 import Fp8Block, Fp8Weight, quantize, scale_shape
+from mtp_ray.layers.triton.linear import _gemv_kernel, _gemv_row_kernel, gemv, tiles
+from mtp_ray.layers.triton.moe_small import _gate_up_kernel, down_sum
 
 H, INTER, EXPERTS, TOPK = 2048, 512, 256, 8
 # (name, N, K): the dense projections of one layer (fused GDN input, fused attention q/k/v, outputs, router)
@@ -73,14 +72,16 @@ def _gemv(x, ws, y, bn, bk, warps, stages, i) -> None:
     w = ws[i]
     m, k = x.shape
     n = w.shape[0]
-    _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), BM=16, BN=bn, BK=bk,
-                                        IEEE=False, num_warps=warps, num_stages=stages)
+    _gemv_kernel[(triton.cdiv(n, bn),)](x, w, x, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), 0, BM=16, BN=bn,
+                                        BK=bk, IEEE=False, FP8=False, TILE_SCALE=False, SN=1, SK=1, num_warps=warps,
+                                        num_stages=stages)
 
 
 def _row(x, ws, y, bn, bk, warps, stages, i) -> None:
     w = ws[i]
     n, k = w.shape
-    _gemv_row_kernel[(triton.cdiv(n, bn),)](x, w, y, n, k, w.stride(0), BN=bn, BK=bk, K_TILES=triton.cdiv(k, bk),
+    _gemv_row_kernel[(triton.cdiv(n, bn),)](x, w, x, y, n, k, w.stride(0), 0, BN=bn, BK=bk,
+                                            K_TILES=triton.cdiv(k, bk), FP8=False, TILE_SCALE=False, SN=1, SK=1,
                                             num_warps=warps, num_stages=stages)
 
 
@@ -88,9 +89,9 @@ def _up(x, idss, gv, uv, sg, act, bn, bk, warps, i) -> None:
     # routed pairs + one shared-expert pair per token (SH = 1), as a decode step without EP runs them
     ids = idss[i]
     _gate_up_kernel[(act.shape[0], triton.cdiv(INTER, bn))](
-        x, ids, gv, uv, sg[:INTER], sg[INTER:], act, 0, EXPERTS, H, INTER, INTER, x.stride(0), gv.stride(0),
-        gv.stride(1), sg.stride(0), act.stride(0), TOPK=TOPK, SH=1, BN=bn, BK=bk, H_TILES=triton.cdiv(H, bk),
-        num_warps=warps)
+        x, ids, gv, uv, sg[:INTER], sg[INTER:], gv, gv, gv, act, 0, EXPERTS, H, INTER, INTER, x.stride(0),
+        gv.stride(0), gv.stride(1), sg.stride(0), act.stride(0), 0, 0, 0, TOPK=TOPK, SH=1, BN=bn, BK=bk,
+        H_TILES=triton.cdiv(H, bk), FP8=False, TILE_SCALE=False, SN=1, SK=1, num_warps=warps)
 
 
 def _down(act, idss, tw, down, x, sd, gw, y, bn, bk, warps, i) -> None:
@@ -169,46 +170,62 @@ def sweep_experts(rows: int, dev: torch.device) -> list[dict]:
     return [res]
 
 
-def grouped_vs_pairs(rows: int, dev: torch.device) -> dict:
-    """A whole small-batch MoE layer (routed + shared experts) with each token routed on its own (so tokens share
-    experts as a verify's do), per (token, slot) pair (`pair_experts`) against each expert's weights read once
-    for its tokens (`grouped_experts`, incl. its sort): us per layer, distinct experts, equal outputs."""
-    g = torch.Generator(device=dev).manual_seed(1)
-    gate_up = torch.randn(EXPERTS, 2 * INTER, H, dtype=torch.bfloat16, device=dev, generator=g) * H**-0.5
-    down = torch.randn(EXPERTS, H, INTER, dtype=torch.bfloat16, device=dev, generator=g) * INTER**-0.5
-    shared = SharedWeights(*(torch.randn(*shape, dtype=torch.bfloat16, device=dev, generator=g) * shape[1]**-0.5
-                             for shape in ((INTER, H), (INTER, H), (H, INTER), (1, H))))
-    x = torch.randn(rows, H, dtype=torch.bfloat16, device=dev, generator=g)
-    idss = [torch.stack([torch.randperm(EXPERTS, device=dev, generator=g)[:TOPK] for _ in range(rows)])
-            for _ in range(20)]
-    tw = torch.rand(rows, TOPK, dtype=torch.bfloat16, device=dev, generator=g)
-    timed = functools.partial(graph_time, variants=len(idss))
-    pair = timed(lambda i: pair_experts(x, idss[i], tw, gate_up, down, 0, shared))
-    grouped = timed(lambda i: grouped_experts(x, idss[i], tw, gate_up, down, 0, shared))
-    same = all(torch.equal(pair_experts(x, ids, tw, gate_up, down, 0, shared),
-                           grouped_experts(x, ids, tw, gate_up, down, 0, shared)) for ids in idss)
-    res = {"rows": rows, "pairs_us": round(pair * 1e6, 2), "grouped_us": round(grouped * 1e6, 2),
-           "distinct_experts": round(sum(int(ids.unique().numel()) for ids in idss) / len(idss), 1),
-           "bitwise_equal": same}
-    print(f"experts rows={rows}: pairs {res['pairs_us']} us, grouped {res['grouped_us']} us, "
-          f"{res['distinct_experts']} distinct of {rows * TOPK}, equal {same}")
-    return res
+def sweep_gemv_fp8(shapes: list[str], dev: torch.device) -> list[dict]:
+    """One-row GEMV tiles for FP8-resident weights (e4m3, 128 x 128 block scales) through `gemv`, next to the bf16
+    weight at the current tile: us and GB/s of weight bytes (scales included)."""
+    out = []
+    block = Fp8Block(128, 128)
+    for name, n, k in (d for d in DENSE if d[0] in shapes):
+        x = torch.randn(1, k, dtype=torch.bfloat16, device=dev)
+        nbytes = n * k + scale_shape((n, k), block)[0] * scale_shape((n, k), block)[1] * 4
+        qs = [quantize(torch.randn(n, k, device=dev) * k**-0.5, block) for _ in range(_copies(nbytes))]
+        fs = [(q, Fp8Weight(sc, block)) for q, sc in qs]
+        ws = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) * k**-0.5 for _ in range(_copies(n * k * 2))]
+        cur = tiles(1, n, k, fp32=False)
+        res = {"shape": name, "N": n, "K": k, "current": list(cur),
+               "bf16_us": round(graph_time(lambda i, x=x, ws=ws, cur=cur: gemv(x, ws[i], cur), variants=len(ws))
+                                * 1e6, 2)}
+        cfgs = []
+        space = [("row", *c, 1) for c in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8))]
+        space += [("dot", bn, 128, 4, st) for bn in (16, 32, 64) for st in (3, 4)]
+        for tile in space:
+            try:
+                t = graph_time(lambda i, x=x, fs=fs, tile=tile: gemv(x, fs[i][0], tile, fp8=fs[i][1]),
+                               variants=len(fs))
+            except Exception as e:  # a config the compiler rejects: recorded, skipped
+                cfgs.append({"tile": list(tile), "error": str(e)[:80]})
+                continue
+            cfgs.append({"tile": list(tile), "us": round(t * 1e6, 2), "GBps": round(nbytes / t / 1e9, 1)})
+        ok = [c for c in cfgs if "us" in c]
+        res["best"] = min(ok, key=lambda c: c["us"]) if ok else None
+        res["at_current"] = next((c["us"] for c in ok if c["tile"] == list(cur)), None)
+        res["configs"] = cfgs
+        out.append(res)
+        print(f"fp8 gemv {name}: bf16 {res['bf16_us']} us, fp8 at the current tile {res['at_current']} us, "
+              f"best {res['best']}")
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/kernels.json")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--grouped-rows", type=int, nargs="*", default=[2, 4, 8, 16, 32])
+    ap.add_argument("--fp8", nargs="*", default=None, metavar="SHAPE",
+                    help="only the FP8 one-row GEMV sweep, on these DENSE shapes (default: all)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     flag = torch.zeros(1024, device=dev)
     floor = graph_time(lambda i: _empty_kernel[(1,)](flag), launches=100)
     print(f"empty kernel in a graph: {floor * 1e6:.2f} us per launch")
+    if args.fp8 is not None:
+        result = {"device": torch.cuda.get_device_name(), "empty_kernel_us": round(floor * 1e6, 2),
+                  "gemv_fp8": sweep_gemv_fp8(args.fp8 or [d[0] for d in DENSE], dev)}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        return
     result = {"device": torch.cuda.get_device_name(), "empty_kernel_us": round(floor * 1e6, 2),
               "gemv": [r for rows in args.rows for r in sweep_gemv(rows, dev)],
-              "experts": [r for rows in args.rows for r in sweep_experts(rows, dev)],
-              "grouped_vs_pairs": [grouped_vs_pairs(rows, dev) for rows in args.grouped_rows]}
+              "experts": [r for rows in args.rows for r in sweep_experts(rows, dev)]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from mtp_ray.config.model import ModelConfig
+from mtp_ray.layers.moe import Experts
 from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
 
 
@@ -25,11 +26,17 @@ def bandwidth(device: torch.device) -> float:
     return 2 * a.numel() * 4 / sorted(times[2:])[len(times[2:]) // 2]
 
 
+def _expert_bytes(model: Qwen3_5MoeForCausalLM) -> int:
+    """One routed expert's weight bytes (gate, up, down; FP8: with its scales)."""
+    ex = next(m for m in model.modules() if isinstance(m, Experts))
+    return sum(p[0].numel() * p.element_size() for p in ex.parameters())
+
+
 def step_bytes(model: Qwen3_5MoeForCausalLM, cfg: ModelConfig, bsz: int, context: int, experts_hit: list[int],
                q: int = 1) -> dict:
     """A target step of bsz x q tokens (q > 1: a verify, which reads each GDN state once and writes q snapshots)."""
-    expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
-    dense = sum(p.numel() * 2 for n, p in model.named_parameters()  # the target step reads no MTP weight
+    expert_bytes = _expert_bytes(model)
+    dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()  # the target reads no MTP weight
                 if "experts." not in n and "embed_tokens" not in n and not n.startswith("mtp."))
     n_attn, n_gdn = len(cfg.full_attention_layers), cfg.num_hidden_layers - len(cfg.full_attention_layers)
     kv = n_attn * bsz * (context + q) * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
@@ -47,8 +54,9 @@ def draft_bytes(model: Qwen3_5MoeForCausalLM, cfg: ModelConfig, bsz: int, contex
                 experts_hit: list[int], vocab: int) -> dict:
     """The k-step draft loop: per step the MTP layer's dense weights, the lm_head rows of the draft vocabulary
     (shared, bf16 logits of the last row per sequence), the MTP KV; the routed experts its k MoE calls hit."""
-    expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
-    dense = sum(p.numel() * 2 for n, p in model.named_parameters() if n.startswith("mtp.") and "experts." not in n)
+    expert_bytes = _expert_bytes(model)
+    dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                if n.startswith("mtp.") and "experts." not in n)
     kv = bsz * (context + 2 * k) * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
     parts = {"mtp_dense_weights": k * dense, "lm_head": k * vocab * cfg.hidden_size * 2,
              "routed_experts": sum(experts_hit) * expert_bytes, "kv_read": k * kv,

@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mtp_ray import LLM, SamplingParams
+from mtp_ray.layers.fp8 import Fp8Weight, dequantize
+from mtp_ray.model.fp8 import fp8_weights
 from mtp_ray.model.loader import load_model
 from tests.helpers import make_checkpoint
 
@@ -45,7 +47,7 @@ def quantized(name: str, t: torch.Tensor) -> bool:
     return t.dim() >= 2 and not any(k in name for k in KEEP)
 
 
-def fp8_pair(src: Path, fp8: Path, deq: Path, fused: bool = False) -> None:
+def fp8_pair(src: Path, fp8: Path, deq: Path, block: list[int] = BLOCK) -> None:
     """From a bf16 / fp32 checkpoint: its FP8 version (quantization_config + scales) and the dequantized one."""
     for out in (fp8, deq):
         shutil.copytree(src, out)
@@ -55,7 +57,7 @@ def fp8_pair(src: Path, fp8: Path, deq: Path, fused: bool = False) -> None:
         if not quantized(name, t):
             q_sd[name] = d_sd[name] = t
             continue
-        q, s, d = quantize(t, BLOCK)
+        q, s, d = quantize(t, block)
         q_sd[name], q_sd[name + "_scale_inv"], d_sd[name] = q, s, d
     assert any(k.endswith(".experts.0.gate_proj.weight_scale_inv") for k in q_sd)
     assert any(k.startswith("mtp.") and k.endswith("_scale_inv") for k in q_sd)  # the MTP head too
@@ -63,7 +65,7 @@ def fp8_pair(src: Path, fp8: Path, deq: Path, fused: bool = False) -> None:
     save_file(d_sd, deq / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((fp8 / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": BLOCK, "modules_to_not_convert": list(KEEP)}
+                                  "weight_block_size": block, "modules_to_not_convert": list(KEEP)}
     (fp8 / "config.json").write_text(json.dumps(cfg))
 
 
@@ -80,11 +82,30 @@ def greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
 
 
+def weights(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every weight as the model multiplies it: FP8-resident ones dequantized (scales folded in, not listed)."""
+    fp8 = fp8_weights(model)
+    params = dict(model.named_parameters())
+    out = {}
+    for n, p in params.items():
+        if n.endswith("_scale_inv"):
+            continue
+        if n in fp8:
+            sname, block = fp8[n]
+            p = dequantize(p, Fp8Weight(params[sname], block), dtype)
+        out[n] = p
+    return out
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_checkpoint_loads_the_dequantized_weights(ckpts, dtype):
     fp8, deq = ckpts
     a, b = load_model(fp8, dtype=dtype), load_model(deq, dtype=dtype)
-    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    kept = fp8_weights(a)  # what stays FP8: every quantized projection and expert tensor, MTP head included
+    assert {n for n, p in a.named_parameters() if p.dtype == torch.float8_e4m3fn} == kept.keys()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in kept and "mtp.fc.weight" in kept
+    assert not any(k in n for n in kept for k in KEEP)
+    pa, pb = weights(a, dtype), dict(b.named_parameters())
     assert pa.keys() == pb.keys()
     assert all(torch.equal(pa[n], pb[n]) for n in pa), [n for n in pa if not torch.equal(pa[n], pb[n])]
     src = load_model(fp8.parent / "src", dtype=dtype)  # quantization changed them: the check is not vacuous
@@ -110,7 +131,9 @@ def test_fused_expert_fp8_checkpoint_equals_per_expert(ckpts, tmp_path):
     for rng in (None, (1, 3)):  # the whole set, and an EP rank's slice
         a, b = load_model(fp8, expert_range=rng), load_model(fused, expert_range=rng)
         pb = dict(b.named_parameters())
-        assert all(torch.equal(p, pb[n]) for n, p in a.named_parameters())
+        assert all(torch.equal(p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p,
+                               pb[n].view(torch.uint8) if p.dtype == torch.float8_e4m3fn else pb[n])
+                   for n, p in a.named_parameters())
 
 
 @pytest.mark.parametrize("k", [0, 3])
@@ -131,6 +154,34 @@ def test_fp8_dp2_group_equals_dequantized_dp1(ray_cluster, ckpts, k):
         sp = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
         got = ray_cluster.get([h.generate.remote(p, sp) for p in PROMPTS], timeout=300)
         assert [r["token_ids"] for r in got] == want
+    finally:
+        ray_cluster.get(h.shutdown.remote())
+
+
+def test_fp8_group_sleeps_and_takes_bf16_updates_quantized(ray_cluster, ckpts, tmp_path):
+    """RL on an FP8 checkpoint, dp = 2, k = 3: sleep(2) drops the FP8 weights and their scales; an fp32 update
+    with another checkpoint's dequantized weights is quantized on load into the FP8 weights; after wake_up the
+    group serves what that checkpoint's FP8 version serves, with about a third of the fp32 weight bytes."""
+    from mtp_ray.rl.engine import launch_engine
+
+    fp8, deq = ckpts
+    make_checkpoint(tmp_path / "src", "gqa2_int2", seed=12)
+    fp8_pair(tmp_path / "src", tmp_path / "fp8", tmp_path / "deq")
+    want = greedy(LLM(str(tmp_path / "fp8"), num_speculative_tokens=3))
+    h = launch_engine({"model": str(fp8), "spec": {"num_speculative_tokens": 3}, "parallel": {"dp": 2},
+                       "timeouts": {"collective_s": 20, "progress_s": 30}})
+    sp = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    try:
+        before = [r["token_ids"] for r in ray_cluster.get([h.generate.remote(p, sp) for p in PROMPTS], timeout=300)]
+        awake = ray_cluster.get(h.get_stats.remote())["memory"]  # per rank: ModelRunner.memory()
+        asleep = ray_cluster.get(h.sleep.remote(2))
+        assert all(m["weights_bytes"] == 0 and m["asleep"] == 2 for m in asleep)
+        ray_cluster.get(h.update_weights.remote(load_file(tmp_path / "deq" / "model.safetensors")), timeout=120)
+        ray_cluster.get(h.wake_up.remote())
+        got = [r["token_ids"] for r in ray_cluster.get([h.generate.remote(p, sp) for p in PROMPTS], timeout=300)]
+        assert got == want and got != before
+        fp32 = sum(p.numel() * 4 for p in load_model(deq).parameters())  # the whole model in fp32
+        assert all(m["weights_bytes"] < 0.5 * fp32 for m in awake), awake
     finally:
         ray_cluster.get(h.shutdown.remote())
 

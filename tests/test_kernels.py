@@ -184,37 +184,6 @@ def test_fused_experts(dtype, tol, t, e, topk, h, inter, start, path):
 
 
 @needs_device
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,e,n_local,start,topk,h,inter", [(4, 8, 8, 0, 2, 64, 32), (5, 6, 3, 2, 3, 96, 48),
-                                                            (1, 16, 16, 0, 4, 64, 32), (12, 4, 4, 0, 2, 32, 16)])
-def test_grouped_experts_equal_pair_experts(dtype, t, e, n_local, start, topk, h, inter):
-    """Each expert's weights read once for all its tokens (moe_grouped) gives pair_experts' output bit for bit:
-    tokens sharing experts, a foreign shard (start), padding ids (one slot, a whole token), the shared expert,
-    and the shared expert alone on a routed input."""
-    from mtp_ray.layers.triton.moe_grouped import grouped_experts
-    from mtp_ray.layers.triton.moe_small import SharedWeights, pair_experts, shared_expert_add
-
-    g = torch.Generator().manual_seed(t * 13 + e)
-    rnd = lambda *s: (torch.randn(*s, generator=g) * s[-1] ** -0.5).to(DEVICE, dtype)  # noqa: E731
-    gate_up, down = rnd(n_local, 2 * inter, h), rnd(n_local, h, inter)
-    x = torch.randn(t, h, generator=g).to(DEVICE, dtype)
-    ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(t)])  # few experts: shared by tokens
-    ids[0, 0] = -1
-    if t > 2:
-        ids[2] = -1
-    ids = ids.to(DEVICE)
-    w = torch.rand(t, topk, generator=g).to(DEVICE, dtype)
-    sw = SharedWeights(rnd(24, h), rnd(24, h), rnd(h, 24), rnd(1, h))
-    with torch.no_grad():
-        for shared in (None, sw):
-            assert torch.equal(grouped_experts(x, ids, w, gate_up, down, start, shared),
-                               pair_experts(x, ids, w, gate_up, down, start, shared))
-        routed = torch.randn(t, h, generator=g).to(DEVICE, dtype)
-        assert torch.equal(grouped_experts(x, None, None, None, None, 0, sw, out=routed.clone()),
-                           shared_expert_add(x, routed, sw))
-
-
-@needs_device
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("e,m,h,inter,counts", [(4, 12, 64, 32, (3, 0, 12, 1)),
                                                 (8, 40, 128, 64, (40, 7, 0, 0, 33, 2, 9, 17))])
@@ -335,7 +304,7 @@ def test_gdn_decode(dtype, tol, hk, hv, dk, dv, q_len, spec):
 @needs_device
 @pytest.mark.parametrize("t,e,topk,norm", [(1, 8, 2, True), (5, 256, 8, True), (3, 64, 4, False), (2, 512, 10, True)])
 def test_route_topk(t, e, topk, norm):
-    from mtp_ray.layers.triton.moe_small import route_topk
+    from mtp_ray.layers.triton.route import route_topk
 
     logits = torch.randn(t, e, generator=torch.Generator().manual_seed(e + t))
     p = torch.softmax(logits, -1)

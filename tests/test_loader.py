@@ -177,12 +177,10 @@ def test_unused_checkpoint_tensor_is_an_error(ckpt, tmp_path):
 def test_fused_projections_share_the_parameters():
     """Projections of one input fused into one weight buffer: same outputs, parameters stay addressable (a weight
     update through the parameter reaches the fused GEMM), and a broken view falls back to separate GEMMs."""
-    from torch import nn
-
-    from mtp_ray.layers.linear import FusedProjections
+    from mtp_ray.layers.linear import FusedProjections, Linear
 
     torch.manual_seed(0)
-    layers = [nn.Linear(16, n, bias=False) for n in (24, 8, 3)]
+    layers = [Linear(16, n, bias=False) for n in (24, 8, 3)]
     x = torch.randn(5, 16)
     want = [lin(x) for lin in layers]
     f = FusedProjections(*layers)
@@ -196,6 +194,32 @@ def test_fused_projections_share_the_parameters():
         assert torch.allclose(f(x)[1], x.sum(-1, keepdim=True).expand(5, 8), atol=1e-5)
         layers[2].weight.data = layers[2].weight.data.clone()  # e.g. sleep moved it: views broken
         assert not f.fused and torch.allclose(f(x)[2], want[2], atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [8, 16])
+def test_fused_fp8_projections_equal_separate(rows):
+    """FP8 projections fuse too (weights and scales stacked); where a scale block would straddle two of them
+    (rows = 16: 24 rows then 8) the scales first become one per weight row, with the same outputs."""
+    from mtp_ray.layers.fp8 import Fp8Block, quantize
+    from mtp_ray.layers.linear import FusedProjections, Linear
+
+    torch.manual_seed(0)
+    block = Fp8Block(rows, 8)
+    layers = [Linear(16, n, bias=False) for n in (24, 8, 3)]
+    for lin in layers:
+        lin.make_fp8(block)
+        q, scale = quantize(torch.randn(lin.weight.shape), block)
+        with torch.no_grad():
+            lin.weight.copy_(q)
+            lin.weight_scale_inv.copy_(scale)
+    x = torch.randn(5, 16)
+    want = [lin(x) for lin in layers]
+    f = FusedProjections(*layers)
+    f.fuse()
+    assert f.fused and f.scales is not None
+    assert all(lin.fp8_block == (block if rows == 8 else Fp8Block(1, 8)) for lin in layers)
+    for got, ref in zip(f(x), want, strict=True):
+        assert torch.allclose(got, ref, atol=1e-5)  # one GEMM against three: the same up to BLAS blocking
 
 
 def test_rope_tables_equal_per_forward_cos_sin():

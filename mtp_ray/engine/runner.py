@@ -199,7 +199,8 @@ class ModelRunner:
 
     def memory(self) -> dict:
         params = list(self.model.parameters())
-        on_dev = sum(p.numel() * p.element_size() for p in params if p.device == self.device)
+        # by device type: the parameters sit on cuda:N where the runner's device may read plain "cuda"
+        on_dev = sum(p.numel() * p.element_size() for p in params if p.device.type == self.device.type)
         on_host = sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu"
                       and self.device.type != "cpu")
         out = {"weights_bytes": on_dev, "weights_host_bytes": on_host, "cache_bytes": self.cache_bytes,

@@ -4,6 +4,8 @@ and FusedProjections, one weight buffer behind several projections of the same i
 At decode batch sizes a projection multiplies a handful of rows by a large weight: the step is bound by reading
 the weight once. cuBLAS picks tile shapes for large M; the GEMV reads the weight with many programs and deep
 pipelining instead. Rows <= GEMV_ROWS, no bias, same dtype: the Triton path; anything else: F.linear.
+A Linear may keep an FP8 weight (layers/fp8.py, `make_fp8`): the GEMV dequantizes it per tile; other paths
+dequantize it whole before F.linear.
 """
 
 from __future__ import annotations
@@ -12,20 +14,45 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtp_ray.layers.fp8 import E4M3, Fp8Block, Fp8Weight, dequantize, row_scales, scale_shape
+
 GEMV_ROWS = 16
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_ROWS and bias is None and x.dtype == weight.dtype:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           fp8: Fp8Weight | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias); fp8: weight is e4m3 with these scales."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_ROWS and bias is None and \
+            (x.dtype == weight.dtype or fp8 is not None):
         from mtp_ray.layers.triton.linear import gemv
 
-        return gemv(x, weight)
+        return gemv(x, weight, fp8=fp8)
+    if fp8 is not None:
+        weight = dequantize(weight, fp8, x.dtype)
     return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
+    """nn.Linear (same parameter names); after make_fp8 the weight is e4m3 with `weight_scale_inv` beside it."""
+
+    fp8_block: Fp8Block | None = None
+
+    def make_fp8(self, block: Fp8Block) -> None:
+        """Keep the weight in FP8 (before it is filled: the loader copies a checkpoint's e4m3 tensor and scales in,
+        or quantizes a bf16 / fp32 one)."""
+        assert self.bias is None, "FP8 weights: bias-free projections only"
+        w = self.weight
+        self.weight = nn.Parameter(torch.empty(w.shape, dtype=E4M3, device=w.device), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.empty(scale_shape(w.shape, block), device=w.device),
+                                             requires_grad=False)
+        self.fp8_block = block
+
+    @property
+    def fp8(self) -> Fp8Weight | None:
+        return Fp8Weight(self.weight_scale_inv, self.fp8_block) if self.fp8_block is not None else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.fp8)
 
 
 class FusedProjections:
@@ -33,39 +60,64 @@ class FusedProjections:
     (the parameters stay, as views, so checkpoints and weight updates still address them by name).
 
     `fuse()` runs after loading and after every wake_up (sleep moves or re-allocates the parameters, which
-    breaks the views); `__call__` falls back to one GEMM per projection whenever the views are broken."""
+    breaks the views); `__call__` falls back to one GEMM per projection whenever the views are broken. FP8
+    projections with one block fuse too, their scales stacked the same way; where a scale block would straddle
+    two projections their scales first become one row per weight row (lossless)."""
 
-    def __init__(self, *layers: nn.Linear):
+    def __init__(self, *layers: Linear):
         assert all(lin.bias is None for lin in layers)
         self.layers = layers
         self.buffer: torch.Tensor | None = None
+        self.scales: torch.Tensor | None = None  # FP8: the stacked weight_scale_inv
         self.ptrs: tuple[int, ...] = ()
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for lin in self.layers for p in ((lin.weight, lin.weight_scale_inv) if lin.fp8 else (lin.weight,))]
 
     def fuse(self) -> None:
         ws = [lin.weight for lin in self.layers]
         if any(w.numel() == 0 for w in ws) or len({(w.device, w.dtype) for w in ws}) != 1:
             return  # dropped (sleep level 2) or mixed: stay unfused
-        self.buffer = torch.cat([w.detach() for w in ws])  # [sum N, K]
+        block = self.layers[0].fp8_block
+        if any(lin.fp8_block != block for lin in self.layers):
+            return  # FP8 and not, or different blocks: stay unfused
+        if block is not None and any(w.shape[0] % block.rows for w in ws[:-1]):
+            block = Fp8Block(1, block.cols)  # a scale block would straddle two projections: a scale row per row
+            for lin in self.layers:
+                lin.weight_scale_inv.data = row_scales(lin.weight_scale_inv.data, lin.weight.shape[0],
+                                                       lin.fp8_block.rows)
+                lin.fp8_block = block
+        self.buffer = self._stack(ws)  # [sum N, K]
+        if block is not None:
+            self.scales = self._stack([lin.weight_scale_inv for lin in self.layers])  # [sum N / rows, K / cols]
+        self.ptrs = tuple(p.data_ptr() for p in self._params())
+
+    @staticmethod
+    def _stack(ps: list[torch.Tensor]) -> torch.Tensor:
+        """One buffer of the parameters' rows; each parameter becomes a view of its rows."""
+        buf = torch.cat([p.detach() for p in ps])
         at = 0
-        for w in ws:
-            w.data = self.buffer[at : at + w.shape[0]]
-            at += w.shape[0]
-        self.ptrs = tuple(w.data_ptr() for w in ws)
+        for p in ps:
+            p.data = buf[at : at + p.shape[0]]
+            at += p.shape[0]
+        return buf
 
     @property
     def fused(self) -> bool:
-        return self.buffer is not None and tuple(lin.weight.data_ptr() for lin in self.layers) == self.ptrs
+        return self.buffer is not None and tuple(p.data_ptr() for p in self._params()) == self.ptrs
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x: [T, K] -> one [T, N_i] output per projection (column slices of one GEMM output when fused)."""
         if not self.fused:
             return [lin(x) for lin in self.layers]
-        return list(linear(x, self.buffer).split([lin.weight.shape[0] for lin in self.layers], dim=-1))
+        block = self.layers[0].fp8_block
+        fp8 = Fp8Weight(self.scales, block) if block is not None else None
+        return list(linear(x, self.buffer, fp8=fp8).split([lin.weight.shape[0] for lin in self.layers], dim=-1))
 
     def unfuse(self) -> None:
-        """Let go of the buffer (sleep): the parameters keep their views of it only until sleep moves or drops them,
-        so the buffer's memory goes with them instead of staying referenced here."""
-        self.buffer, self.ptrs = None, ()
+        """Let go of the buffers (sleep): the parameters keep their views of them only until sleep moves or drops
+        them, so the buffers' memory goes with them instead of staying referenced here."""
+        self.buffer, self.scales, self.ptrs = None, None, ()
 
 
 def _fused(model: nn.Module) -> list[FusedProjections]:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp_ray.config.model import ModelConfig
+from mtp_ray.layers.fp8 import E4M3, Fp8Block, Fp8Weight, dequantize, scale_shape
 from mtp_ray.layers.linear import Linear
 
 SHARED_GEMV_TOKENS = 8  # up to this many tokens the shared expert runs as two GEMV launches (GPU), not 9 kernels
@@ -36,13 +37,44 @@ class MLP(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts [start, end) in the fused checkpoint layout."""
+    """Routed experts [start, end) in the fused checkpoint layout; FP8 after make_fp8 (both tensors e4m3, with
+    `gate_up_proj_scale_inv` and `down_proj_scale_inv`)."""
 
     def __init__(self, hidden: int, inter: int, start: int, end: int):
         super().__init__()
         self.start, self.end = start, end
         self.gate_up_proj = nn.Parameter(torch.zeros(end - start, 2 * inter, hidden))  # [E_local, 2I, H]
         self.down_proj = nn.Parameter(torch.zeros(end - start, hidden, inter))  # [E_local, H, I]
+        self.fp8_blocks: tuple[Fp8Block, Fp8Block] | None = None  # gate_up's, down's
+
+    def make_fp8(self, block: Fp8Block) -> None:
+        """Keep both expert tensors in FP8 (before they are filled). The gate and up halves of gate_up each bring
+        their own scales: when I is not a multiple of the block's rows a block would straddle them, so gate_up
+        then keeps one scale row per weight row."""
+        inter = self.down_proj.shape[2]
+        gu_block = block if inter % block.rows == 0 else Fp8Block(1, block.cols)
+        for name, b in (("gate_up_proj", gu_block), ("down_proj", block)):
+            w = getattr(self, name)
+            setattr(self, name, nn.Parameter(torch.empty(w.shape, dtype=E4M3, device=w.device), requires_grad=False))
+            setattr(self, name + "_scale_inv", nn.Parameter(torch.empty(scale_shape(w.shape, b), device=w.device),
+                                                            requires_grad=False))
+        self.fp8_blocks = (gu_block, block)
+
+    @property
+    def fp8(self) -> tuple[Fp8Weight, Fp8Weight] | None:
+        if self.fp8_blocks is None:
+            return None
+        return (Fp8Weight(self.gate_up_proj_scale_inv, self.fp8_blocks[0]),
+                Fp8Weight(self.down_proj_scale_inv, self.fp8_blocks[1]))
+
+    def weights(self, i: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local expert i's gate_up [2I, H] and down [H, I] in dtype (CPU paths; FP8 dequantized)."""
+        fp8 = self.fp8
+        if fp8 is None:
+            return self.gate_up_proj[i], self.down_proj[i]
+        gu, dn = fp8
+        return (dequantize(self.gate_up_proj[i], Fp8Weight(gu.scale[i], gu.block), dtype),
+                dequantize(self.down_proj[i], Fp8Weight(dn.scale[i], dn.block), dtype))
 
     def pairs(self, topk_ids: torch.Tensor) -> bool:
         """GPU: few (token, slot) pairs run as GEMVs per pair, which beat sorting them into tiles (a static
@@ -55,15 +87,16 @@ class Experts(nn.Module):
             from mtp_ray.layers.triton.moe import fused_experts
             from mtp_ray.layers.triton.moe_small import pair_experts
 
-            fn = pair_experts if self.pairs(topk_ids) else fused_experts
-            return fn(x, topk_ids, topk_w, self.gate_up_proj, self.down_proj, self.start)
+            if self.pairs(topk_ids):
+                return pair_experts(x, topk_ids, topk_w, self.gate_up_proj, self.down_proj, self.start, fp8=self.fp8)
+            return fused_experts(x, topk_ids, topk_w, self.gate_up_proj, self.down_proj, self.start, fp8=self.fp8)
         # CPU: one GEMM pair per expert that received tokens
         out = torch.zeros_like(x)
         local = (topk_ids >= self.start) & (topk_ids < self.end)
         for e in torch.unique(topk_ids[local]).tolist():
             tok, slot = torch.where(topk_ids == e)
-            i = e - self.start
-            y = F.linear(silu_and_mul(F.linear(x[tok], self.gate_up_proj[i])), self.down_proj[i])
+            gu, dn = self.weights(e - self.start, x.dtype)
+            y = F.linear(silu_and_mul(F.linear(x[tok], gu)), dn)
             out.index_add_(0, tok, (y * topk_w[tok, slot, None]).to(out.dtype))
         return out
 
@@ -74,14 +107,15 @@ class Experts(nn.Module):
         if x.is_cuda:
             from mtp_ray.layers.triton.moe import fused_experts
 
-            return fused_experts(x, topk_ids, topk_w, self.gate_up_proj, self.down_proj, self.start, per_slot=True)
+            return fused_experts(x, topk_ids, topk_w, self.gate_up_proj, self.down_proj, self.start, per_slot=True,
+                                 fp8=self.fp8)
         n, k = topk_ids.shape
         out = x.new_zeros(n * k, x.shape[1])
         flat = topk_ids.reshape(-1)
         for e in torch.unique(flat[(flat >= self.start) & (flat < self.end)]).tolist():
             (pair,) = torch.where(flat == e)
-            i = e - self.start
-            y = F.linear(silu_and_mul(F.linear(x[pair // k], self.gate_up_proj[i])), self.down_proj[i])
+            gu, dn = self.weights(e - self.start, x.dtype)
+            y = F.linear(silu_and_mul(F.linear(x[pair // k], gu)), dn)
             out[pair] = (y * topk_w.reshape(-1)[pair, None]).to(out.dtype)
         return out.view(n, k, x.shape[1])
 
@@ -92,11 +126,12 @@ class Experts(nn.Module):
         if x.is_cuda:
             from mtp_ray.layers.triton.moe import expert_major_experts
 
-            return expert_major_experts(x, counts, self.gate_up_proj, self.down_proj, max_rows)
+            return expert_major_experts(x, counts, self.gate_up_proj, self.down_proj, max_rows, fp8=self.fp8)
         out = torch.zeros_like(x)
         for e, n in enumerate(counts.tolist()):
             if n:
-                out[e, :n] = F.linear(silu_and_mul(F.linear(x[e, :n], self.gate_up_proj[e])), self.down_proj[e])
+                gu, dn = self.weights(e, x.dtype)
+                out[e, :n] = F.linear(silu_and_mul(F.linear(x[e, :n], gu)), dn)
         return out
 
 
@@ -130,7 +165,7 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [T, H] -> topk ids [T, k] int64, weights [T, k] in x.dtype
         if x.is_cuda:
-            from mtp_ray.layers.triton.moe_small import route_topk
+            from mtp_ray.layers.triton.route import route_topk
 
             return route_topk(self.gate(x), self.top_k, self.norm_topk, x.dtype)
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
@@ -139,27 +174,40 @@ class SparseMoE(nn.Module):
             w = w / w.sum(-1, keepdim=True)
         return ids, w.to(x.dtype)
 
-    def _shared_weights(self):  # -> triton.moe_small.SharedWeights
+    def _shared_weights(self):  # -> triton.moe_small.SharedWeights | None
+        """The shared expert for the small-batch kernels; None when its projections are partly FP8 (they read
+        one kind) or its sigmoid gate is."""
         from mtp_ray.layers.triton.moe_small import SharedWeights
 
         se = self.shared_expert
+        lins = (se.gate_proj, se.up_proj, se.down_proj)
+        fp8 = tuple(lin.fp8 for lin in lins)
+        if len({f is None for f in fp8}) != 1 or self.shared_expert_gate.fp8 is not None:
+            return None
         return SharedWeights(se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
-                             self.shared_expert_gate.weight)
+                             self.shared_expert_gate.weight, None if fp8[0] is None else fp8)
+
+    def _same_kind(self, sw) -> bool:
+        """Routed and shared experts can share launches: both FP8 with the same blocks, or neither FP8."""
+        ex = self.experts.fp8
+        if ex is None or sw.fp8 is None:
+            return ex is None and sw.fp8 is None
+        return ex[0].block == sw.fp8[0].block == sw.fp8[1].block and ex[1].block == sw.fp8[2].block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, w = self.route(x)
-        small_shared = self.has_shared and x.is_cuda and x.shape[0] <= SHARED_GEMV_TOKENS
-        if small_shared and self.dispatch is local_dispatch and self.experts.pairs(ids):
+        sw = self._shared_weights() if self.has_shared and x.is_cuda and x.shape[0] <= SHARED_GEMV_TOKENS else None
+        ex = self.experts
+        if sw is not None and self.dispatch is local_dispatch and ex.pairs(ids) and self._same_kind(sw):
             from mtp_ray.layers.triton.moe_small import pair_experts
 
             # no EP exchange in between: routed and shared experts in the same two launches
-            ex = self.experts
-            return pair_experts(x, ids, w, ex.gate_up_proj, ex.down_proj, ex.start, self._shared_weights())
+            return pair_experts(x, ids, w, ex.gate_up_proj, ex.down_proj, ex.start, sw, ex.fp8)
         out = self.dispatch(x, ids, w, self.experts)
-        if small_shared:
+        if sw is not None:
             from mtp_ray.layers.triton.moe_small import shared_expert_add
 
-            return shared_expert_add(x, out, self._shared_weights())
+            return shared_expert_add(x, out, sw)
         if self.has_shared:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

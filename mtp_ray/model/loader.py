@@ -3,8 +3,9 @@
 Handles: one or many safetensors files; experts fused (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`
 [E, H, I]) or one module per expert, chosen per tensor (trunk and MTP may differ); multimodal checkpoints (text
 under `model.language_model.`, vision skipped); qwen3_next's grouped GDN projections; `mtp.*` into the MTP head;
-an expert range, reading only the owned experts' slices from disk; FP8 block-quantized weights, dequantized on
-load (model/fp8.py). Every missing or mis-shaped tensor is an error that names it.
+an expert range, reading only the owned experts' slices from disk; FP8 block-quantized weights, kept in FP8 by
+the projections and experts that can, dequantized on load elsewhere (model/fp8.py); bf16 / fp32 tensors (updates)
+into FP8-resident weights are quantized. Every missing or mis-shaped tensor is an error that names it.
 """
 
 from __future__ import annotations
@@ -20,8 +21,19 @@ import torch
 from safetensors import safe_open
 
 from mtp_ray.config.model import ModelConfig
+from mtp_ray.layers.fp8 import quantize, row_scales
 from mtp_ray.layers.moe import ExpertDispatcher, local_dispatch
-from mtp_ray.model.fp8 import FP8_DTYPES, SCALE_SUFFIX, Fp8Format, fp8_format
+from mtp_ray.model.fp8 import (
+    FP8_DTYPES,
+    SCALE_SUFFIX,
+    Fp8Reader,
+    checkpoint_dtypes,
+    checkpoint_fp8,
+    config_fp8,
+    fp8_format,
+    fp8_weights,
+    make_fp8,
+)
 from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -49,6 +61,7 @@ class WeightLoader:
         self.cfg = model.config
         self.start, self.end = model.expert_range
         self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.fp8 = fp8_weights(model)  # FP8-resident weight -> (its scale parameter, block)
         # expert params are filled piecewise: (param name, local expert, part) -> done
         self.filled: set[tuple[str, int, str]] = set()
 
@@ -70,7 +83,7 @@ class WeightLoader:
         if self.cfg.gdn_grouped_projections and name.endswith(("linear_attn.in_proj_qkvz.weight",
                                                                "linear_attn.in_proj_ba.weight")):
             return self._load_grouped_gdn(name, read)
-        self._copy(name, self.params[name], read(None))
+        self._copy(name, read)
 
     def owns(self, name: str) -> bool:
         """False for one expert's tensor that another EP rank owns (an update need not even fetch it here)."""
@@ -90,6 +103,9 @@ class WeightLoader:
             raise ValueError(f"weight {raw!r} has dtype {dtype}; expected a floating-point tensor")
         if dtype in FP8_DTYPES:  # an update without its scales cannot be dequantized
             raise ValueError(f"weight {raw!r} has dtype {dtype}; send bf16 / fp32 weights")
+        if name.endswith(SCALE_SUFFIX):
+            raise ValueError(f"weight {raw!r} is an FP8 scale; send bf16 / fp32 weights (FP8-resident weights are "
+                             "quantized on load)")
         c = self.cfg
         shape = list(shape) if shape is not None else None
         h, inter = c.hidden_size, c.moe_intermediate_size
@@ -113,10 +129,32 @@ class WeightLoader:
         if shape is not None and shape != want:
             raise ValueError(f"weight {raw!r} has shape {shape}, expected {want}")
 
-    def _copy(self, name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
-        assert src.shape == dst.shape, (name, src.shape, dst.shape)  # check() has validated the shape
+    def _put(self, pname: str, read: Reader, rows: slice | None = None, at: tuple = (), scale_at: tuple = ()
+             ) -> None:
+        """Copy read(rows) into param[at]; an FP8-resident param takes e4m3 + scales (scale_at into its scales):
+        an FP8 checkpoint tensor as stored (scales re-laid one per row where the param needs that), anything
+        else quantized with the param's block."""
+        dst = self.params[pname][at]
         with torch.no_grad():
-            dst.copy_(src.to(dst.dtype))
+            if pname not in self.fp8:
+                src = read(rows)
+                assert src.shape == dst.shape, (pname, src.shape, dst.shape)  # check() has validated the shape
+                dst.copy_(src.to(dst.dtype))
+                return
+            sname, block = self.fp8[pname]
+            src_block = read.block if isinstance(read, Fp8Reader) else None
+            if src_block is not None and src_block.cols == block.cols and block.rows in (src_block.rows, 1):
+                q, scale = read.raw(rows)
+                if block.rows != src_block.rows:
+                    scale = row_scales(scale, q.shape[-2], src_block.rows)
+            else:
+                q, scale = quantize(read(rows), block)
+            assert q.shape == dst.shape, (pname, q.shape, dst.shape)
+            dst.copy_(q)
+            self.params[sname][scale_at].copy_(scale)
+
+    def _copy(self, name: str, read: Reader) -> None:
+        self._put(name, read)
         self.filled.add((name, -1, "all"))
 
     def _load_expert(self, prefix: str, e: int, proj: str, read: Reader) -> None:
@@ -125,17 +163,16 @@ class WeightLoader:
         i, inter = e - self.start, self.cfg.moe_intermediate_size
         pname = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
         if proj == "down_proj":
-            dst = self.params[pname][i]
+            self._put(pname, read, at=(i,), scale_at=(i,))
         else:
-            dst = self.params[pname][i, slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)]
-        with torch.no_grad():
-            dst.copy_(read(None).to(dst.dtype))
+            half = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+            srows = inter // self.fp8[pname][1].rows if pname in self.fp8 else 0  # gate's scale rows (aligned)
+            shalf = slice(0, srows) if proj == "gate_proj" else slice(srows, 2 * srows)
+            self._put(pname, read, at=(i, half), scale_at=(i, shalf))
         self.filled.add((pname, i, proj))
 
     def _load_fused(self, prefix: str, which: str, read: Reader) -> None:
-        param = self.params[f"{prefix}.{which}"]
-        with torch.no_grad():
-            param.copy_(read(slice(self.start, self.end)).to(param.dtype))  # only the owned experts leave disk
+        self._put(f"{prefix}.{which}", read, slice(self.start, self.end))  # only the owned experts leave disk
         parts = ("down_proj",) if which == "down_proj" else ("gate_proj", "up_proj")
         self.filled.update((f"{prefix}.{which}", i, p) for i in range(self.end - self.start) for p in parts)
 
@@ -151,19 +188,19 @@ class WeightLoader:
             q, k, v, z = w.view(hk, -1, h).split([dk, dk, rep * dv, rep * dv], dim=1)
             qkv = torch.cat([q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)])
             for sub, t in (("in_proj_qkv", qkv), ("in_proj_z", z.reshape(-1, h))):
-                pn = f"{base}.{sub}.weight"
-                self._copy(pn, self.params[pn], t)
+                self._copy(f"{base}.{sub}.weight", lambda rows, t=t: t)
         else:
             b, a = w.view(hk, 2 * rep, h).split([rep, rep], dim=1)
             for sub, t in (("in_proj_b", b.reshape(-1, h)), ("in_proj_a", a.reshape(-1, h))):
-                pn = f"{base}.{sub}.weight"
-                self._copy(pn, self.params[pn], t)
+                self._copy(f"{base}.{sub}.weight", lambda rows, t=t: t)
 
     def missing(self) -> list[str]:
         """Checkpoint-style names of every tensor the model needs and did not get."""
         done_plain = {n for n, i, _ in self.filled if i == -1}
         out = []
         for name, p in self.params.items():
+            if name.endswith(SCALE_SUFFIX):
+                continue  # filled with its weight
             if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 prefix, which = name.rsplit(".", 1)
                 parts = ("down_proj",) if which == "down_proj" else ("gate_proj", "up_proj")
@@ -179,7 +216,8 @@ class WeightLoader:
 
 def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, list[int], Reader]]:
     """(name, shape, reader) for every tensor in the directory's safetensors files, read lazily. An FP8 weight
-    (model/fp8.py) is read together with its scale and comes out dequantized; its scale is not listed."""
+    (model/fp8.py) is read together with its scale (an Fp8Reader: dequantized, or raw for an FP8-resident
+    weight); its scale is not listed."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
@@ -196,31 +234,12 @@ def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, list[int], Reade
             if fp8 is not None and name.endswith(SCALE_SUFFIX) and is_fp8(name[: -len(SCALE_SUFFIX)]):
                 continue  # read with its weight
             if sl.get_dtype().startswith("F8"):
-                read = _fp8_reader(name, sl, index, fp8, path)
+                read = Fp8Reader(name, sl, index, fp8, path)
             else:
                 def read(rows: slice | None, sl=sl) -> torch.Tensor:
                     return sl[:] if rows is None else sl[rows]
 
             yield name, list(sl.get_shape()), read
-
-
-def _fp8_reader(name: str, sl, index: dict, fp8: Fp8Format | None, path: str | Path) -> Reader:
-    if fp8 is None:
-        raise ValueError(f"checkpoint tensor {name!r} is {sl.get_dtype()} but {path}/config.json has no "
-                         "quantization_config")
-    if sl.get_dtype() != "F8_E4M3":
-        raise ValueError(f"checkpoint tensor {name!r} is {sl.get_dtype()}; FP8 checkpoints store F8_E4M3")
-    scale_name = name + SCALE_SUFFIX
-    if scale_name not in index:
-        raise ValueError(f"FP8 weight {name!r} has no {scale_name!r} in the checkpoint")
-    ssl = index[scale_name].get_slice(scale_name)
-
-    def read(rows: slice | None) -> torch.Tensor:
-        q = sl[:] if rows is None else sl[rows]
-        scale = ssl[:] if rows is None or fp8.block is None else ssl[rows]  # fused experts: their own scales
-        return fp8.dequantize(name, q, scale)
-
-    return read
 
 
 def load_model(
@@ -236,7 +255,12 @@ def load_model(
     cfg = ModelConfig.from_pretrained(path)
     with torch.device("meta"):
         model = Qwen3_5MoeForCausalLM(cfg, expert_range, with_mtp, dispatch)
-    model = model.to(dtype).to_empty(device=device)  # cast on meta: never a full-precision copy on the device
+    model = model.to(dtype)  # cast on meta: never a full-precision copy on the device
+    fmt = fp8_format(path)
+    if fmt is not None:  # FP8-resident weights where the checkpoint (or, for random weights, its config) has them
+        make_fp8(model, fmt, config_fp8(fmt) if dummy_seed is not None
+                 else checkpoint_fp8(checkpoint_dtypes(path), canonical_name))
+    model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty unties; tie again before filling
         model.lm_head.weight = model.model.embed_tokens.weight
     if dummy_seed is not None:
@@ -258,12 +282,24 @@ def load_model(
 
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     """Random weights in place, on the parameters' device: N(0, 0.02) matrices, small positive norm weights and
-    dt biases, GDN decays A_log in [0, log 16]. Each parameter's generator is seeded from its name, so the ranks of
-    a DP group draw the same dense weights (each its own expert shard)."""
+    dt biases, GDN decays A_log in [0, log 16]; FP8-resident ones drawn in fp32 and quantized (an expert at a
+    time). Each parameter's generator is seeded from its name, so the ranks of a DP group draw the same dense
+    weights (each its own expert shard)."""
+    fp8 = fp8_weights(model)
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in params.items():
             g = torch.Generator(p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            if name.endswith("A_log"):
+            if name.endswith(SCALE_SUFFIX):
+                continue  # drawn with its weight
+            if name in fp8:
+                sname, block = fp8[name]
+                scale = params[sname]
+                for pi, si in zip(p.view(-1, *p.shape[-2:]), scale.view(-1, *scale.shape[-2:])):  # per expert
+                    q, s = quantize(torch.empty(pi.shape, device=p.device).normal_(0, 0.02, generator=g), block)
+                    pi.copy_(q)
+                    si.copy_(s)
+            elif name.endswith("A_log"):
                 p.uniform_(0, math.log(16), generator=g)
             elif name.endswith("dt_bias") or "norm" in name:
                 p.uniform_(0, 0.1, generator=g)

@@ -4,7 +4,8 @@ Both kernels stream the weight once with many programs in flight (the step is bo
 - `_gemv_kernel`: one program per BN output columns walks K with pipelined tensor-core dots (rows padded to 16).
 - `_gemv_row_kernel`: one row (M = 1, half precision), no dot: a program owns only BN (2..16) columns, so a
   small N still spreads over enough programs to fill the GPU (tl.dot needs BN >= 16).
-Tile choices come from the sweep in bench/kernels.py on an H200 (`tiles`).
+Tile choices come from the sweep in bench/kernels.py on an H200 (`tiles`). An FP8-resident weight (e4m3 + block
+scales, triton/fp8.py) is read as e4m3 and scaled per tile (tiles no wider than a scale block).
 """
 
 from __future__ import annotations
@@ -13,10 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from mtp_ray.layers.fp8 import Fp8Weight
+from mtp_ray.layers.triton.fp8 import dequant, fp8_tile, input_scales, row_scales, rows_in_block, scale_args
+
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_sn,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+                 TILE_SCALE: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr):
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
     nm, mm = n < N, m < M
@@ -25,19 +30,27 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
         kk = k0 + tl.arange(0, BK)
         km = kk < K
         x = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-        w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None], mask=km[:, None] & nm[None, :],
-                    other=0.0)  # [BK, BN]
+        wm = km[:, None] & nm[None, :]
+        w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None], mask=wm, other=0.0)  # [BK, BN]
+        if FP8 and not TILE_SCALE:
+            w = dequant(w, s_ptr, n[None, :], kk[:, None], wm, stride_sn, SN, SK)
+        if FP8:
+            w = w.to(x_ptr.dtype.element_ty)  # e4m3 is exact in bf16 / fp32
         if IEEE:
-            acc += tl.dot(x, w, input_precision="ieee")
+            part = tl.dot(x, w, input_precision="ieee")
         else:
-            acc += tl.dot(x, w)
+            part = tl.dot(x, w)
+        if TILE_SCALE:  # the whole tile in one scale block: one scale per output column
+            part = part * row_scales(s_ptr, n, k0, nm, stride_sn, SN, SK)[None, :]
+        acc += part
     tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=mm[:, None] & nm[None, :])
 
 
 @triton.jit
-def _gemv_row_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BN: tl.constexpr, BK: tl.constexpr,
-                     K_TILES: tl.constexpr):
+def _gemv_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn, BN: tl.constexpr, BK: tl.constexpr,
+                     K_TILES: tl.constexpr, FP8: tl.constexpr, TILE_SCALE: tl.constexpr, SN: tl.constexpr,
+                     SK: tl.constexpr):
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nm = n < N
     acc = tl.zeros([BN, BK], tl.float32)  # lane-wise partial sums, reduced once at the end
@@ -45,14 +58,20 @@ def _gemv_row_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BN: tl.constexpr, BK:
         kk = i * BK + tl.arange(0, BK)
         km = kk < K
         x = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=nm[:, None] & km[None, :],
-                    other=0.0)  # [BN, BK]
+        if TILE_SCALE:  # every row of this program in one scale row block: scale the input
+            x = x * input_scales(s_ptr, tl.program_id(0) * BN, kk, km, stride_sn, SN, SK)
+        wm = nm[:, None] & km[None, :]
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=wm, other=0.0)  # [BN, BK]
+        if FP8 and not TILE_SCALE:
+            w = dequant(w, s_ptr, n[:, None], kk[None, :], wm, stride_sn, SN, SK)
         acc += w.to(tl.float32) * x[None, :]
     tl.store(y_ptr + n, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=nm)
 
 
 def tiles(m: int, n: int, k: int, fp32: bool) -> tuple[str, int, int, int, int]:
-    """(kernel, BN, BK, num_warps, num_stages) for an [m, k] x [n, k] product."""
+    """(kernel, BN, BK, num_warps, num_stages) for an [m, k] x [n, k] product. FP8 weights use the same tiles:
+    the FP8 sweep (bench/kernels.py --fp8) favours 4 rows x 1024-2048 alone, but all 120 one-row launches of a
+    35B-A3B step on that tile took 1027 us against 780 us on these (H200, 2026-12-01)."""
     if fp32:  # tests and fp32 runs: the IEEE dot path, small tiles (shared memory)
         return "dot", 16 if n <= 4096 else 32, 128, 4, 4
     if m == 1 and n * k <= 20 * 2**20:  # up to ~40 MB of bf16 weight: two columns a program win (H200 sweep)
@@ -62,21 +81,31 @@ def tiles(m: int, n: int, k: int, fp32: bool) -> tuple[str, int, int, int, int]:
     return "dot", 16 if n <= 2048 else 32, 512, 4, 3
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[str, int, int, int, int] | None = None) -> torch.Tensor:
-    """x: [M, K] (M <= 16); weight: [N, K] -> [M, N] in x.dtype. `tile` overrides `tiles` (the sweep)."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[str, int, int, int, int] | None = None,
+         fp8: Fp8Weight | None = None) -> torch.Tensor:
+    """x: [M, K] (M <= 16); weight: [N, K] (x's dtype, or e4m3 with `fp8`) -> [M, N] in x.dtype. `tile` overrides
+    `tiles` (the sweep)."""
     m, k = x.shape
     n = weight.shape[0]
     assert m <= 16 and weight.shape[1] == k
     x = x if x.stride(1) == 1 else x.contiguous()
     w = weight if weight.stride(1) == 1 else weight.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    assert (fp8 is not None) == (w.dtype != x.dtype), "an FP8 weight needs its scales; others x's dtype"
+    s, _, s_n, sn, sk = scale_args(w, fp8)
     ieee = x.dtype == torch.float32
     kind, bn, bk, warps, stages = tile or tiles(m, n, k, ieee)
+    tile_scale = False
+    if fp8 is not None and kind == "row":
+        tile_scale = rows_in_block(bn, sn, sk)
+    elif fp8 is not None:
+        bk, tile_scale = fp8_tile(bk, sk)
+    kw = dict(FP8=fp8 is not None, TILE_SCALE=tile_scale, SN=sn, SK=sk, num_warps=warps, num_stages=stages)
     if kind == "row":
         assert m == 1 and not ieee
-        _gemv_row_kernel[(triton.cdiv(n, bn),)](x, w, y, n, k, w.stride(0), BN=bn, BK=bk, K_TILES=triton.cdiv(k, bk),
-                                                num_warps=warps, num_stages=stages)
+        _gemv_row_kernel[(triton.cdiv(n, bn),)](x, w, s, y, n, k, w.stride(0), s_n, BN=bn, BK=bk,
+                                                K_TILES=triton.cdiv(k, bk), **kw)
     else:
-        _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-                                            BM=16, BN=bn, BK=bk, IEEE=ieee, num_warps=warps, num_stages=stages)
+        _gemv_kernel[(triton.cdiv(n, bn),)](x, w, s, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), s_n,
+                                            BM=16, BN=bn, BK=bk, IEEE=ieee, **kw)
     return y

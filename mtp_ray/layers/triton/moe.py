@@ -15,13 +15,17 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from mtp_ray.layers.fp8 import Fp8Weight
+from mtp_ray.layers.triton.fp8 import dequant, fp8_tile, row_scales, scale_args
+
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, w_ptr, c_ptr, rows_ptr, out_rows_ptr, scale_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-    N, K, stride_am, stride_we, stride_wn, stride_wk, stride_cm,
+    a_ptr, w_ptr, s_ptr, c_ptr, rows_ptr, out_rows_ptr, scale_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+    N, K, stride_am, stride_we, stride_wn, stride_wk, stride_cm, stride_se, stride_sn,
     GATHER: tl.constexpr, SCATTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, TILE_SCALE: tl.constexpr, SN: tl.constexpr,
+    SK: tl.constexpr,
 ):
     t = tl.program_id(0)
     r0 = tl.load(tile_start_ptr + t)
@@ -41,12 +45,20 @@ def _grouped_gemm_kernel(
             kk = k0 + tl.arange(0, BLOCK_K)
             km = kk < K
             a = tl.load(a_ptr + arow[:, None] * stride_am + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-            w = tl.load(w_ptr + e * stride_we + n[None, :] * stride_wn + kk[:, None] * stride_wk,
-                        mask=km[:, None] & nm[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+            wm = km[:, None] & nm[None, :]
+            w = tl.load(w_ptr + e * stride_we + n[None, :] * stride_wn + kk[:, None] * stride_wk, mask=wm,
+                        other=0.0)  # [BLOCK_K, BLOCK_N]
+            if FP8 and not TILE_SCALE:
+                w = dequant(w, s_ptr + e * stride_se, n[None, :], kk[:, None], wm, stride_sn, SN, SK)
+            if FP8:
+                w = w.to(a_ptr.dtype.element_ty)  # e4m3 is exact in bf16 / fp32
             if IEEE:
-                acc += tl.dot(a, w, input_precision="ieee")
+                part = tl.dot(a, w, input_precision="ieee")
             else:
-                acc += tl.dot(a, w)
+                part = tl.dot(a, w)
+            if TILE_SCALE:  # the whole tile in one scale block: one scale per output column
+                part = part * row_scales(s_ptr + e * stride_se, n, k0, nm, stride_sn, SN, SK)[None, :]
+            acc += part
         out = acc.to(c_ptr.dtype.element_ty)
         crow = r.to(tl.int64)
         if SCATTER:  # weighted, into the pair's own row: round, then weight and round, as torch's y * w would
@@ -57,8 +69,9 @@ def _grouped_gemm_kernel(
 
 
 def _gemm(a: torch.Tensor, w: torch.Tensor, rows: torch.Tensor | None, tiles: tuple, num_rows: int, bm: int,
-          scatter: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """c[r] = a[rows[r] or r] @ w[expert(r)].T for every row r covered by a tile. a: [*, K]; w: [E, N, K].
+          scatter: tuple[torch.Tensor, torch.Tensor] | None = None, fp8: Fp8Weight | None = None) -> torch.Tensor:
+    """c[r] = a[rows[r] or r] @ w[expert(r)].T for every row r covered by a tile. a: [*, K]; w: [E, N, K] (e4m3
+    with `fp8`'s scales [E, N / rows, K / cols]).
     scatter = (out_rows, scale): c[out_rows[r]] = round(round(a @ w.T) * scale[r]) instead, into a zeroed c (rows
     no tile covers stay zero)."""
     tile_expert, r0, r1 = tiles
@@ -69,11 +82,13 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, rows: torch.Tensor | None, tiles: tu
     bn, bk = 64, 32 if ieee else 64
     grid = (tile_expert.numel(), triton.cdiv(n_out, bn))
     out_rows, scale = scatter if scatter is not None else (r0, r0)
+    s, s_e, s_n, sn, sk = scale_args(w, fp8)
+    bk, tile_scale = fp8_tile(bk, sk) if fp8 is not None else (bk, False)
     _grouped_gemm_kernel[grid](
-        a, w, c, rows if rows is not None else r0, out_rows, scale, tile_expert, r0, r1,
-        n_out, k_in, a.stride(0), w.stride(0), w.stride(1), w.stride(2), c.stride(0),
+        a, w, s, c, rows if rows is not None else r0, out_rows, scale, tile_expert, r0, r1,
+        n_out, k_in, a.stride(0), w.stride(0), w.stride(1), w.stride(2), c.stride(0), s_e, s_n,
         GATHER=rows is not None, SCATTER=scatter is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee,
-        num_warps=4,
+        FP8=fp8 is not None, TILE_SCALE=tile_scale, SN=sn, SK=sk, num_warps=4,
     )
     return c
 
@@ -102,6 +117,7 @@ def fused_experts(
     down: torch.Tensor,  # [E, H, I]
     start: int,
     per_slot: bool = False,  # [T, k, H] unsummed (zero for foreign experts) instead
+    fp8: tuple[Fp8Weight, Fp8Weight] | None = None,  # gate_up's and down's scales when they are e4m3
 ) -> torch.Tensor:  # [T, H]: sum over the local experts of weight * expert(x)
     t, topk = topk_ids.shape
     e = gate_up.shape[0]
@@ -115,11 +131,12 @@ def fused_experts(
     seg_end = counts.cumsum(0)
     seg_start = seg_end - counts
     tiles = _tiles(counts[:e], seg_start, seg_end, pairs, bm)
-    h = _gemm(x, gate_up, order // topk, tiles, pairs, bm)  # [P, 2I] in sorted order
+    gu8, dn8 = fp8 if fp8 is not None else (None, None)
+    h = _gemm(x, gate_up, order // topk, tiles, pairs, bm, fp8=gu8)  # [P, 2I] in sorted order
     gate, up = h.chunk(2, dim=-1)
     w_sorted = topk_w.reshape(-1)[order].to(x.dtype)  # [P] weight of each sorted pair
     # down GEMM weighted and written back in pair order; pairs of foreign experts get no tile and stay zero
-    y = _gemm((F.silu(gate) * up).contiguous(), down, None, tiles, pairs, bm, (order, w_sorted))  # [P, H]
+    y = _gemm((F.silu(gate) * up).contiguous(), down, None, tiles, pairs, bm, (order, w_sorted), dn8)  # [P, H]
     y = y.view(t, topk, y.shape[-1])
     return y if per_slot else y.sum(1)
 
@@ -130,6 +147,7 @@ def expert_major_experts(
     gate_up: torch.Tensor,  # [E, 2I, H]
     down: torch.Tensor,  # [E, H, I]
     max_rows: int,  # static bound on sum(counts) (tokens per rank x ranks x top-k): sizes the grid, graph-safe
+    fp8: tuple[Fp8Weight, Fp8Weight] | None = None,  # gate_up's and down's scales when they are e4m3
 ) -> torch.Tensor:  # [E, M, H] unweighted expert outputs, zero past each expert's count
     e, m, h = x.shape
     bound = min(max_rows, e * m)
@@ -143,9 +161,10 @@ def expert_major_experts(
     rows = torch.where(i < seg_end[-1], ex * m + i - seg_start[ex], 0)  # [bound] row of x.view(E*M, H)
     tiles = _tiles(counts, seg_start, seg_end, bound, bm)
     flat = x.reshape(e * m, h)
-    hid = _gemm(flat, gate_up, rows, tiles, bound, bm)  # [bound, 2I] in compact order
+    gu8, dn8 = fp8 if fp8 is not None else (None, None)
+    hid = _gemm(flat, gate_up, rows, tiles, bound, bm, fp8=gu8)  # [bound, 2I] in compact order
     gate, up = hid.chunk(2, dim=-1)
     ones = torch.ones(bound, dtype=x.dtype, device=x.device)
     # down GEMM stored straight into each row's place in the expert-major layout (zeroed: padding rows stay zero)
-    y = _gemm((F.silu(gate) * up).contiguous(), down, None, tiles, e * m, bm, (rows, ones))  # [E*M, H]
+    y = _gemm((F.silu(gate) * up).contiguous(), down, None, tiles, e * m, bm, (rows, ones), dn8)  # [E*M, H]
     return y.view(e, m, h)

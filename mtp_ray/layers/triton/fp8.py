@@ -1,0 +1,62 @@
+"""FP8-resident weights inside the Triton kernels (layers/fp8.py).
+
+Three ways to apply the block scales, cheapest first:
+- GEMV kernels whose program's weight rows all lie in one scale row block (the block's rows a multiple of the
+  program's, block columns a power of two): the input vector is scaled instead (`input_scales`: one gather of
+  BK scales per tile, not BN x BK), so the weight tile is read as plain e4m3.
+- dot kernels whose K tile lies within one scale block (`fp8_tile`): the tile's dot product is scaled per
+  output column (`row_scales`).
+- otherwise each element's scale is gathered (`dequant`: correct for any block, slow; tests use such blocks).
+Products are formed in fp32 from the exact e4m3 values, so they follow the real FP8 weights rather than a bf16
+rounding of them: within rounding of the dequantized checkpoint's results, not bitwise (the CPU path is: it
+dequantizes).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mtp_ray.layers.fp8 import Fp8Weight
+
+
+@triton.jit
+def row_scales(s_ptr, rows, k0, mask, stride_sn, SN: tl.constexpr, SK: tl.constexpr):
+    """fp32 [len(rows)]: the scales of weight rows `rows` in the scale block holding column k0."""
+    return tl.load(s_ptr + (rows // SN).to(tl.int64) * stride_sn + k0 // SK, mask=mask, other=0.0)
+
+
+@triton.jit
+def input_scales(s_ptr, row, cols, mask, stride_sn, SN: tl.constexpr, SK: tl.constexpr):
+    """fp32 [len(cols)]: the scales of weight row `row`'s scale row block at columns `cols` (one gather)."""
+    return tl.load(s_ptr + (row // SN).to(tl.int64) * stride_sn + cols // SK, mask=mask, other=0.0)
+
+
+@triton.jit
+def dequant(w, s_ptr, rows, cols, mask, stride_sn, SN: tl.constexpr, SK: tl.constexpr):
+    """fp32 float(q) * scale[rows // SN, cols // SK] for a loaded e4m3 tile (rows, cols broadcastable to it)."""
+    s = tl.load(s_ptr + (rows // SN).to(tl.int64) * stride_sn + cols // SK, mask=mask, other=0.0)
+    return w.to(tl.float32) * s
+
+
+def scale_args(w: torch.Tensor, fp8: Fp8Weight | None) -> tuple[torch.Tensor, int, int, int, int]:
+    """(scales, expert stride, row stride, rows, cols) for a kernel: fp32 stand-ins when not FP8 (never read).
+    Scales are [..., N / rows, K / cols] with unit column stride."""
+    if fp8 is None:
+        return torch.empty(1, dtype=torch.float32, device=w.device), 0, 0, 1, 1
+    s = fp8.scale
+    assert s.dtype == torch.float32 and s.stride(-1) == 1, "FP8 scales: fp32, contiguous rows"
+    return s, (s.stride(0) if s.dim() == 3 else 0), s.stride(-2), fp8.block.rows, fp8.block.cols
+
+
+def fp8_tile(bk: int, cols: int) -> tuple[int, bool]:
+    """(tile width, TILE_SCALE) for an FP8 weight with `cols`-wide scale blocks, given the bf16 tile width bk."""
+    if cols & (cols - 1) == 0:  # a power of two: tiles within one block
+        return min(bk, cols), True
+    return bk, False
+
+
+def rows_in_block(bn: int, rows: int, cols: int) -> bool:
+    """Whether a GEMV program of bn weight rows can scale its input instead (see the module docstring)."""
+    return rows % bn == 0 and cols & (cols - 1) == 0

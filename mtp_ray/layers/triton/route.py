@@ -1,0 +1,44 @@
+"""The MoE router's softmax + top-k in one Triton launch (GPU): per token, softmax over the router logits (fp32),
+top-k by repeated argmax (descending, lowest id first on ties), renormalised -> ids, weights in the activation
+dtype."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, TOPK: tl.constexpr, NORM: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    p = tl.where(e < E, p, -1.0)
+    slot = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], tl.int64)
+    vals = tl.zeros([BLOCK_K], tl.float32)
+    for j in tl.static_range(TOPK):
+        best = tl.argmax(p, 0, tie_break_left=True)
+        ids = tl.where(slot == j, best.to(tl.int64), ids)
+        vals = tl.where(slot == j, tl.max(p, 0), vals)
+        p = tl.where(e == best, -1.0, p)
+    if NORM:
+        vals = vals / tl.sum(vals, 0)
+    tl.store(ids_ptr + t * TOPK + slot, ids, mask=slot < TOPK)
+    tl.store(w_ptr + t * TOPK + slot, vals.to(w_ptr.dtype.element_ty), mask=slot < TOPK)
+
+
+def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [T, E] router output -> ids [T, k] int64, weights [T, k] in dtype."""
+    t, e = logits.shape
+    ids = torch.empty(t, top_k, dtype=torch.long, device=logits.device)
+    w = torch.empty(t, top_k, dtype=dtype, device=logits.device)
+    _route_kernel[(t,)](logits, ids, w, e, logits.stride(0), TOPK=top_k, NORM=renormalize,
+                        BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
+                        num_warps=1 if e <= 256 else 4)
+    return ids, w
