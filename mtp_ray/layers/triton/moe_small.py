@@ -209,8 +209,11 @@ def _experts(x: torch.Tensor, ids: torch.Tensor | None, tw: torch.Tensor | None,
         gate_up, down, tw = shared.gate[None], shared.down[None], x
         ids = torch.zeros(1, dtype=torch.long, device=x.device)
         fp8 = (sfp8[0], sfp8[2]) if sfp8 is not None else None
-    sg, su, sd, gw = shared[:4] if shared is not None else (gate_up[0], gate_up[0], down[0], x)
-    sfp8 = sfp8 if shared is not None else fp8 and (fp8[0], fp8[0], fp8[1])
+    if shared is None:  # the routed weights and scales in the shared expert's place
+        sg, su, sd, gw = gate_up[0], gate_up[0], down[0], x
+        sfp8 = (fp8[0], fp8[0], fp8[1]) if fp8 is not None else None
+    else:
+        sg, su, sd, gw = shared[:4]
     e, two_i, _ = gate_up.shape
     inter = two_i // 2
     inter_sh = shared.gate.shape[0] if shared is not None else 0
