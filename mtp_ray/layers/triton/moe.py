@@ -168,3 +168,13 @@ def expert_major_experts(
     # down GEMM stored straight into each row's place in the expert-major layout (zeroed: padding rows stay zero)
     y = _gemm((F.silu(gate) * up).contiguous(), down, None, tiles, e * m, bm, (rows, ones), dn8)  # [E*M, H]
     return y.view(e, m, h)
+
+
+def gemm(a: torch.Tensor, w: torch.Tensor, fp8: Fp8Weight) -> torch.Tensor:
+    """a [M, K] @ e4m3 w [N, K].T -> [M, N] in a's dtype: the grouped GEMM with one group, so a dense FP8 weight
+    is read as e4m3 once (not dequantized into a copy first) at batch sizes past the GEMV's."""
+    m = a.shape[0]
+    bm = 16 if m <= 256 else 64
+    counts = torch.full((1,), m, dtype=torch.long, device=a.device)
+    tiles = _tiles(counts, torch.zeros_like(counts), counts, m, bm)
+    return _gemm(a.contiguous(), w[None], None, tiles, m, bm, fp8=Fp8Weight(fp8.scale[None], fp8.block))
