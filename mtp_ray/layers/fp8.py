@@ -2,9 +2,10 @@
 (rows x cols) block [..., ceil(N / rows), ceil(K / cols)] (Qwen's published block format: the weight is q * scale),
 dequantized where it is read. Half the bytes of bf16 for every step that reads it.
 
-Exactness: every path forms the weight as (float(q) * scale).to(dtype), the value the dequantizing loader stores,
-and multiplies it as it would multiply that weight; so a model that keeps its FP8 weights computes what the
-dequantized checkpoint computes (bitwise, with the same kernels). Activations are not quantized.
+Exactness: the CPU path (`dequantize`) forms the weight as (float(q) * scale).to(dtype), the value the dequantizing
+loader stores, so a model that keeps its FP8 weights computes exactly what the dequantized checkpoint computes;
+the GPU kernels multiply the e4m3 values and scales in fp32 (layers/triton/fp8.py), within rounding of that.
+Activations are not quantized.
 """
 
 from __future__ import annotations

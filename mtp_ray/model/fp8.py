@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from mtp_ray.layers.fp8 import Fp8Block
+from mtp_ray.layers.fp8 import Fp8Block, expand, scale_shape
 from mtp_ray.layers.linear import Linear
 from mtp_ray.layers.moe import Experts
 
@@ -60,12 +60,13 @@ class Fp8Format:
             raise ValueError(f"quantization_config.modules_to_not_convert must be a list of names, got {skip!r}")
         return cls(tuple(block) if block is not None else None, tuple(skip))
 
+    @property
+    def fp8_block(self) -> Fp8Block | None:
+        return Fp8Block(*self.block) if self.block is not None else None
+
     def scale_shape(self, shape: list[int]) -> list[int]:
         """The scale tensor's shape for a weight of `shape` ([..., N, K])."""
-        if self.block is None:
-            return [1]
-        bn, bk = self.block
-        return [*shape[:-2], -(-shape[-2] // bn), -(-shape[-1] // bk)]
+        return [1] if self.block is None else scale_shape(shape, self.fp8_block)
 
     def check_scale(self, name: str, q: torch.Tensor, scale: torch.Tensor) -> None:
         if q.dim() < 2:
@@ -77,11 +78,7 @@ class Fp8Format:
     def dequantize(self, name: str, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """q [..., N, K] float8, scale as scale_shape -> fp32 [..., N, K]."""
         self.check_scale(name, q, scale)
-        s = scale.float()
-        if self.block is not None:
-            bn, bk = self.block
-            n, k = q.shape[-2:]
-            s = s.repeat_interleave(bn, -2)[..., :n, :].repeat_interleave(bk, -1)[..., :k]  # [..., N, K]
+        s = scale.float() if self.block is None else expand(scale, q.shape, self.fp8_block)  # [..., N, K]
         return q.float() * s
 
 
@@ -108,9 +105,9 @@ def make_fp8(model: nn.Module, fmt: Fp8Format, quantized: Callable[[str], bool])
     """Before the weights are filled: each bias-free projection and each MoE layer's experts whose weights
     `quantized(name)` says the checkpoint holds in FP8 keep them in FP8 (`name`: the projection's `X.weight`, the
     experts' `X.experts`). Block-scaled checkpoints only (a per-tensor scale is dequantized on load)."""
-    if fmt.block is None:
+    block = fmt.fp8_block
+    if block is None:
         return
-    block = Fp8Block(*fmt.block)
     for name, m in model.named_modules():
         if isinstance(m, Linear) and m.bias is None and quantized(f"{name}.weight"):
             m.make_fp8(block)
@@ -160,7 +157,7 @@ class Fp8Reader:
             raise ValueError(f"FP8 weight {name!r} has no {scale_name!r} in the checkpoint")
         self.name, self.sl, self.fmt = name, sl, fmt
         self.scale = index[scale_name].get_slice(scale_name)
-        self.block = Fp8Block(*fmt.block) if fmt.block is not None else None
+        self.block = fmt.fp8_block
 
     def raw(self, rows: slice | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(q e4m3, scale), the scale's shape checked (fused experts: the rows' own scales)."""

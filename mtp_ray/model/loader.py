@@ -256,10 +256,10 @@ def load_model(
     with torch.device("meta"):
         model = Qwen3_5MoeForCausalLM(cfg, expert_range, with_mtp, dispatch)
     model = model.to(dtype)  # cast on meta: never a full-precision copy on the device
+    dtypes = checkpoint_dtypes(path) if dummy_seed is None else {}  # every tensor's name and dtype, listed once
     fmt = fp8_format(path)
     if fmt is not None:  # FP8-resident weights where the checkpoint (or, for random weights, its config) has them
-        make_fp8(model, fmt, config_fp8(fmt) if dummy_seed is not None
-                 else checkpoint_fp8(checkpoint_dtypes(path), canonical_name))
+        make_fp8(model, fmt, config_fp8(fmt) if dummy_seed is not None else checkpoint_fp8(dtypes, canonical_name))
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty unties; tie again before filling
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -267,8 +267,7 @@ def load_model(
         init_dummy_weights(model, dummy_seed)
         return model.eval()
     if with_mtp and cfg.mtp_num_hidden_layers > 0:
-        names = {n for p in Path(path).glob("*.safetensors") for n in safe_open(str(p), "pt").keys()}
-        if not any(canonical_name(n).startswith("mtp.") for n in names):
+        if not any(canonical_name(n).startswith("mtp.") for n in dtypes):
             raise ValueError(f"{path}: with_mtp=True but the checkpoint has no mtp.* tensors")
     loader = WeightLoader(model)
     for name, shape, read in checkpoint_tensors(path):

@@ -2,10 +2,10 @@
 
 Three ways to apply the block scales, cheapest first:
 - GEMV kernels whose program's weight rows all lie in one scale row block (the block's rows a multiple of the
-  program's, block columns a power of two): the input vector is scaled instead (`input_scales`: one gather of
+  program's, block columns a power of two): the input vector is scaled instead (one gather of
   BK scales per tile, not BN x BK), so the weight tile is read as plain e4m3.
 - dot kernels whose K tile lies within one scale block (`fp8_tile`): the tile's dot product is scaled per
-  output column (`row_scales`).
+  output column.
 - otherwise each element's scale is gathered (`dequant`: correct for any block, slow; tests use such blocks).
 Products are formed in fp32 from the exact e4m3 values, so they follow the real FP8 weights rather than a bf16
 rounding of them: within rounding of the dequantized checkpoint's results, not bitwise (the CPU path is: it
@@ -22,22 +22,16 @@ from mtp_ray.layers.fp8 import Fp8Weight
 
 
 @triton.jit
-def row_scales(s_ptr, rows, k0, mask, stride_sn, SN: tl.constexpr, SK: tl.constexpr):
-    """fp32 [len(rows)]: the scales of weight rows `rows` in the scale block holding column k0."""
-    return tl.load(s_ptr + (rows // SN).to(tl.int64) * stride_sn + k0 // SK, mask=mask, other=0.0)
-
-
-@triton.jit
-def input_scales(s_ptr, row, cols, mask, stride_sn, SN: tl.constexpr, SK: tl.constexpr):
-    """fp32 [len(cols)]: the scales of weight row `row`'s scale row block at columns `cols` (one gather)."""
-    return tl.load(s_ptr + (row // SN).to(tl.int64) * stride_sn + cols // SK, mask=mask, other=0.0)
+def block_scales(s_ptr, rows, cols, mask, stride_sn, SN: tl.constexpr, SK: tl.constexpr):
+    """fp32 scales of weight rows `rows` at columns `cols` (broadcast together: a row vector at one column, one
+    row at a column vector, or a tile's rows x columns)."""
+    return tl.load(s_ptr + (rows // SN).to(tl.int64) * stride_sn + cols // SK, mask=mask, other=0.0)
 
 
 @triton.jit
 def dequant(w, s_ptr, rows, cols, mask, stride_sn, SN: tl.constexpr, SK: tl.constexpr):
     """fp32 float(q) * scale[rows // SN, cols // SK] for a loaded e4m3 tile (rows, cols broadcastable to it)."""
-    s = tl.load(s_ptr + (rows // SN).to(tl.int64) * stride_sn + cols // SK, mask=mask, other=0.0)
-    return w.to(tl.float32) * s
+    return w.to(tl.float32) * block_scales(s_ptr, rows, cols, mask, stride_sn, SN, SK)
 
 
 def scale_args(w: torch.Tensor, fp8: Fp8Weight | None) -> tuple[torch.Tensor, int, int, int, int]:

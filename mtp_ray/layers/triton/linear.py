@@ -5,7 +5,7 @@ Both kernels stream the weight once with many programs in flight (the step is bo
 - `_gemv_row_kernel`: one row (M = 1, half precision), no dot: a program owns only BN (2..16) columns, so a
   small N still spreads over enough programs to fill the GPU (tl.dot needs BN >= 16).
 Tile choices come from the sweep in bench/kernels.py on an H200 (`tiles`). An FP8-resident weight (e4m3 + block
-scales, triton/fp8.py) is read as e4m3 and scaled per tile (tiles no wider than a scale block).
+scales) is read as e4m3 and scaled as triton/fp8.py describes (the one-row kernel scales its input).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from mtp_ray.layers.fp8 import Fp8Weight
-from mtp_ray.layers.triton.fp8 import dequant, fp8_tile, input_scales, row_scales, rows_in_block, scale_args
+from mtp_ray.layers.triton.fp8 import block_scales, dequant, fp8_tile, rows_in_block, scale_args
 
 
 @triton.jit
@@ -41,7 +41,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         else:
             part = tl.dot(x, w)
         if TILE_SCALE:  # the whole tile in one scale block: one scale per output column
-            part = part * row_scales(s_ptr, n, k0, nm, stride_sn, SN, SK)[None, :]
+            part = part * block_scales(s_ptr, n, k0, nm, stride_sn, SN, SK)[None, :]
         acc += part
     tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=mm[:, None] & nm[None, :])
@@ -59,7 +59,7 @@ def _gemv_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn, BN:
         km = kk < K
         x = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
         if TILE_SCALE:  # every row of this program in one scale row block: scale the input
-            x = x * input_scales(s_ptr, tl.program_id(0) * BN, kk, km, stride_sn, SN, SK)
+            x = x * block_scales(s_ptr, tl.program_id(0) * BN, kk, km, stride_sn, SN, SK)
         wm = nm[:, None] & km[None, :]
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=wm, other=0.0)  # [BN, BK]
         if FP8 and not TILE_SCALE:

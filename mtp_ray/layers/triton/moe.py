@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from mtp_ray.layers.fp8 import Fp8Weight
-from mtp_ray.layers.triton.fp8 import dequant, fp8_tile, row_scales, scale_args
+from mtp_ray.layers.triton.fp8 import block_scales, dequant, fp8_tile, scale_args
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def _grouped_gemm_kernel(
             else:
                 part = tl.dot(a, w)
             if TILE_SCALE:  # the whole tile in one scale block: one scale per output column
-                part = part * row_scales(s_ptr + e * stride_se, n, k0, nm, stride_sn, SN, SK)[None, :]
+                part = part * block_scales(s_ptr + e * stride_se, n, k0, nm, stride_sn, SN, SK)[None, :]
             acc += part
         out = acc.to(c_ptr.dtype.element_ty)
         crow = r.to(tl.int64)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from mtp_ray.layers.fp8 import Fp8Weight
-from mtp_ray.layers.triton.fp8 import dequant, input_scales, rows_in_block, scale_args
+from mtp_ray.layers.triton.fp8 import block_scales, dequant, rows_in_block, scale_args
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def _row_dot(w, x, s_ptr, rows, cols, km, m2, stride_sn, FP8: tl.constexpr, TILE
     """fp32 [BN]: a loaded [BN, BK] weight tile (rows, cols: its weight rows and columns) times x [BK] (fp32),
     FP8 scales applied (TILE_SCALE: every row in one scale row block, so x is scaled instead)."""
     if TILE_SCALE:
-        x = x * input_scales(s_ptr, tl.min(rows, 0), cols, km, stride_sn, SN, SK)
+        x = x * block_scales(s_ptr, tl.min(rows, 0), cols, km, stride_sn, SN, SK)
         w = w.to(tl.float32)
     elif FP8:
         w = dequant(w, s_ptr, rows[:, None], cols[None, :], m2, stride_sn, SN, SK)
