@@ -8,7 +8,8 @@ bf16 weights, one GPU, no MTP. Each sequence has `context` tokens in its KV cach
 of B sequences x 1 token plus the lm_head, timed as a CUDA graph replay (median of 20) and eagerly (median of 5).
 With --mtp-k k (default 3) the model also has its MTP layer, and the MTP step (the target verify of B x (k + 1)
 tokens + the k-step greedy draft loop, both graphs) is timed next to the plain step: plain / MTP step is the bound
-on (MTP speedup / mean acceptance length) from device time alone. The kernels of the batch-1 step are listed.
+on (MTP speedup / mean acceptance length) from device time alone. The kernels of the batch-1 step (or those of
+--kernel-batches) are listed.
 With --fp8 the plain steps run again on the same shapes with FP8-resident weights (Qwen's FP8 format: e4m3, 128 x
 128 block scales, router / shared-expert gate / embedding / lm_head left in bf16): FP8 step / bf16 step per batch.
 
@@ -228,6 +229,7 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, nargs="+", default=[0, 32768],
                     help="MTP draft vocabularies (spec.draft_vocab_size) to time side by side; 0: the whole one")
     ap.add_argument("--fp8", action="store_true", help="also time the plain steps with FP8-resident weights")
+    ap.add_argument("--kernel-batches", type=int, nargs="*", default=[1], help="list these plain steps' kernels")
     ap.add_argument("--out", default="bench/results/decode.json")
     args = ap.parse_args()
     dev, cpu = torch.device("cuda"), torch.device("cpu")
@@ -241,7 +243,7 @@ def main() -> None:
     prepare(model, max_b, width, slots, torch.bfloat16, dev)
     rows = []
     for bsz in args.batches:
-        rows.append(plain_step(model, cfg, bsz, args.context, width, dev, bw, kernels=bsz == 1))
+        rows.append(plain_step(model, cfg, bsz, args.context, width, dev, bw, kernels=bsz in args.kernel_batches))
         graph = rows[-1]["graph_step_ms"] / 1e3
         for dv in args.draft_vocab if k and bsz in args.mtp_batches else ():
             rows[-1].setdefault("mtp", []).append(mtp_step(model, cfg, bsz, args.context, width, k, graph, bw, dev, dv))
@@ -258,7 +260,8 @@ def main() -> None:
         model = random_model(cfg, dev, fp8=True)
         prepare(model, max_b, width, slots, torch.bfloat16, dev)
         for row in rows:
-            f = plain_step(model, cfg, row["batch"], args.context, width, dev, bw, kernels=row["batch"] == 1)
+            f = plain_step(model, cfg, row["batch"], args.context, width, dev, bw,
+                           kernels=row["batch"] in args.kernel_batches)
             row["fp8"] = {**f, "over_bf16": round(f["graph_step_ms"] / row["graph_step_ms"], 3)}
             torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -297,8 +300,8 @@ def report(result: dict) -> None:
             f = r["fp8"]
             print(f"FP8 batch {r['batch']}: graph step {f['graph_step_ms']} ms = x{f['over_bf16']} the bf16 step "
                   f"({r['graph_step_ms']} ms); x{f['graph_over_roofline']} its roofline ({f['roofline_ms']} ms)")
-    for name, r in (("batch-1", rows[0]), ("FP8 batch-1", rows[0].get("fp8", {}))):
-        top = [(x["kernel"][:40], x["count"], x["us"]) for x in r.get("kernels", [])[:14]]
+    for name, step in ((f"{p}batch-{r['batch']}", x) for r in rows for p, x in (("", r), ("FP8 ", r.get("fp8", {})))):
+        top = [(x["kernel"][:40], x["count"], x["us"]) for x in step.get("kernels", [])[:14]]
         if top:
             print(f"{name} kernels (name, count, us):", *top, sep="\n  ")
 

@@ -72,16 +72,17 @@ def _gemv(x, ws, y, bn, bk, warps, stages, i) -> None:
     w = ws[i]
     m, k = x.shape
     n = w.shape[0]
-    _gemv_kernel[(triton.cdiv(n, bn),)](x, w, x, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), 0, BM=16, BN=bn,
-                                        BK=bk, IEEE=False, FP8=False, TILE_SCALE=False, SN=1, SK=1, num_warps=warps,
-                                        num_stages=stages)
+    _gemv_kernel[(triton.cdiv(n, bn),)](x, w, x, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), 0, BM=16,
+                                        BN=bn, BK=bk, SUB=1, IEEE=False, FP8=False, TILE_SCALE=False, SN=1, SK=1,
+                                        num_warps=warps, num_stages=stages)
 
 
 def _row(x, ws, y, bn, bk, warps, stages, i) -> None:
     w = ws[i]
     n, k = w.shape
     _gemv_row_kernel[(triton.cdiv(n, bn),)](x, w, x, y, n, k, w.stride(0), 0, BN=bn, BK=bk,
-                                            K_TILES=triton.cdiv(k, bk), FP8=False, TILE_SCALE=False, SN=1, SK=1,
+                                            K_TILES=triton.cdiv(k, bk), SUB=1, FP8=False, TILE_SCALE=False,
+                                            ROW_SCALE=False, SN=1, SK=1,
                                             num_warps=warps, num_stages=stages)
 
 
@@ -181,13 +182,13 @@ def sweep_gemv_fp8(shapes: list[str], dev: torch.device) -> list[dict]:
         qs = [quantize(torch.randn(n, k, device=dev) * k**-0.5, block) for _ in range(_copies(nbytes))]
         fs = [(q, Fp8Weight(sc, block)) for q, sc in qs]
         ws = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) * k**-0.5 for _ in range(_copies(n * k * 2))]
-        cur = tiles(1, n, k, fp32=False)
+        cur = tiles(1, n, k, fp32=False, fp8=True)
         res = {"shape": name, "N": n, "K": k, "current": list(cur),
                "bf16_us": round(graph_time(lambda i, x=x, ws=ws, cur=cur: gemv(x, ws[i], cur), variants=len(ws))
                                 * 1e6, 2)}
         cfgs = []
         space = [("row", *c, 1) for c in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8))]
-        space += [("dot", bn, 128, 4, st) for bn in (16, 32, 64) for st in (3, 4)]
+        space += [("dot", bn, bk, 4, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for st in (3, 4)]
         for tile in space:
             try:
                 t = graph_time(lambda i, x=x, fs=fs, tile=tile: gemv(x, fs[i][0], tile, fp8=fs[i][1]),
@@ -206,20 +207,134 @@ def sweep_gemv_fp8(shapes: list[str], dev: torch.device) -> list[dict]:
     return out
 
 
+def sweep_experts_fp8(rows: int, dev: torch.device) -> dict:
+    """pair_experts with e4m3 experts (128 x 128 blocks) + the shared expert over tiles (gate_up BN, BK, down BN),
+    next to the bf16 experts at their tiles; one launch pair = gate_up + down + slot sum."""
+    from mtp_ray.layers.triton.moe_small import SharedWeights, expert_tiles, pair_experts
+    block = Fp8Block(128, 128)
+    g = torch.Generator(device=dev).manual_seed(0)
+    gu = torch.randn(EXPERTS, 2 * INTER, H, device=dev, generator=g) * H**-0.5
+    dn = torch.randn(EXPERTS, H, INTER, device=dev, generator=g) * INTER**-0.5
+    qgu, sgu = quantize(gu, block)
+    qdn, sdn = quantize(dn, block)
+    sh = [torch.randn(INTER, H, device=dev) * H**-0.5 for _ in range(2)] + [torch.randn(H, INTER, device=dev)
+                                                                           * INTER**-0.5]
+    qsh = [quantize(w, block) for w in sh]
+    gw = torch.randn(1, H, dtype=torch.bfloat16, device=dev) * H**-0.5
+    shared8 = SharedWeights(*(q for q, _ in qsh), gw, tuple(Fp8Weight(sc, block) for _, sc in qsh))
+    shared16 = SharedWeights(*(w.bfloat16() for w in sh), gw)
+    fp8 = (Fp8Weight(sgu, block), Fp8Weight(sdn, block))
+    gu16, dn16 = gu.bfloat16(), dn.bfloat16()
+    del gu, dn
+    x = torch.randn(rows, H, dtype=torch.bfloat16, device=dev)
+    idss = [torch.randperm(EXPERTS, device=dev)[: rows * TOPK].view(rows, TOPK).contiguous() if rows * TOPK
+            <= EXPERTS else torch.randint(0, EXPERTS, (rows, TOPK), device=dev) for _ in range(20)]
+    tw = torch.rand(rows, TOPK, dtype=torch.bfloat16, device=dev)
+    timed = functools.partial(graph_time, variants=len(idss))
+    res = {"rows": rows, "bf16_tile": list(expert_tiles(H, False)), "fp8_default": list(expert_tiles(H, True)),
+           "bf16_us": round(timed(lambda i: pair_experts(x, idss[i], tw, gu16, dn16, 0, shared16)) * 1e6, 2)}
+    cfgs = []
+    for tile in itertools.product((4, 8, 16), (1024, 2048), (16, 32, 64)):
+        t = timed(lambda i, tile=tile: pair_experts(x, idss[i], tw, qgu, qdn, 0, shared8, fp8, tile))
+        cfgs.append({"tile": list(tile), "us": round(t * 1e6, 2)})
+    res["configs"] = cfgs
+    res["best"] = min(cfgs, key=lambda c: c["us"])
+    res["at_default"] = next(c["us"] for c in cfgs if c["tile"] == res["fp8_default"])
+    print(f"fp8 experts rows={rows}: bf16 {res['bf16_us']} us; fp8 default {res['fp8_default']} "
+          f"{res['at_default']} us; best {res['best']}")
+    return res
+
+
+def sweep_gemm_fp8(rows: int, shapes: list[str], dev: torch.device) -> list[dict]:
+    """Dense FP8 projections past the GEMV's 16 rows (`gemv`'s dot kernel in M tiles) over (BN, BK, warps,
+    stages), next to cuBLAS on the bf16 weight."""
+    return [_gemm_shape(name, n, k, rows, dev) for name, n, k in DENSE if name in shapes]
+
+
+def _gemm_shape(name: str, n: int, k: int, rows: int, dev: torch.device) -> dict:
+    block = Fp8Block(128, 128)
+    x = torch.randn(rows, k, dtype=torch.bfloat16, device=dev)
+    qs = [quantize(torch.randn(n, k, device=dev) * k**-0.5, block) for _ in range(_copies(n * k))]
+    fs = [(q, Fp8Weight(sc, block)) for q, sc in qs]
+    ws = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) * k**-0.5 for _ in range(_copies(n * k * 2))]
+    res = {"shape": name, "rows": rows, "N": n, "K": k, "default": list(tiles(rows, n, k, False, True)),
+           "cublas_bf16_us": round(graph_time(lambda i: F.linear(x, ws[i]), variants=len(ws)) * 1e6, 2),
+           "at_default": round(graph_time(lambda i: gemv(x, fs[i][0], fp8=fs[i][1]), variants=len(fs)) * 1e6, 2)}
+    cfgs = []
+    for bn, bk, warps, st in itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4)):
+        tile = ("dot", bn, bk, warps, st)
+        try:
+            t = graph_time(lambda i, tile=tile: gemv(x, fs[i][0], tile, fp8=fs[i][1]), variants=len(fs))
+        except Exception as e:  # a config the compiler rejects (shared memory): recorded, skipped
+            cfgs.append({"tile": list(tile), "error": str(e)[:80]})
+            continue
+        cfgs.append({"tile": list(tile), "us": round(t * 1e6, 2)})
+    ok = [c for c in cfgs if "us" in c]
+    res["best"] = min(ok, key=lambda c: c["us"]) if ok else None
+    res["configs"] = cfgs
+    print(f"fp8 gemm {name} rows={rows}: cuBLAS bf16 {res['cublas_bf16_us']} us, fp8 default {res['at_default']} "
+          f"us, best {res['best']}")
+    return res
+
+
+def sweep_grouped_fp8(rows: int, dev: torch.device) -> dict:
+    """The routed experts of `rows` tokens through the grouped GEMM (fused_experts) with e4m3 experts over
+    (BLOCK_N, BLOCK_K, warps, stages), next to the bf16 experts at their tile."""
+    from mtp_ray.layers.triton.moe import fused_experts, gemm_tile
+    block = Fp8Block(128, 128)
+    g = torch.Generator(device=dev).manual_seed(0)
+    gu = torch.randn(EXPERTS, 2 * INTER, H, device=dev, generator=g) * H**-0.5
+    dn = torch.randn(EXPERTS, H, INTER, device=dev, generator=g) * INTER**-0.5
+    (qgu, sgu), (qdn, sdn) = quantize(gu, block), quantize(dn, block)
+    fp8 = (Fp8Weight(sgu, block), Fp8Weight(sdn, block))
+    gu16, dn16 = gu.bfloat16(), dn.bfloat16()
+    del gu, dn
+    x = torch.randn(rows, H, dtype=torch.bfloat16, device=dev)
+    ids = torch.randint(0, EXPERTS, (rows, TOPK), device=dev)
+    tw = torch.rand(rows, TOPK, dtype=torch.bfloat16, device=dev)
+    res = {"rows": rows, "default": list(gemm_tile(False, True)),
+           "bf16_us": round(graph_time(lambda i: fused_experts(x, ids, tw, gu16, dn16, 0)) * 1e6, 2),
+           "at_default": round(graph_time(lambda i: fused_experts(x, ids, tw, qgu, qdn, 0, fp8=fp8)) * 1e6, 2)}
+    cfgs = []
+    for tile in itertools.product((32, 64, 128), (128, 256), (4, 8), (3, 4)):
+        try:
+            t = graph_time(lambda i, tile=tile: fused_experts(x, ids, tw, qgu, qdn, 0, fp8=fp8, tile=tile))
+        except Exception as e:  # a config the compiler rejects (shared memory): recorded, skipped
+            cfgs.append({"tile": list(tile), "error": str(e)[:80]})
+            continue
+        cfgs.append({"tile": list(tile), "us": round(t * 1e6, 2)})
+    ok = [c for c in cfgs if "us" in c]
+    res["best"] = min(ok, key=lambda c: c["us"]) if ok else None
+    res["configs"] = cfgs
+    print(f"fp8 grouped experts rows={rows}: bf16 {res['bf16_us']} us, fp8 default {res['at_default']} us, "
+          f"best {res['best']}")
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/kernels.json")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--fp8", nargs="*", default=None, metavar="SHAPE",
-                    help="only the FP8 one-row GEMV sweep, on these DENSE shapes (default: all)")
+                    help="only the FP8 sweeps: one-row GEMV on these DENSE shapes (default: all), experts, GEMM")
+    ap.add_argument("--fp8-parts", nargs="+", default=["gemv", "experts", "gemm", "grouped"])
+    ap.add_argument("--gemm-rows", type=int, nargs="+", default=[64, 256])
     args = ap.parse_args()
     dev = torch.device("cuda")
     flag = torch.zeros(1024, device=dev)
     floor = graph_time(lambda i: _empty_kernel[(1,)](flag), launches=100)
     print(f"empty kernel in a graph: {floor * 1e6:.2f} us per launch")
     if args.fp8 is not None:
-        result = {"device": torch.cuda.get_device_name(), "empty_kernel_us": round(floor * 1e6, 2),
-                  "gemv_fp8": sweep_gemv_fp8(args.fp8 or [d[0] for d in DENSE], dev)}
+        shapes = args.fp8 or [d[0] for d in DENSE]
+        result = {"device": torch.cuda.get_device_name(), "empty_kernel_us": round(floor * 1e6, 2)}
+        if "experts" in args.fp8_parts:
+            result["experts_fp8"] = [sweep_experts_fp8(r, dev) for r in args.rows]
+        if "gemm" in args.fp8_parts:
+            result["gemm_fp8"] = [r for rows in args.gemm_rows for r in sweep_gemm_fp8(rows, shapes, dev)]
+        if "grouped" in args.fp8_parts:
+            result["grouped_fp8"] = [sweep_grouped_fp8(rows, dev) for rows in args.gemm_rows]
+        if "gemv" in args.fp8_parts:
+            result["gemv_fp8"] = sweep_gemv_fp8(shapes, dev)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
         return

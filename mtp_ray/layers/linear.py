@@ -4,8 +4,8 @@ and FusedProjections, one weight buffer behind several projections of the same i
 At decode batch sizes a projection multiplies a handful of rows by a large weight: the step is bound by reading
 the weight once. cuBLAS picks tile shapes for large M; the GEMV reads the weight with many programs and deep
 pipelining instead. Rows <= GEMV_ROWS, no bias, same dtype: the Triton path; anything else: F.linear.
-A Linear may keep an FP8 weight (layers/fp8.py, `make_fp8`): on the GPU the GEMV, or past its rows a tiled GEMM
-(triton/moe.gemm), reads it as e4m3 with its scales; on the CPU it is dequantized before F.linear.
+A Linear may keep an FP8 weight (layers/fp8.py, `make_fp8`): on the GPU the GEMV's kernels read it as e4m3 with
+its scales at any number of rows (past 16 in M tiles); on the CPU it is dequantized before F.linear.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from mtp_ray.layers.triton.linear import gemv
 
         return gemv(x, weight, fp8=fp8)
-    if fp8 is not None and x.is_cuda and bias is None:  # more rows: e4m3 read once by a tiled GEMM
-        from mtp_ray.layers.triton.moe import gemm
+    if fp8 is not None and x.is_cuda and bias is None:  # more rows: e4m3 still read as such, in M tiles
+        from mtp_ray.layers.triton.linear import gemv
 
-        return gemm(x.reshape(-1, x.shape[-1]), weight, fp8).view(*x.shape[:-1], weight.shape[0])
+        return gemv(x.reshape(-1, x.shape[-1]), weight, fp8=fp8).view(*x.shape[:-1], weight.shape[0])
     if fp8 is not None:  # the CPU: the loader's dequantized values, so outputs equal the dequantized checkpoint's
         weight = dequantize(weight, fp8, x.dtype)
     return F.linear(x, weight, bias)

@@ -4,8 +4,10 @@ Three ways to apply the block scales, cheapest first:
 - GEMV kernels whose program's weight rows all lie in one scale row block (the block's rows a multiple of the
   program's, block columns a power of two): the input vector is scaled instead (one gather of
   BK scales per tile, not BN x BK), so the weight tile is read as plain e4m3.
-- dot kernels whose K tile lies within one scale block (`fp8_tile`): the tile's dot product is scaled per
-  output column.
+- dot kernels with power-of-two scale blocks (`fp8_tile`): a K tile is cut into sub-tiles of one scale block
+  each, whose dot products are scaled per output column (the tile keeps its width: capping it at the block's 128
+  columns left an FP8 program 1/8 of the bf16 tile's bytes in flight). The one-row GEMV whose rows span several
+  row blocks (fused projections re-laid one scale row per weight row) scales each sub-tile's rows likewise.
 - otherwise each element's scale is gathered (`dequant`: correct for any block, slow; tests use such blocks).
 Products are formed in fp32 from the exact e4m3 values, so they follow the real FP8 weights rather than a bf16
 rounding of them: within rounding of the dequantized checkpoint's results, not bitwise (the CPU path is: it
@@ -44,11 +46,12 @@ def scale_args(w: torch.Tensor, fp8: Fp8Weight | None) -> tuple[torch.Tensor, in
     return s, (s.stride(0) if s.dim() == 3 else 0), s.stride(-2), fp8.block.rows, fp8.block.cols
 
 
-def fp8_tile(bk: int, cols: int) -> tuple[int, bool]:
-    """(tile width, TILE_SCALE) for an FP8 weight with `cols`-wide scale blocks, given the bf16 tile width bk."""
-    if cols & (cols - 1) == 0:  # a power of two: tiles within one block
-        return min(bk, cols), True
-    return bk, False
+def fp8_tile(bk: int, cols: int) -> tuple[int, int, bool]:
+    """(tile width, sub-tiles per tile, TILE_SCALE) for an FP8 weight with `cols`-wide scale blocks, given the
+    wanted tile width bk (a power of two): sub-tiles of one scale block each when cols is a power of two."""
+    if cols & (cols - 1) == 0:
+        return bk, max(1, bk // cols), True
+    return bk, 1, False
 
 
 def rows_in_block(bn: int, rows: int, cols: int) -> bool:

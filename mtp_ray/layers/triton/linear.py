@@ -1,7 +1,10 @@
-"""Skinny GEMM in Triton (GPU): y[M, N] = x[M, K] @ W[N, K].T for M <= 16 rows, fp32 accumulation, one rounding.
+"""Skinny GEMM in Triton (GPU): y[M, N] = x[M, K] @ W[N, K].T for M <= 16 rows (any M for an FP8 weight), fp32
+accumulation, one rounding.
 
 Both kernels stream the weight once with many programs in flight (the step is bound by reading it):
-- `_gemv_kernel`: one program per BN output columns walks K with pipelined tensor-core dots (rows padded to 16).
+- `_gemv_kernel`: one program per BN output columns (and BM rows) walks K with pipelined tensor-core dots (rows
+  padded to 16). Past 16 rows only FP8 weights come here (bf16 ones take cuBLAS): the M tiles of one N tile are
+  neighbours in the grid, so the weight tile they share is read from memory once and from L2 after.
 - `_gemv_row_kernel`: one row (M = 1, half precision), no dot: a program owns only BN (2..16) columns, so a
   small N still spreads over enough programs to fill the GPU (tl.dot needs BN >= 16).
 Tile choices come from the sweep in bench/kernels.py on an H200 (`tiles`). An FP8-resident weight (e4m3 + block
@@ -20,60 +23,72 @@ from mtp_ray.layers.triton.fp8 import block_scales, dequant, fp8_tile, rows_in_b
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_sn,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
-                 TILE_SCALE: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr):
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    m = tl.arange(0, BM)
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr,
+                 FP8: tl.constexpr, TILE_SCALE: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr):
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
     nm, mm = n < N, m < M
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
-        kk = k0 + tl.arange(0, BK)
-        km = kk < K
-        x = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-        wm = km[:, None] & nm[None, :]
-        w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None], mask=wm, other=0.0)  # [BK, BN]
-        if FP8 and not TILE_SCALE:
-            w = dequant(w, s_ptr, n[None, :], kk[:, None], wm, stride_sn, SN, SK)
-        if FP8:
-            w = w.to(x_ptr.dtype.element_ty)  # e4m3 is exact in bf16 / fp32
-        if IEEE:
-            part = tl.dot(x, w, input_precision="ieee")
-        else:
-            part = tl.dot(x, w)
-        if TILE_SCALE:  # the whole tile in one scale block: one scale per output column
-            part = part * block_scales(s_ptr, n, k0, nm, stride_sn, SN, SK)[None, :]
-        acc += part
-    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
+        for j in tl.static_range(SUB):  # FP8: sub-tiles of one scale block each (SUB = 1 otherwise)
+            kk = k0 + j * (BK // SUB) + tl.arange(0, BK // SUB)
+            km = kk < K
+            x = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + kk[None, :], mask=mm[:, None] & km[None, :],
+                        other=0.0)
+            wm = km[:, None] & nm[None, :]
+            w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None], mask=wm, other=0.0)  # [BK/SUB, BN]
+            if FP8 and not TILE_SCALE:
+                w = dequant(w, s_ptr, n[None, :], kk[:, None], wm, stride_sn, SN, SK)
+            if FP8:
+                w = w.to(x_ptr.dtype.element_ty)  # e4m3 is exact in bf16 / fp32
+            if IEEE:
+                part = tl.dot(x, w, input_precision="ieee")
+            else:
+                part = tl.dot(x, w)
+            if TILE_SCALE:  # the sub-tile in one scale block: one scale per output column
+                part = part * block_scales(s_ptr, n, k0 + j * (BK // SUB), nm, stride_sn, SN, SK)[None, :]
+            acc += part
+    tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=mm[:, None] & nm[None, :])
 
 
 @triton.jit
 def _gemv_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn, BN: tl.constexpr, BK: tl.constexpr,
-                     K_TILES: tl.constexpr, FP8: tl.constexpr, TILE_SCALE: tl.constexpr, SN: tl.constexpr,
-                     SK: tl.constexpr):
+                     K_TILES: tl.constexpr, SUB: tl.constexpr, FP8: tl.constexpr, TILE_SCALE: tl.constexpr,
+                     ROW_SCALE: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr):
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nm = n < N
-    acc = tl.zeros([BN, BK], tl.float32)  # lane-wise partial sums, reduced once at the end
+    acc = tl.zeros([BN, BK // SUB], tl.float32)  # lane-wise partial sums, reduced once at the end
     for i in tl.static_range(K_TILES):  # unrolled: every tile's weight load in flight at once (no pipeliner here)
-        kk = i * BK + tl.arange(0, BK)
-        km = kk < K
-        x = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
-        if TILE_SCALE:  # every row of this program in one scale row block: scale the input
-            x = x * block_scales(s_ptr, tl.program_id(0) * BN, kk, km, stride_sn, SN, SK)
-        wm = nm[:, None] & km[None, :]
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=wm, other=0.0)  # [BN, BK]
-        if FP8 and not TILE_SCALE:
-            w = dequant(w, s_ptr, n[:, None], kk[None, :], wm, stride_sn, SN, SK)
-        acc += w.to(tl.float32) * x[None, :]
+        for j in tl.static_range(SUB):  # ROW_SCALE: sub-tiles of one scale block each (SUB = 1 otherwise)
+            k0 = i * BK + j * (BK // SUB)
+            kk = k0 + tl.arange(0, BK // SUB)
+            km = kk < K
+            x = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
+            if TILE_SCALE:  # every row of this program in one scale row block: scale the input
+                x = x * block_scales(s_ptr, tl.program_id(0) * BN, kk, km, stride_sn, SN, SK)
+            wm = nm[:, None] & km[None, :]
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=wm, other=0.0)  # [BN, BK/SUB]
+            if ROW_SCALE:  # rows in several scale row blocks: one scale per row for the sub-tile
+                w = w.to(tl.float32) * block_scales(s_ptr, n, k0, nm, stride_sn, SN, SK)[:, None]
+            elif FP8 and not TILE_SCALE:
+                w = dequant(w, s_ptr, n[:, None], kk[None, :], wm, stride_sn, SN, SK)
+            acc += w.to(tl.float32) * x[None, :]
     tl.store(y_ptr + n, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=nm)
 
 
-def tiles(m: int, n: int, k: int, fp32: bool) -> tuple[str, int, int, int, int]:
-    """(kernel, BN, BK, num_warps, num_stages) for an [m, k] x [n, k] product. FP8 weights use the same tiles:
-    the FP8 sweep (bench/kernels.py --fp8) favours 4 rows x 1024-2048 alone, but all 120 one-row launches of a
-    35B-A3B step on that tile took 1027 us against 780 us on these (H200, 2026-12-01)."""
+def tiles(m: int, n: int, k: int, fp32: bool, fp8: bool = False) -> tuple[str, int, int, int, int]:
+    """(kernel, BN, BK, num_warps, num_stages) for an [m, k] x [n, k] product (bench/kernels.py sweeps on an H200).
+    FP8 weights (one byte an element): the one-row kernel takes twice the bf16 rows a program (the same bytes in
+    flight); past 16 rows dot tiles of up to 64 rows. Alone, 8 rows x 2048 beat the dot kernel on the largest
+    shape (9.1 vs 12.5 us), but in a 35B-A3B step all 120 one-row launches so took 793 us against 738 (the
+    fused GDN input's scales are one row per weight row there: ROW_SCALE, slower than a scaled input)."""
     if fp32:  # tests and fp32 runs: the IEEE dot path, small tiles (shared memory)
         return "dot", 16 if n <= 4096 else 32, 128, 4, 4
+    if fp8 and m == 1 and n * k <= 20 * 2**20:
+        return "row", 4, min(1024, triton.next_power_of_2(k)), 4, 1
+    if fp8 and m > 16:  # 12352 x 2048 at 64 / 256 rows: 20.6 / 63.5 us (cuBLAS on bf16: 16.1 / 20.6)
+        return "dot", 32 if m <= 64 else 64, 128, 4, 3
     if m == 1 and n * k <= 20 * 2**20:  # up to ~40 MB of bf16 weight: two columns a program win (H200 sweep)
         return "row", 2, min(1024, triton.next_power_of_2(k)), 4, 1
     if n > 4096:
@@ -83,29 +98,32 @@ def tiles(m: int, n: int, k: int, fp32: bool) -> tuple[str, int, int, int, int]:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[str, int, int, int, int] | None = None,
          fp8: Fp8Weight | None = None) -> torch.Tensor:
-    """x: [M, K] (M <= 16); weight: [N, K] (x's dtype, or e4m3 with `fp8`) -> [M, N] in x.dtype. `tile` overrides
-    `tiles` (the sweep)."""
+    """x: [M, K] (M <= 16, or any M with `fp8`); weight: [N, K] (x's dtype, or e4m3 with `fp8`) -> [M, N] in
+    x.dtype. `tile` overrides `tiles` (the sweep)."""
     m, k = x.shape
     n = weight.shape[0]
-    assert m <= 16 and weight.shape[1] == k
+    assert (m <= 16 or fp8 is not None) and weight.shape[1] == k
     x = x if x.stride(1) == 1 else x.contiguous()
     w = weight if weight.stride(1) == 1 else weight.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     assert (fp8 is not None) == (w.dtype != x.dtype), "an FP8 weight needs its scales; others x's dtype"
     s, _, s_n, sn, sk = scale_args(w, fp8)
     ieee = x.dtype == torch.float32
-    kind, bn, bk, warps, stages = tile or tiles(m, n, k, ieee)
-    tile_scale = False
+    kind, bn, bk, warps, stages = tile or tiles(m, n, k, ieee, fp8 is not None)
+    tile_scale, row_scale, sub = False, False, 1
     if fp8 is not None and kind == "row":
         tile_scale = rows_in_block(bn, sn, sk)
+        _, sub, row_scale = fp8_tile(bk, sk) if not tile_scale else (bk, 1, False)
     elif fp8 is not None:
-        bk, tile_scale = fp8_tile(bk, sk)
+        bk, sub, tile_scale = fp8_tile(bk, sk)
     kw = dict(FP8=fp8 is not None, TILE_SCALE=tile_scale, SN=sn, SK=sk, num_warps=warps, num_stages=stages)
     if kind == "row":
         assert m == 1 and not ieee
         _gemv_row_kernel[(triton.cdiv(n, bn),)](x, w, s, y, n, k, w.stride(0), s_n, BN=bn, BK=bk,
-                                                K_TILES=triton.cdiv(k, bk), **kw)
+                                                K_TILES=triton.cdiv(k, bk), SUB=sub, ROW_SCALE=row_scale, **kw)
     else:
-        _gemv_kernel[(triton.cdiv(n, bn),)](x, w, s, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), s_n,
-                                            BM=16, BN=bn, BK=bk, IEEE=ieee, **kw)
+        bm = 16 if m <= 16 else min(64, triton.next_power_of_2(m))
+        _gemv_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            x, w, s, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), s_n, BM=bm, BN=bn, BK=bk, SUB=sub,
+            IEEE=ieee, **kw)
     return y

@@ -24,8 +24,8 @@ def _grouped_gemm_kernel(
     a_ptr, w_ptr, s_ptr, c_ptr, rows_ptr, out_rows_ptr, scale_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
     N, K, stride_am, stride_we, stride_wn, stride_wk, stride_cm, stride_se, stride_sn,
     GATHER: tl.constexpr, SCATTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, TILE_SCALE: tl.constexpr, SN: tl.constexpr,
-    SK: tl.constexpr,
+    BLOCK_K: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, TILE_SCALE: tl.constexpr,
+    SN: tl.constexpr, SK: tl.constexpr,
 ):
     t = tl.program_id(0)
     r0 = tl.load(tile_start_ptr + t)
@@ -42,23 +42,26 @@ def _grouped_gemm_kernel(
         nm = n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            km = kk < K
-            a = tl.load(a_ptr + arow[:, None] * stride_am + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-            wm = km[:, None] & nm[None, :]
-            w = tl.load(w_ptr + e * stride_we + n[None, :] * stride_wn + kk[:, None] * stride_wk, mask=wm,
-                        other=0.0)  # [BLOCK_K, BLOCK_N]
-            if FP8 and not TILE_SCALE:
-                w = dequant(w, s_ptr + e * stride_se, n[None, :], kk[:, None], wm, stride_sn, SN, SK)
-            if FP8:
-                w = w.to(a_ptr.dtype.element_ty)  # e4m3 is exact in bf16 / fp32
-            if IEEE:
-                part = tl.dot(a, w, input_precision="ieee")
-            else:
-                part = tl.dot(a, w)
-            if TILE_SCALE:  # the whole tile in one scale block: one scale per output column
-                part = part * block_scales(s_ptr + e * stride_se, n, k0, nm, stride_sn, SN, SK)[None, :]
-            acc += part
+            for j in tl.static_range(SUB):  # FP8: sub-tiles of one scale block each (SUB = 1 otherwise)
+                kk = k0 + j * (BLOCK_K // SUB) + tl.arange(0, BLOCK_K // SUB)
+                km = kk < K
+                a = tl.load(a_ptr + arow[:, None] * stride_am + kk[None, :], mask=rm[:, None] & km[None, :],
+                            other=0.0)
+                wm = km[:, None] & nm[None, :]
+                w = tl.load(w_ptr + e * stride_we + n[None, :] * stride_wn + kk[:, None] * stride_wk, mask=wm,
+                            other=0.0)  # [BLOCK_K / SUB, BLOCK_N]
+                if FP8 and not TILE_SCALE:
+                    w = dequant(w, s_ptr + e * stride_se, n[None, :], kk[:, None], wm, stride_sn, SN, SK)
+                if FP8:
+                    w = w.to(a_ptr.dtype.element_ty)  # e4m3 is exact in bf16 / fp32
+                if IEEE:
+                    part = tl.dot(a, w, input_precision="ieee")
+                else:
+                    part = tl.dot(a, w)
+                if TILE_SCALE:  # the sub-tile in one scale block: one scale per output column
+                    part = part * block_scales(s_ptr + e * stride_se, n, k0 + j * (BLOCK_K // SUB), nm, stride_sn,
+                                               SN, SK)[None, :]
+                acc += part
         out = acc.to(c_ptr.dtype.element_ty)
         crow = r.to(tl.int64)
         if SCATTER:  # weighted, into the pair's own row: round, then weight and round, as torch's y * w would
@@ -69,9 +72,10 @@ def _grouped_gemm_kernel(
 
 
 def _gemm(a: torch.Tensor, w: torch.Tensor, rows: torch.Tensor | None, tiles: tuple, num_rows: int, bm: int,
-          scatter: tuple[torch.Tensor, torch.Tensor] | None = None, fp8: Fp8Weight | None = None) -> torch.Tensor:
+          scatter: tuple[torch.Tensor, torch.Tensor] | None = None, fp8: Fp8Weight | None = None,
+          tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """c[r] = a[rows[r] or r] @ w[expert(r)].T for every row r covered by a tile. a: [*, K]; w: [E, N, K] (e4m3
-    with `fp8`'s scales [E, N / rows, K / cols]).
+    with `fp8`'s scales [E, N / rows, K / cols]); tile: (BLOCK_N, BLOCK_K, warps, stages), default `gemm_tile`.
     scatter = (out_rows, scale): c[out_rows[r]] = round(round(a @ w.T) * scale[r]) instead, into a zeroed c (rows
     no tile covers stay zero)."""
     tile_expert, r0, r1 = tiles
@@ -79,18 +83,26 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, rows: torch.Tensor | None, tiles: tu
     alloc = torch.zeros if scatter is not None else torch.empty
     c = alloc(num_rows, n_out, dtype=a.dtype, device=a.device)
     ieee = a.dtype == torch.float32
-    bn, bk = 64, 32 if ieee else 64
+    bn, bk, warps, stages = tile or gemm_tile(ieee, fp8 is not None)
     grid = (tile_expert.numel(), triton.cdiv(n_out, bn))
     out_rows, scale = scatter if scatter is not None else (r0, r0)
     s, s_e, s_n, sn, sk = scale_args(w, fp8)
-    bk, tile_scale = fp8_tile(bk, sk) if fp8 is not None else (bk, False)
+    bk, sub, tile_scale = fp8_tile(bk, sk) if fp8 is not None else (bk, 1, False)
     _grouped_gemm_kernel[grid](
         a, w, s, c, rows if rows is not None else r0, out_rows, scale, tile_expert, r0, r1,
         n_out, k_in, a.stride(0), w.stride(0), w.stride(1), w.stride(2), c.stride(0), s_e, s_n,
-        GATHER=rows is not None, SCATTER=scatter is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee,
-        FP8=fp8 is not None, TILE_SCALE=tile_scale, SN=sn, SK=sk, num_warps=4,
+        GATHER=rows is not None, SCATTER=scatter is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SUB=sub,
+        IEEE=ieee, FP8=fp8 is not None, TILE_SCALE=tile_scale, SN=sn, SK=sk, num_warps=warps, num_stages=stages,
     )
     return c
+
+
+def gemm_tile(ieee: bool, fp8: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) of the grouped GEMM: an FP8 weight takes a tile twice as wide in K, the
+    same bytes a stage as bf16's, and 128 columns (bench/kernels.py --fp8: 506 vs 605 us at 64 tokens)."""
+    if ieee:
+        return 64, 32, 4, 3
+    return (128, 128, 4, 3) if fp8 else (64, 64, 4, 3)
 
 
 def _tiles(counts: torch.Tensor, seg_start: torch.Tensor, seg_end: torch.Tensor, num_rows: int, bm: int
@@ -118,11 +130,14 @@ def fused_experts(
     start: int,
     per_slot: bool = False,  # [T, k, H] unsummed (zero for foreign experts) instead
     fp8: tuple[Fp8Weight, Fp8Weight] | None = None,  # gate_up's and down's scales when they are e4m3
+    tile: tuple[int, int, int, int] | None = None,  # (BLOCK_N, BLOCK_K, warps, stages): the sweep's override
 ) -> torch.Tensor:  # [T, H]: sum over the local experts of weight * expert(x)
     t, topk = topk_ids.shape
     e = gate_up.shape[0]
     pairs = t * topk
-    bm = 16 if pairs <= 256 else 64
+    # decode batches spread a few pairs over each expert: a 64-row tile of two real rows multiplies 62 padding
+    # rows, so 16-row tiles up to 16 pairs an expert on average (two sizes only: warmup compiles both)
+    bm = 16 if pairs <= max(256, 16 * e) else 64
     local = topk_ids.reshape(-1) - start
     valid = (local >= 0) & (local < e)
     key = torch.where(valid, local, e)  # foreign experts sort last and get no tile
@@ -132,11 +147,12 @@ def fused_experts(
     seg_start = seg_end - counts
     tiles = _tiles(counts[:e], seg_start, seg_end, pairs, bm)
     gu8, dn8 = fp8 if fp8 is not None else (None, None)
-    h = _gemm(x, gate_up, order // topk, tiles, pairs, bm, fp8=gu8)  # [P, 2I] in sorted order
+    h = _gemm(x, gate_up, order // topk, tiles, pairs, bm, fp8=gu8, tile=tile)  # [P, 2I] in sorted order
     gate, up = h.chunk(2, dim=-1)
     w_sorted = topk_w.reshape(-1)[order].to(x.dtype)  # [P] weight of each sorted pair
     # down GEMM weighted and written back in pair order; pairs of foreign experts get no tile and stay zero
-    y = _gemm((F.silu(gate) * up).contiguous(), down, None, tiles, pairs, bm, (order, w_sorted), dn8)  # [P, H]
+    y = _gemm((F.silu(gate) * up).contiguous(), down, None, tiles, pairs, bm, (order, w_sorted), dn8,
+              tile)  # [P, H]
     y = y.view(t, topk, y.shape[-1])
     return y if per_slot else y.sum(1)
 
@@ -169,12 +185,3 @@ def expert_major_experts(
     y = _gemm((F.silu(gate) * up).contiguous(), down, None, tiles, e * m, bm, (rows, ones), dn8)  # [E*M, H]
     return y.view(e, m, h)
 
-
-def gemm(a: torch.Tensor, w: torch.Tensor, fp8: Fp8Weight) -> torch.Tensor:
-    """a [M, K] @ e4m3 w [N, K].T -> [M, N] in a's dtype: the grouped GEMM with one group, so a dense FP8 weight
-    is read as e4m3 once (not dequantized into a copy first) at batch sizes past the GEMV's."""
-    m = a.shape[0]
-    bm = 16 if m <= 256 else 64
-    counts = torch.full((1,), m, dtype=torch.long, device=a.device)
-    tiles = _tiles(counts, torch.zeros_like(counts), counts, m, bm)
-    return _gemm(a.contiguous(), w[None], None, tiles, m, bm, fp8=Fp8Weight(fp8.scale[None], fp8.block))

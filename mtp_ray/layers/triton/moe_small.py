@@ -193,10 +193,12 @@ class SharedWeights(NamedTuple):
 
 def _experts(x: torch.Tensor, ids: torch.Tensor | None, tw: torch.Tensor | None, gate_up: torch.Tensor | None,
              down: torch.Tensor | None, start: int, shared: SharedWeights | None, out: torch.Tensor,
-             fp8: tuple[Fp8Weight, Fp8Weight] | None = None) -> torch.Tensor:
+             fp8: tuple[Fp8Weight, Fp8Weight] | None = None, tile: tuple[int, int, int] | None = None
+             ) -> torch.Tensor:
     """Both launches. x: [T, H]; ids, tw: [T, k] or None (shared expert alone, added to `out`'s routed input);
     gate_up: [E, 2I, H]; down: [E, H, I]; out: [T, H] (written in place); fp8: gate_up's and down's scales when
-    they are e4m3 (then the shared expert's must be too, with the same blocks: one launch reads one kind)."""
+    they are e4m3 (then the shared expert's must be too, with the same blocks: one launch reads one kind); tile:
+    (gate_up BN, gate_up BK, down BN), default `expert_tiles`."""
     t, h = x.shape
     topk, sh = (ids.shape[1] if ids is not None else 0), int(shared is not None)
     assert topk + sh > 0 and x.stride(1) == 1 and out.stride(1) == 1
@@ -227,10 +229,7 @@ def _experts(x: torch.Tensor, ids: torch.Tensor | None, tw: torch.Tensor | None,
     width = max(inter if topk else 0, inter_sh)
     pairs = t * (topk + sh)
     act = torch.empty(pairs, width, dtype=x.dtype, device=x.device)
-    # GEMV tiles (bench/kernels.py sweep, H200, 1 and 4 tokens): gate_up 4 weight rows a program, 1024 inputs a
-    # load; down 16 output rows a program (9.3 / 23.6 us against 10.1 / 27.3 with 4)
-    bn_up, bn_down = 4, 16
-    bk_up = min(triton.next_power_of_2(h), 1024)
+    bn_up, bk_up, bn_down = tile or expert_tiles(h, fp8 is not None)
     # FP8: the input scaled per program when its rows (gate's and up's alike) stay in one scale row block
     tile_scale = fp8 is not None and rows_in_block(bn_up, sn, sk) and (topk == 0 or inter % sn == 0)
     _gate_up_kernel[(pairs, triton.cdiv(width, bn_up))](
@@ -242,6 +241,15 @@ def _experts(x: torch.Tensor, ids: torch.Tensor | None, tw: torch.Tensor | None,
     down_sum(act, ids, tw, down, start, x, (sd, gw), out, topk, sh, inter, inter_sh, bn_down,
              (dn8, sfp8[2]) if fp8 is not None else None)
     return out
+
+
+def expert_tiles(h: int, fp8: bool) -> tuple[int, int, int]:
+    """(gate_up BN, gate_up BK, down BN). bf16 (bench/kernels.py sweep, H200, 1 and 4 tokens): gate_up 4 weight
+    rows a program, 1024 inputs a load; down 16 output rows a program (9.3 / 23.6 us against 10.1 / 27.3 with 4).
+    FP8 (1 / 4 tokens, e4m3 + shared expert): gate_up twice the rows, the same bytes a program; down as bf16
+    (16.3 / 37.5 us against bf16's 21.8 / 63.0)."""
+    bk = min(triton.next_power_of_2(h), 1024)
+    return (8 if fp8 else 4), bk, 16
 
 
 def down_sum(act: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, down: torch.Tensor, start: int,
@@ -287,9 +295,10 @@ def pair_experts(
     start: int,
     shared: SharedWeights | None = None,  # the shared expert too, in the same two launches (no EP in between)
     fp8: tuple[Fp8Weight, Fp8Weight] | None = None,  # gate_up's and down's scales when they are e4m3
+    tile: tuple[int, int, int] | None = None,  # (gate_up BN, gate_up BK, down BN): the sweep's override
 ) -> torch.Tensor:  # [T, H]
     out = torch.empty_like(x)
-    return _experts(x, topk_ids.contiguous(), topk_w.contiguous(), gate_up, down, start, shared, out, fp8)
+    return _experts(x, topk_ids.contiguous(), topk_w.contiguous(), gate_up, down, start, shared, out, fp8, tile)
 
 
 def shared_expert_add(x: torch.Tensor, routed: torch.Tensor, shared: SharedWeights) -> torch.Tensor:
