@@ -245,6 +245,19 @@ def sweep_experts_fp8(rows: int, dev: torch.device) -> dict:
     return res
 
 
+def _tile_sweep(space: list[tuple], seconds) -> dict:
+    """{"best", "configs"}: seconds(tile) for every tile of the space, in us; a tile the compiler rejects (shared
+    memory) is recorded with its error and skipped."""
+    cfgs = []
+    for tile in space:
+        try:
+            cfgs.append({"tile": list(tile), "us": round(seconds(tile) * 1e6, 2)})
+        except Exception as e:
+            cfgs.append({"tile": list(tile), "error": str(e)[:80]})
+    ok = [c for c in cfgs if "us" in c]
+    return {"best": min(ok, key=lambda c: c["us"]) if ok else None, "configs": cfgs}
+
+
 def sweep_gemm_fp8(rows: int, shapes: list[str], dev: torch.device) -> list[dict]:
     """Dense FP8 projections past the GEMV's 16 rows (`gemv`'s dot kernel in M tiles) over (BN, BK, warps,
     stages), next to cuBLAS on the bf16 weight."""
@@ -260,18 +273,9 @@ def _gemm_shape(name: str, n: int, k: int, rows: int, dev: torch.device) -> dict
     res = {"shape": name, "rows": rows, "N": n, "K": k, "default": list(tiles(rows, n, k, False, True)),
            "cublas_bf16_us": round(graph_time(lambda i: F.linear(x, ws[i]), variants=len(ws)) * 1e6, 2),
            "at_default": round(graph_time(lambda i: gemv(x, fs[i][0], fp8=fs[i][1]), variants=len(fs)) * 1e6, 2)}
-    cfgs = []
-    for bn, bk, warps, st in itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4)):
-        tile = ("dot", bn, bk, warps, st)
-        try:
-            t = graph_time(lambda i, tile=tile: gemv(x, fs[i][0], tile, fp8=fs[i][1]), variants=len(fs))
-        except Exception as e:  # a config the compiler rejects (shared memory): recorded, skipped
-            cfgs.append({"tile": list(tile), "error": str(e)[:80]})
-            continue
-        cfgs.append({"tile": list(tile), "us": round(t * 1e6, 2)})
-    ok = [c for c in cfgs if "us" in c]
-    res["best"] = min(ok, key=lambda c: c["us"]) if ok else None
-    res["configs"] = cfgs
+    space = [("dot", *c) for c in itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4))]
+    res.update(_tile_sweep(space, lambda tile: graph_time(lambda i: gemv(x, fs[i][0], tile, fp8=fs[i][1]),
+                                                          variants=len(fs))))
     print(f"fp8 gemm {name} rows={rows}: cuBLAS bf16 {res['cublas_bf16_us']} us, fp8 default {res['at_default']} "
           f"us, best {res['best']}")
     return res
@@ -295,17 +299,9 @@ def sweep_grouped_fp8(rows: int, dev: torch.device) -> dict:
     res = {"rows": rows, "default": list(gemm_tile(False, True)),
            "bf16_us": round(graph_time(lambda i: fused_experts(x, ids, tw, gu16, dn16, 0)) * 1e6, 2),
            "at_default": round(graph_time(lambda i: fused_experts(x, ids, tw, qgu, qdn, 0, fp8=fp8)) * 1e6, 2)}
-    cfgs = []
-    for tile in itertools.product((32, 64, 128), (128, 256), (4, 8), (3, 4)):
-        try:
-            t = graph_time(lambda i, tile=tile: fused_experts(x, ids, tw, qgu, qdn, 0, fp8=fp8, tile=tile))
-        except Exception as e:  # a config the compiler rejects (shared memory): recorded, skipped
-            cfgs.append({"tile": list(tile), "error": str(e)[:80]})
-            continue
-        cfgs.append({"tile": list(tile), "us": round(t * 1e6, 2)})
-    ok = [c for c in cfgs if "us" in c]
-    res["best"] = min(ok, key=lambda c: c["us"]) if ok else None
-    res["configs"] = cfgs
+    space = list(itertools.product((32, 64, 128), (128, 256), (4, 8), (3, 4)))
+    res.update(_tile_sweep(space, lambda tile: graph_time(lambda i: fused_experts(x, ids, tw, qgu, qdn, 0, fp8=fp8,
+                                                                                  tile=tile))))
     print(f"fp8 grouped experts rows={rows}: bf16 {res['bf16_us']} us, fp8 default {res['at_default']} us, "
           f"best {res['best']}")
     return res

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtp_ray.layers.fp8 import E4M3, Fp8Block, Fp8Weight, dequantize, row_scales, scale_shape
+from mtp_ray.layers.fp8 import E4M3, Fp8Block, Fp8Weight, dequantize, scale_shape
 
 GEMV_ROWS = 16
 
@@ -65,8 +65,9 @@ class FusedProjections:
 
     `fuse()` runs after loading and after every wake_up (sleep moves or re-allocates the parameters, which
     breaks the views); `__call__` falls back to one GEMM per projection whenever the views are broken. FP8
-    projections with one block fuse too, their scales stacked the same way; where a scale block would straddle
-    two projections their scales first become one row per weight row (lossless)."""
+    projections with one block fuse too, their scales stacked the same way; a projection whose rows are not a
+    whole number of scale blocks is followed by zero rows up to the next block (their outputs are dropped), so
+    every projection's scale rows stay its own and a GEMV program's rows share one scale row block."""
 
     def __init__(self, *layers: Linear):
         assert all(lin.bias is None for lin in layers)
@@ -74,6 +75,7 @@ class FusedProjections:
         self.buffer: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None  # FP8: the stacked weight_scale_inv
         self.ptrs: tuple[int, ...] = ()
+        self.pads: tuple[int, ...] = ()  # FP8: zero rows after each projection (to a whole scale block)
 
     def _params(self) -> list[torch.Tensor]:
         return [p for lin in self.layers for p in ((lin.weight, lin.weight_scale_inv) if lin.fp8 else (lin.weight,))]
@@ -85,25 +87,22 @@ class FusedProjections:
         block = self.layers[0].fp8_block
         if any(lin.fp8_block != block for lin in self.layers):
             return  # FP8 and not, or different blocks: stay unfused
-        if block is not None and any(w.shape[0] % block.rows for w in ws[:-1]):
-            block = Fp8Block(1, block.cols)  # a scale block would straddle two projections: a scale row per row
-            for lin in self.layers:
-                lin.weight_scale_inv.data = row_scales(lin.weight_scale_inv.data, lin.weight.shape[0],
-                                                       lin.fp8_block.rows)
-                lin.fp8_block = block
-        self.buffer = self._stack(ws)  # [sum N, K]
-        if block is not None:
-            self.scales = self._stack([lin.weight_scale_inv for lin in self.layers])  # [sum N / rows, K / cols]
+        self.pads = tuple(-w.shape[0] % block.rows if block is not None else 0 for w in ws[:-1]) + (0,)
+        self.buffer = self._stack(ws, self.pads)  # [sum N + pads, K]
+        if block is not None:  # [sum ceil(N / rows), K / cols]: each projection starts on a block boundary
+            self.scales = self._stack([lin.weight_scale_inv for lin in self.layers], (0,) * len(ws))
         self.ptrs = tuple(p.data_ptr() for p in self._params())
 
     @staticmethod
-    def _stack(ps: list[torch.Tensor]) -> torch.Tensor:
-        """One buffer of the parameters' rows; each parameter becomes a view of its rows."""
-        buf = torch.cat([p.detach() for p in ps])
+    def _stack(ps: list[torch.Tensor], pads: tuple[int, ...]) -> torch.Tensor:
+        """One buffer of the parameters' rows, each followed by its pad of zero rows; each parameter becomes a
+        view of its rows."""
+        parts = [t for p, pad in zip(ps, pads) for t in (p.detach(), p.new_zeros(pad, *p.shape[1:]))]
+        buf = torch.cat(parts)
         at = 0
-        for p in ps:
+        for p, pad in zip(ps, pads):
             p.data = buf[at : at + p.shape[0]]
-            at += p.shape[0]
+            at += p.shape[0] + pad
         return buf
 
     @property
@@ -116,12 +115,13 @@ class FusedProjections:
             return [lin(x) for lin in self.layers]
         block = self.layers[0].fp8_block
         fp8 = Fp8Weight(self.scales, block) if block is not None else None
-        return list(linear(x, self.buffer, fp8=fp8).split([lin.weight.shape[0] for lin in self.layers], dim=-1))
+        sizes = [n for lin, pad in zip(self.layers, self.pads) for n in (lin.weight.shape[0], pad)]
+        return list(linear(x, self.buffer, fp8=fp8).split(sizes, dim=-1))[::2]  # (the pads' outputs dropped)
 
     def unfuse(self) -> None:
         """Let go of the buffers (sleep): the parameters keep their views of them only until sleep moves or drops
         them, so the buffers' memory goes with them instead of staying referenced here."""
-        self.buffer, self.scales, self.ptrs = None, None, ()
+        self.buffer, self.scales, self.ptrs, self.pads = None, None, (), ()
 
 
 def _fused(model: nn.Module) -> list[FusedProjections]:

@@ -7,7 +7,8 @@ Three ways to apply the block scales, cheapest first:
 - dot kernels with power-of-two scale blocks (`fp8_tile`): a K tile is cut into sub-tiles of one scale block
   each, whose dot products are scaled per output column (the tile keeps its width: capping it at the block's 128
   columns left an FP8 program 1/8 of the bf16 tile's bytes in flight). The one-row GEMV whose rows span several
-  row blocks (fused projections re-laid one scale row per weight row) scales each sub-tile's rows likewise.
+  row blocks (blocks of fewer rows than a program's, e.g. one scale row per weight row) scales each sub-tile's
+  rows likewise.
 - otherwise each element's scale is gathered (`dequant`: correct for any block, slow; tests use such blocks).
 Products are formed in fp32 from the exact e4m3 values, so they follow the real FP8 weights rather than a bf16
 rounding of them: within rounding of the dequantized checkpoint's results, not bitwise (the CPU path is: it
@@ -34,6 +35,25 @@ def block_scales(s_ptr, rows, cols, mask, stride_sn, SN: tl.constexpr, SK: tl.co
 def dequant(w, s_ptr, rows, cols, mask, stride_sn, SN: tl.constexpr, SK: tl.constexpr):
     """fp32 float(q) * scale[rows // SN, cols // SK] for a loaded e4m3 tile (rows, cols broadcastable to it)."""
     return w.to(tl.float32) * block_scales(s_ptr, rows, cols, mask, stride_sn, SN, SK)
+
+
+@triton.jit
+def scaled_dot(x, w, s_ptr, cols, k0, kk, nm, wm, stride_sn, IEEE: tl.constexpr, FP8: tl.constexpr,
+               TILE_SCALE: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr):
+    """fp32 x [BM, BK] @ w [BK, BN] for a dot kernel's (sub-)tile at K offset k0 (kk: its K indices; cols: the
+    output columns = weight rows). FP8: w is e4m3, scaled per output column when the tile lies in one scale block
+    (TILE_SCALE), else per element."""
+    if FP8 and not TILE_SCALE:
+        w = dequant(w, s_ptr, cols[None, :], kk[:, None], wm, stride_sn, SN, SK)
+    if FP8:
+        w = w.to(x.dtype)  # e4m3 is exact in bf16 / fp32
+    if IEEE:
+        part = tl.dot(x, w, input_precision="ieee")
+    else:
+        part = tl.dot(x, w)
+    if TILE_SCALE:
+        part = part * block_scales(s_ptr, cols, k0, nm, stride_sn, SN, SK)[None, :]
+    return part
 
 
 def scale_args(w: torch.Tensor, fp8: Fp8Weight | None) -> tuple[torch.Tensor, int, int, int, int]:

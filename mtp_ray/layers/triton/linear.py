@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from mtp_ray.layers.fp8 import Fp8Weight
-from mtp_ray.layers.triton.fp8 import block_scales, dequant, fp8_tile, rows_in_block, scale_args
+from mtp_ray.layers.triton.fp8 import block_scales, dequant, fp8_tile, rows_in_block, scale_args, scaled_dot
 
 
 @triton.jit
@@ -37,17 +37,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
                         other=0.0)
             wm = km[:, None] & nm[None, :]
             w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None], mask=wm, other=0.0)  # [BK/SUB, BN]
-            if FP8 and not TILE_SCALE:
-                w = dequant(w, s_ptr, n[None, :], kk[:, None], wm, stride_sn, SN, SK)
-            if FP8:
-                w = w.to(x_ptr.dtype.element_ty)  # e4m3 is exact in bf16 / fp32
-            if IEEE:
-                part = tl.dot(x, w, input_precision="ieee")
-            else:
-                part = tl.dot(x, w)
-            if TILE_SCALE:  # the sub-tile in one scale block: one scale per output column
-                part = part * block_scales(s_ptr, n, k0 + j * (BK // SUB), nm, stride_sn, SN, SK)[None, :]
-            acc += part
+            acc += scaled_dot(x, w, s_ptr, n, k0 + j * (BK // SUB), kk, nm, wm, stride_sn, IEEE, FP8, TILE_SCALE, SN,
+                              SK)
     tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=mm[:, None] & nm[None, :])
 
@@ -80,13 +71,12 @@ def _gemv_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn, BN:
 def tiles(m: int, n: int, k: int, fp32: bool, fp8: bool = False) -> tuple[str, int, int, int, int]:
     """(kernel, BN, BK, num_warps, num_stages) for an [m, k] x [n, k] product (bench/kernels.py sweeps on an H200).
     FP8 weights (one byte an element): the one-row kernel takes twice the bf16 rows a program (the same bytes in
-    flight); past 16 rows dot tiles of up to 64 rows. Alone, 8 rows x 2048 beat the dot kernel on the largest
-    shape (9.1 vs 12.5 us), but in a 35B-A3B step all 120 one-row launches so took 793 us against 738 (the
-    fused GDN input's scales are one row per weight row there: ROW_SCALE, slower than a scaled input)."""
+    flight), also past 40 MB of bf16 weight; past 16 rows dot tiles of up to 64 rows (bench/kernels.py --fp8)."""
     if fp32:  # tests and fp32 runs: the IEEE dot path, small tiles (shared memory)
         return "dot", 16 if n <= 4096 else 32, 128, 4, 4
-    if fp8 and m == 1 and n * k <= 20 * 2**20:
-        return "row", 4, min(1024, triton.next_power_of_2(k)), 4, 1
+    if fp8 and m == 1:  # larger weights: 8 x 2048 (the fused GDN input: 9.1 us against 12.5 on the dot kernel)
+        big = n * k > 20 * 2**20
+        return "row", 8 if big else 4, min(2048 if big else 1024, triton.next_power_of_2(k)), 4, 1
     if fp8 and m > 16:  # 12352 x 2048 at 64 / 256 rows: 20.6 / 63.5 us (cuBLAS on bf16: 16.1 / 20.6)
         return "dot", 32 if m <= 64 else 64, 128, 4, 3
     if m == 1 and n * k <= 20 * 2**20:  # up to ~40 MB of bf16 weight: two columns a program win (H200 sweep)

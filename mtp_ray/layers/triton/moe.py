@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from mtp_ray.layers.fp8 import Fp8Weight
-from mtp_ray.layers.triton.fp8 import block_scales, dequant, fp8_tile, scale_args
+from mtp_ray.layers.triton.fp8 import fp8_tile, scale_args, scaled_dot
 
 
 @triton.jit
@@ -50,18 +50,8 @@ def _grouped_gemm_kernel(
                 wm = km[:, None] & nm[None, :]
                 w = tl.load(w_ptr + e * stride_we + n[None, :] * stride_wn + kk[:, None] * stride_wk, mask=wm,
                             other=0.0)  # [BLOCK_K / SUB, BLOCK_N]
-                if FP8 and not TILE_SCALE:
-                    w = dequant(w, s_ptr + e * stride_se, n[None, :], kk[:, None], wm, stride_sn, SN, SK)
-                if FP8:
-                    w = w.to(a_ptr.dtype.element_ty)  # e4m3 is exact in bf16 / fp32
-                if IEEE:
-                    part = tl.dot(a, w, input_precision="ieee")
-                else:
-                    part = tl.dot(a, w)
-                if TILE_SCALE:  # the sub-tile in one scale block: one scale per output column
-                    part = part * block_scales(s_ptr + e * stride_se, n, k0 + j * (BLOCK_K // SUB), nm, stride_sn,
-                                               SN, SK)[None, :]
-                acc += part
+                acc += scaled_dot(a, w, s_ptr + e * stride_se, n, k0 + j * (BLOCK_K // SUB), kk, nm, wm, stride_sn,
+                                  IEEE, FP8, TILE_SCALE, SN, SK)
         out = acc.to(c_ptr.dtype.element_ty)
         crow = r.to(tl.int64)
         if SCATTER:  # weighted, into the pair's own row: round, then weight and round, as torch's y * w would
