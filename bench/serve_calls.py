@@ -4,8 +4,9 @@
 
 A caller deployment (standing in for the HTTP ingress) sends `burst` calls at once to a trivial deployment
 (standing in for the group) and times each call to its first result: a streaming handle call that yields at once
-and stays open (how the ingress admits a request today), a unary handle call, and a plain Ray actor call (no
-Serve routing). Their spread at a burst of 128 is the admission floor Serve adds before any engine work.
+and stays open (how the ingress admits a request today), a unary handle call, a plain Ray actor call (no
+Serve routing), and one streaming call carrying the whole burst (what batched admission would cost). Their spread
+at a burst of 128 is the admission floor Serve adds before any engine work.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ class Target:
     async def unary(self, i: int) -> int:
         return i
 
+    async def admit_many(self, items: list[int]):
+        yield items
+        await asyncio.sleep(2.0)
+
 
 @ray.remote
 class PlainTarget:
@@ -50,6 +55,10 @@ class Caller:
                 gen = self.streaming.admit.remote(i)
                 await gen.__anext__()
                 gen.cancel()
+            elif kind == "serve_stream_batch":  # (one call for all: every item waits for the same first result)
+                gen = self.streaming.admit_many.remote(list(range(n)))
+                await gen.__anext__()
+                gen.cancel()
             elif kind == "serve_unary":
                 await self.target.unary.remote(i)
             else:
@@ -58,7 +67,8 @@ class Caller:
 
         await self.target.unary.remote(-1)  # (routes known, actor warm)
         await self.plain.unary.remote(-1)
-        t = sorted(await asyncio.gather(*(one(i) for i in range(n))))
+        t = sorted(await asyncio.gather(*(one(i) for i in range(1 if kind == "serve_stream_batch" else n))))
+        n = len(t)
         ms = lambda x: round(x * 1e3, 2)  # noqa: E731
         return {"kind": kind, "burst": n, "p50_ms": ms(t[n // 2]), "p90_ms": ms(t[(9 * n) // 10]), "max_ms": ms(t[-1])}
 
@@ -74,7 +84,7 @@ def main() -> None:
     handle = serve.run(Caller.bind(Target.bind()), name="serve_calls", route_prefix=None)
     rows = []
     for n in args.burst:
-        for kind in ("serve_stream", "serve_unary", "ray_actor"):
+        for kind in ("serve_stream", "serve_unary", "ray_actor", "serve_stream_batch"):
             runs = [handle.burst.remote(n, kind).result() for _ in range(args.repeats)]
             row = {"kind": kind, "burst": n, **{k: sorted(r[k] for r in runs)[len(runs) // 2]
                                                  for k in ("p50_ms", "p90_ms", "max_ms")}}
