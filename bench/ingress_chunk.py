@@ -67,7 +67,7 @@ async def run(tok, streams: int, steps: int) -> dict:
         req = parse_completion({"prompt": [5, 6, 7], "max_tokens": steps, "stream": True}, tok, limits)
         c = new_choices(req, tok, ChatServing(None, None))[0]
         q = client.deliveries.expect(f"r{i}")
-        stream = GroupStream(client, [5, 6, 7], req.params, Admitted(Admission(f"r{i}", "g", 1, 0, None), None, q))
+        stream = GroupStream(client, [5, 6, 7], req.params, Admitted(Admission(f"r{i}", "g", 1, 0, None), q))
         async for _ in runner.events(SSEWriter(f"cmpl-{i}", "m", req, [c], False, tok), [c], {0: stream},
                                      time.monotonic()):
             events += 1

@@ -110,3 +110,38 @@ def test_gpu_profile_yaml_is_a_valid_engine_config():
     assert cfg.device == "cuda" and cfg.parallel.dp == 2 and cfg.spec.k == 3
     full = yaml.safe_load((ROOT / "deployments" / "qwen35_gpu.yaml").read_text())
     assert full["http_options"]["host"] == "127.0.0.1"  # loopback unless the operator opens it
+
+
+def test_group_policy_scales_on_the_groups_requests_not_serve_calls():
+    """One admission call carries a burst of requests: the policy reads the groups' own count of requests in flight
+    (GroupDeployment.record_autoscaling_stats), Serve's default policy otherwise unchanged."""
+    from ray.serve._private.common import DeploymentID, ReplicaID
+    from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+    from mtp_ray.serve.app import build_app
+    from mtp_ray.serve.scaling import POLICY, REQUESTS_IN_FLIGHT, group_policy, with_group_policy
+
+    did = DeploymentID(name="EngineGroup", app_name="a")
+    replicas = [ReplicaID(unique_id=f"r{i}", deployment_id=did) for i in range(2)]
+    cfg = AutoscalingConfig(min_replicas=1, max_replicas=8, target_ongoing_requests=4, upscale_delay_s=0,
+                            downscale_delay_s=0)
+
+    def decide(metrics: dict) -> float:
+        ctx = AutoscalingContext(
+            deployment_id=did, deployment_name="EngineGroup", app_name="a", current_num_replicas=2,
+            target_num_replicas=2, running_replicas=replicas, total_num_requests=2.0, total_queued_requests=1.0,
+            aggregated_metrics=metrics, raw_metrics=None, capacity_adjusted_min_replicas=1,
+            capacity_adjusted_max_replicas=8, policy_state={}, last_scale_up_time=None, last_scale_down_time=None,
+            current_time=time.time(), config=cfg)
+        return group_policy(ctx)[0]
+
+    # 2 calls open (+1 queued at the handles) but 23 + 8 requests in flight: (31 + 1) / 4 groups
+    assert decide({REQUESTS_IN_FLIGHT: {replicas[0]: 23.0, replicas[1]: 8.0}}) == 8
+    assert decide({}) < 2  # no report yet (a new replica): Serve's own count
+    opts = with_group_policy({"autoscaling_config": {"min_replicas": 1, "max_replicas": 2}})
+    assert opts["autoscaling_config"]["policy"] == {"policy_function": POLICY}
+    mine = {"autoscaling_config": {"max_replicas": 2, "policy": {"policy_function": "x:y"}}}
+    assert with_group_policy(mine) == mine and with_group_policy({"num_replicas": 2}) == {"num_replicas": 2}
+    app = build_app({"engine": {"device": "cpu"}, "group": {"autoscaling_config": {"max_replicas": 2}}})
+    group = app._bound_deployment.init_args[0]._bound_deployment  # (the ingress is bound to the group)
+    assert group.name == "EngineGroup" and group._deployment_config.autoscaling_config.policy.policy_function == POLICY

@@ -23,7 +23,7 @@ from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.runtime.batcher import CallBatcher, detached
 from mtp_ray.runtime.group_commands import GroupCommands
 from mtp_ray.runtime.group_monitor import GroupFailed, GroupMonitor, GroupUnavailable
-from mtp_ray.runtime.messages import AddRequest, Admission, RequestError
+from mtp_ray.runtime.messages import AddRequest, Admission, AdmitItem, RequestError
 from mtp_ray.runtime.prefix_routing import PrefixRouter
 from mtp_ray.runtime.sinks import Collector, RemoteSink, Sink, StreamSink
 from mtp_ray.runtime.worker import RankWorker
@@ -191,25 +191,40 @@ class EngineGroup:
         finally:
             self._release(rid, rank, finished)
 
-    async def admit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, subscriber: str,
-                    ready_timeout: float | None = None) -> AsyncIterator[Admission]:
-        """A request whose outputs `subscriber` pulls from its rank (`RankWorker.pull`; the HTTP ingress): yields
-        its Admission once the rank holds it, then stays open until the rank says it ended (finished, aborted,
-        refused), so the call counts as the request's while it runs (Serve's ongoing requests: autoscaling). Closing
-        it before then (the caller cancels) aborts the request on its rank."""
+    async def admit_batch(self, items: list[AdmitItem], subscriber: str) -> AsyncIterator[list[Admission | Exception]]:
+        """Requests whose outputs `subscriber` pulls from their ranks (`RankWorker.pull`; the HTTP ingress), in one
+        call (the ingress batches a burst: a Serve call costs ~1.5 ms of routing and replica work,
+        bench/serve_calls.py): yields one result per item, its Admission or the error that refused it, then stays
+        open until every admitted one ended. Closing it earlier aborts those still running; one alone is aborted at
+        its rank (`RankWorker.abort`). Autoscaling reads the group's count of requests (serve/scaling.py), not of
+        calls."""
         assert subscriber, "the group's own requests go through generate / collect"
         t0 = time.monotonic()
-        sink = RemoteSink()
-        rid, rank = await self._admit(prompt_ids, params, request_id, ready_timeout, sink, subscriber)
-        self.admit_s += time.monotonic() - t0  # the group's share of an admission (validate, route, rank's ack)
-        self.admits += 1
-        finished = False
+        sinks = [RemoteSink() for _ in items]
+        tasks = [asyncio.ensure_future(self._admit(it.prompt_ids, it.params, it.request_id, None, sink, subscriber))
+                 for it, sink in zip(items, sinks)]
         try:
-            yield Admission(rid, self.group_id, self.epoch, rank, self.workers[rank])
-            await sink.ended.wait()
-            finished = True
+            got = await asyncio.gather(*tasks, return_exceptions=True)
+        except BaseException:  # cancelled while admitting: none of them may stay behind on a rank
+            for t in tasks:
+                if t.done() and not t.cancelled() and t.exception() is None:
+                    self._release(*t.result(), finished=False)
+                t.cancel()
+            raise
+        live = {asyncio.ensure_future(sink.ended.wait()): r for r, sink in zip(got, sinks) if isinstance(r, tuple)}
+        self.admit_s += time.monotonic() - t0
+        self.admits += len(live)
+        try:
+            yield [Admission(r[0], self.group_id, self.epoch, r[1], self.workers[r[1]]) if isinstance(r, tuple)
+                   else r for r in got]
+            while live:
+                ended, _ = await asyncio.wait(live, return_when=asyncio.FIRST_COMPLETED)
+                for f in ended:
+                    self._release(*live.pop(f), finished=True)
         finally:
-            self._release(rid, rank, finished)
+            for f, (rid, rank) in live.items():
+                f.cancel()
+                self._release(rid, rank, finished=False)
 
     async def _admit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
                      ready_timeout: float | None, sink: Sink, subscriber: str = "") -> tuple[str, int]:

@@ -28,6 +28,15 @@ class RequestError(ValueError):
 
 
 @dataclass(frozen=True)
+class AdmitItem:
+    """One request of an ingress's batched admission (`EngineGroup.admit_batch`), params validated there."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
 class AddRequest:
     request_id: str
     prompt_ids: list[int]

@@ -22,6 +22,7 @@ from mtp_ray.runtime.group import rank_bundles
 from mtp_ray.serve.deployment import GroupDeployment
 from mtp_ray.serve.ingress import Ingress
 from mtp_ray.serve.routing import ServingGroupsRouter
+from mtp_ray.serve.scaling import with_group_policy
 
 REPLICA_CPU = 0.1  # bundle 0 of a group replica holds the replica actor itself; the ranks take the others
 
@@ -50,7 +51,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         ray_actor_options={"num_cpus": REPLICA_CPU},
         placement_group_bundles=group_bundles(cfg),
         placement_group_strategy=cfg.parallel.placement_strategy,
-        **group_opts,
+        **with_group_policy(group_opts),  # autoscaling on the groups' requests in flight (serve/scaling.py)
     ).bind(engine)
     ingress_opts = {"max_ongoing_requests": 1000, **dict(args.get("ingress") or {})}
     ingress = serve.deployment(Ingress, name="OpenAIIngress").options(

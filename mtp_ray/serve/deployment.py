@@ -2,7 +2,7 @@
 placement-group bundles (bundle 0 holds the replica itself). Serve's health check fails when a rank is dead or
 the group failed, so Serve replaces the whole group; Serve's request cancellation aborts the request on its rank.
 Through a DeploymentHandle it offers the same RL methods as the rollout actor (generate, sleep, wake_up,
-update_weights, ...), plus `admit` for the HTTP ingress and `stream` for handle users who stream."""
+update_weights, ...), plus `admit_batch` for the HTTP ingress and `stream` for handle users who stream."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.rl.engine import RolloutEngine
 from mtp_ray.runtime.group import EngineGroup
-from mtp_ray.runtime.messages import Admission
+from mtp_ray.runtime.messages import Admission, AdmitItem
 from mtp_ray.serve.metrics import group_snapshot
 from mtp_ray.serve.metrics_hub import HubReporter
+from mtp_ray.serve.scaling import REQUESTS_IN_FLIGHT
 
 
 class GroupDeployment(RolloutEngine):
@@ -39,14 +40,19 @@ class GroupDeployment(RolloutEngine):
         async for out in self.group.generate(prompt_ids, params, request_id, announce=True):
             yield out
 
-    async def admit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, subscriber: str
-                    ) -> AsyncIterator[Admission]:
-        """The HTTP ingress's entry (handle.options(stream=True)): the Admission once a rank holds the request,
-        whose outputs the ingress replica `subscriber` then pulls from that rank itself (runtime/outboxes.py); the
-        call stays open until the request ends, and cancelling it aborts the request. Params as validated by the
-        ingress."""
-        async for adm in self.group.admit(prompt_ids, params, request_id, subscriber):
-            yield adm
+    async def admit_batch(self, items: list[AdmitItem], subscriber: str) -> AsyncIterator[list[Admission | Exception]]:
+        """The HTTP ingress's entry (handle.options(stream=True)): the requests that reached one ingress replica
+        while its previous admission call was in flight, in one call (`EngineGroup.admit_batch`): one result each,
+        an Admission (the ingress replica `subscriber` then pulls its outputs from that rank itself,
+        runtime/outboxes.py) or the error that refused it. The call stays open until they all ended; cancelling it
+        aborts those still running. Params as validated by the ingress."""
+        async for results in self.group.admit_batch(items, subscriber):
+            yield results
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metric (serve/scaling.py): requests in flight on this group. Serve's own count
+        is of open calls, and one admission call carries a burst of requests."""
+        return {REQUESTS_IN_FLIGHT: float(len(self.group.reqs))}
 
     async def record_routing_stats(self) -> dict:
         """Read by Serve's request router (serve/routing.py) every few seconds: a group that cannot serve is

@@ -1,7 +1,10 @@
 """GroupClient: how the ingress reaches the engine groups (the group deployment's replicas).
 
-Admission is a call to a group (`GroupDeployment.admit`, routed by Serve); the request's outputs then come from
-its rank straight to this replica (serve/delivery.py). A request is admitted by some group within the queue
+Admission is a call to a group (`GroupDeployment.admit_batch`, routed by Serve) carrying every request that reached
+this replica while its previous admission call was in flight (`Admissions`: a Serve call costs ~1.5 ms of routing
+and replica work, so a burst of 128 calls took ~160-250 ms where one call carrying them takes 5 ms,
+bench/serve_calls.py); the requests' outputs then come from their ranks straight to this replica
+(serve/delivery.py). A request is admitted by some group within the queue
 timeout or gets a 503 naming the cause: a group that cannot serve answers GroupUnavailable at once
 (serve/routing.py steers new requests away from it) and the request is sent again, to whichever group Serve picks
 next, until one admits it or the time is up. A request whose group fails after admitting it but before its first
@@ -10,6 +13,7 @@ token is sent again the same way; one that already streamed tokens ends with the
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -21,10 +25,15 @@ from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableE
 
 from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.sampling_params import SamplingParams
+from mtp_ray.runtime.batcher import detached
 from mtp_ray.runtime.group_monitor import GroupFailed, GroupUnavailable
-from mtp_ray.runtime.messages import Admission, RequestError
+from mtp_ray.runtime.messages import Admission, AdmitItem, RequestError
 from mtp_ray.serve.delivery import Deliveries
 from mtp_ray.serve.errors import ApiError
+
+log = logging.getLogger("mtp_ray.ingress")
+# a slow admission call (a group still starting) holds the requests that arrive behind it back this long at most
+BATCH_WAIT_S = 0.02
 
 # a group that cannot serve right now: failed or restarting, a rank or the group replica gone, Serve without a replica
 UNAVAILABLE = (GroupFailed, GroupUnavailable, RayActorError, ActorUnavailableError, DeploymentUnavailableError,
@@ -47,12 +56,88 @@ def unavailable(e: BaseException) -> bool:
     return isinstance(cause_of(e), UNAVAILABLE)
 
 
+def abort_at_rank(adm: Admission, count: Callable[[str], None]) -> None:
+    """Abort one admitted request on its rank (its admission call may carry others: it stays open). Counted in
+    the ingress's metrics: ingress_abort_calls_total, ingress_abort_errors_total."""
+    async def send() -> None:
+        count("ingress_abort_calls_total")
+        try:
+            await adm.worker.abort.remote(adm.request_id)
+        except Exception as e:  # the rank is gone: its requests went with it
+            count("ingress_abort_errors_total")
+            log.info("abort of %s on rank %d: %s", adm.request_id, adm.rank, first_line(e))
+
+    detached(send())  # not a child of the request being cancelled (runtime/batcher.py: detached)
+
+
+class Admissions:
+    """Requests to admit, in as few Serve calls as possible: the first at once, those that arrive while a call is
+    in flight together in the next, which leaves when that call answered or after BATCH_WAIT_S. A call stays open
+    while its requests run (the group ends it); a request whose submitter stopped waiting is aborted if admitted.
+    Structured-output requests go alone (the group compiles their grammar before answering)."""
+
+    def __init__(self, send: Callable[[list[AdmitItem]], Any], count: Callable[[str], None]):
+        self.send = send  # items -> Serve's response generator of GroupDeployment.admit_batch
+        self.count = count  # the ingress's metrics
+        self.pending: list[tuple[AdmitItem, asyncio.Future]] = []
+        self.busy = False
+        self.open: set = set()  # calls whose requests still run
+
+    def submit(self, item: AdmitItem) -> asyncio.Future:
+        """A future of the item's result: its Admission, or the exception that refused it."""
+        fut = asyncio.get_running_loop().create_future()
+        if item.params.structured_outputs is not None:
+            detached(self._call([(item, fut)]))
+            return fut
+        self.pending.append((item, fut))
+        if not self.busy:
+            self.busy = True
+            detached(self._drain())
+        return fut
+
+    async def _drain(self) -> None:
+        try:
+            while self.pending:
+                batch, self.pending = [(i, f) for i, f in self.pending if not f.done()], []
+                if batch:  # (the rest gave up waiting before their call left)
+                    await asyncio.wait({detached(self._call(batch))}, timeout=BATCH_WAIT_S)
+        finally:
+            self.busy = False
+
+    async def _call(self, batch: list[tuple[AdmitItem, asyncio.Future]]) -> None:
+        self.count("ingress_admission_calls_total")
+        call = self.send([item for item, _ in batch])
+        try:
+            results = await call.__anext__()
+        except Exception as e:  # the call failed (no group, a group gone): every request gets the error
+            call.cancel()
+            for _, f in batch:
+                if not f.done():
+                    f.set_exception(e)
+            return
+        for (_, f), r in zip(batch, results):
+            if not f.done():
+                f.set_result(r)
+            elif isinstance(r, Admission):  # its client went away or its queue time ran out meanwhile
+                abort_at_rank(r, self.count)
+        self.open.add(call)
+        try:
+            async for _ in call:  # (nothing more comes: it ends when its requests ended)
+                pass
+        except Exception:  # the group failed: each request learns it from its rank's pulls
+            pass
+        finally:
+            self.open.discard(call)
+
+
 class GroupClient:
     def __init__(self, handle, queue_s: float, retry_after_s: int, count: Callable[[str], None] = lambda _: None,
                  max_resends: int = 3, stream_interval_s: float = 0.0):
         self.handle = handle
         self.streaming = handle.options(stream=True)  # (made once: options() builds a new handle each call)
         self.deliveries = Deliveries(stream_interval_s)
+        self.admissions = Admissions(lambda items: self.streaming.admit_batch.remote(items, self.deliveries.subscriber),
+                                     count)
         self.queue_s, self.retry_after_s, self.max_resends = queue_s, retry_after_s, max_resends
         self.count = count  # metrics: request_retried_total (sent again: its group could not serve it)
 
@@ -73,17 +158,18 @@ class GroupClient:
                 raise self.unavailable_error(cause)
             rid = uuid.uuid4().hex
             queue = self.deliveries.expect(rid)
-            call = self.streaming.admit.remote(prompt, params, rid, self.deliveries.subscriber)
-            try:
-                adm = await asyncio.wait_for(call.__anext__(), left)
+            try:  # (a timeout or a cancel also cancels the future: Admissions aborts the request if admitted)
+                adm = await asyncio.wait_for(self.admissions.submit(AdmitItem(rid, prompt, params)), left)
+                if isinstance(adm, Exception):  # the group refused this request
+                    raise adm
             except asyncio.TimeoutError:
-                self._abandon(rid, call)
+                self.deliveries.drop(rid)
                 raise self.unavailable_error(cause) from None
-            except asyncio.CancelledError:  # the client went away while it was being admitted: abort it there too
-                self._abandon(rid, call)
+            except asyncio.CancelledError:  # the client went away while it was being admitted
+                self.deliveries.drop(rid)
                 raise
             except Exception as e:
-                self._abandon(rid, call)
+                self.deliveries.drop(rid)
                 if not unavailable(e):
                     raise
                 cause = e
@@ -93,12 +179,7 @@ class GroupClient:
                 continue
             assert isinstance(adm, Admission) and adm.request_id == rid
             self.deliveries.attach(adm)
-            return Admitted(adm, call, queue)
-
-    def _abandon(self, rid: str, call) -> None:
-        """Serve cancels the admission call: the group aborts the request if its rank took it already."""
-        self.deliveries.drop(rid)
-        call.cancel()
+            return Admitted(adm, queue)
 
     async def open(self, prompt: list[int], params: SamplingParams) -> GroupStream:
         """A request admitted by some group (or ApiError 503): its deltas through `GroupStream.deltas`."""
@@ -107,11 +188,9 @@ class GroupClient:
 
 @dataclass
 class Admitted:
-    """An admitted request on the ingress side: where it runs, the group's call that stays open while it runs
-    (cancelling it aborts the request), the queue its deltas arrive in."""
+    """An admitted request on the ingress side: where it runs, the queue its deltas arrive in."""
 
     adm: Admission
-    call: Any  # Serve's DeploymentResponseGenerator of GroupDeployment.admit
     queue: asyncio.Queue
 
 
@@ -125,11 +204,11 @@ class GroupStream:
         self.resends = 0
 
     def cancel(self) -> None:
-        """Stop it: Serve cancels the group's admission call, which aborts the request on its rank."""
+        """Stop it: aborted on its rank (the group sees it end there)."""
         if self.cur is not None:
             cur, self.cur = self.cur, None
             self.client.deliveries.drop(cur.adm.request_id)
-            cur.call.cancel()
+            abort_at_rank(cur.adm, self.client.count)
 
     def _done(self) -> None:
         """It ended on its rank (or its rank is gone): nothing to abort; the group's call ends by itself."""

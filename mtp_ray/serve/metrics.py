@@ -49,7 +49,8 @@ class Metrics:
         self.totals: dict[str, float] = defaultdict(float)
         for name in ("prompt_tokens_total", "generation_tokens_total", "spec_decode_num_drafts_total",
                      "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
-                     "request_aborted_total", "request_failed_total", "request_retried_total"):
+                     "request_aborted_total", "request_failed_total", "request_retried_total",
+                     "ingress_abort_calls_total", "ingress_abort_errors_total", "ingress_admission_calls_total"):
             self.totals[name] = 0.0  # exported from the start, as Prometheus counters should be
         self.running = 0
         self.spec_positions: int | None = None  # draft positions exported at zero (the group's k), once known
