@@ -237,34 +237,3 @@ def test_malformed_fp8_checkpoints_are_errors_naming_the_field(ckpts, tmp_path, 
     with pytest.raises(ValueError, match=match):  # the public entry point says the same
         LLM(str(bad))
 
-
-def test_fused_fp8_projections_pad_to_whole_scale_blocks():
-    """FP8 projections whose rows are not whole scale blocks fuse with zero rows after each (never a block across
-    two projections), keep their own blocks and scales, and give the per-projection outputs; the parameters stay
-    views of the buffer (a weight update lands in it)."""
-    from mtp_ray.layers.fp8 import Fp8Block
-    from mtp_ray.layers.linear import FusedProjections, Linear
-
-    g = torch.Generator().manual_seed(3)
-    block = Fp8Block(16, 32)
-    lins = []
-    for n in (40, 24, 8):  # 2.5, 1.5 and 0.5 row blocks
-        lin = Linear(64, n, bias=False)
-        lin.make_fp8(block)
-        q, s, _ = quantize(torch.randn(n, 64, generator=g), [16, 32])
-        with torch.no_grad():
-            lin.weight.copy_(q)
-            lin.weight_scale_inv.copy_(s)
-        lins.append(lin)
-    x = torch.randn(3, 64, generator=g)
-    apart = [lin(x) for lin in lins]
-    f = FusedProjections(*lins)
-    f.fuse()
-    assert f.fused and f.pads == (8, 8, 0) and f.buffer.shape == (88, 64) and f.scales.shape == (6, 2)
-    assert all(lin.fp8_block == block for lin in lins)
-    for a, b in zip(apart, f(x)):
-        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
-    assert f.buffer[40:48].float().abs().sum() == 0 and f.buffer[72:80].float().abs().sum() == 0
-    with torch.no_grad():
-        lins[1].weight.zero_()
-    assert f.fused and f(x)[1].abs().sum() == 0 and f.buffer[48:72].float().abs().sum() == 0

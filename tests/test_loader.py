@@ -198,8 +198,9 @@ def test_fused_projections_share_the_parameters():
 
 @pytest.mark.parametrize("rows", [8, 16])
 def test_fused_fp8_projections_equal_separate(rows):
-    """FP8 projections fuse too (weights and scales stacked); where a scale block would straddle two of them
-    (rows = 16: 24 rows then 8) the scales first become one per weight row, with the same outputs."""
+    """FP8 projections fuse too (weights and scales stacked); a projection whose rows are no whole number of
+    scale blocks (rows = 16: 24 rows, then 8) is followed by zero rows up to the next block, so every projection
+    keeps its own block and scale rows; the same outputs, and an update by name still lands in the buffer."""
     from mtp_ray.layers.fp8 import Fp8Block, quantize
     from mtp_ray.layers.linear import FusedProjections, Linear
 
@@ -216,10 +217,16 @@ def test_fused_fp8_projections_equal_separate(rows):
     want = [lin(x) for lin in layers]
     f = FusedProjections(*layers)
     f.fuse()
-    assert f.fused and f.scales is not None
-    assert all(lin.fp8_block == (block if rows == 8 else Fp8Block(1, 8)) for lin in layers)
+    assert f.fused and f.scales is not None and all(lin.fp8_block == block for lin in layers)
+    pad = 0 if rows == 8 else 8
+    assert f.pads == (pad, pad, 0) and f.buffer.shape[0] == 35 + 2 * pad
+    assert f.scales.shape[0] == sum(-(-n // rows) for n in (24, 8, 3))  # each projection's own scale rows
+    assert f.buffer[24 : 24 + pad].float().abs().sum() == 0
     for got, ref in zip(f(x), want, strict=True):
         assert torch.allclose(got, ref, atol=1e-5)  # one GEMM against three: the same up to BLAS blocking
+    with torch.no_grad():
+        layers[1].weight.zero_()  # an update by name lands in the fused buffer
+    assert f.fused and f(x)[1].abs().sum() == 0
 
 
 def test_rope_tables_equal_per_forward_cos_sin():
