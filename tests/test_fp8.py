@@ -236,4 +236,3 @@ def test_malformed_fp8_checkpoints_are_errors_naming_the_field(ckpts, tmp_path, 
         load_model(bad)
     with pytest.raises(ValueError, match=match):  # the public entry point says the same
         LLM(str(bad))
-

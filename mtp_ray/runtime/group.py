@@ -212,7 +212,7 @@ class EngineGroup:
                 t.cancel()
             raise
         live = {asyncio.ensure_future(sink.ended.wait()): r for r, sink in zip(got, sinks) if isinstance(r, tuple)}
-        self.admit_s += time.monotonic() - t0
+        self.admit_s += time.monotonic() - t0  # the group's share of admissions (validate, route, ranks' acks)
         self.admits += len(live)
         try:
             yield [Admission(r[0], self.group_id, self.epoch, r[1], self.workers[r[1]]) if isinstance(r, tuple)

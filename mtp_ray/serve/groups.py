@@ -81,7 +81,6 @@ class Admissions:
         self.count = count  # the ingress's metrics
         self.pending: list[tuple[AdmitItem, asyncio.Future]] = []
         self.busy = False
-        self.open: set = set()  # calls whose requests still run
 
     def submit(self, item: AdmitItem) -> asyncio.Future:
         """A future of the item's result: its Admission, or the exception that refused it."""
@@ -120,14 +119,11 @@ class Admissions:
                 f.set_result(r)
             elif isinstance(r, Admission):  # its client went away or its queue time ran out meanwhile
                 abort_at_rank(r, self.count)
-        self.open.add(call)
-        try:
-            async for _ in call:  # (nothing more comes: it ends when its requests ended)
+        try:  # held open by this task: the group ends it when its requests ended (closing it aborts them)
+            async for _ in call:
                 pass
         except Exception:  # the group failed: each request learns it from its rank's pulls
             pass
-        finally:
-            self.open.discard(call)
 
 
 class GroupClient:

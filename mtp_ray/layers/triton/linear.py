@@ -103,7 +103,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[str, int, int, int, 
     tile_scale, row_scale, sub = False, False, 1
     if fp8 is not None and kind == "row":
         tile_scale = rows_in_block(bn, sn, sk)
-        _, sub, row_scale = fp8_tile(bk, sk) if not tile_scale else (bk, 1, False)
+        if not tile_scale:  # rows of several scale row blocks: each sub-tile's rows scaled (power-of-two columns)
+            _, sub, row_scale = fp8_tile(bk, sk)
     elif fp8 is not None:
         bk, sub, tile_scale = fp8_tile(bk, sk)
     kw = dict(FP8=fp8 is not None, TILE_SCALE=tile_scale, SN=sn, SK=sk, num_warps=warps, num_stages=stages)

@@ -174,4 +174,3 @@ def expert_major_experts(
     # down GEMM stored straight into each row's place in the expert-major layout (zeroed: padding rows stay zero)
     y = _gemm((F.silu(gate) * up).contiguous(), down, None, tiles, e * m, bm, (rows, ones), dn8)  # [E*M, H]
     return y.view(e, m, h)
-
