@@ -1,5 +1,6 @@
 """CallBatcher (runtime/batcher.py): a burst of submissions goes out in few calls, in order, errors reach their
-submitters, and a lone submission is sent at once."""
+submitters, and a lone submission is sent at once; per-item results, orphaned results, items given up before their
+call left, and the max wait that lets the next call leave before a slow one returned."""
 
 from __future__ import annotations
 
@@ -61,3 +62,186 @@ def test_submit_raises_the_calls_error():
 
     with pytest.raises(ValueError, match="nope"):
         asyncio.run(main())
+
+
+def test_each_item_gets_its_own_result_and_none_means_none_for_all():
+    async def main():
+        async def per_item(items):
+            return [x * 10 for x in items]
+
+        async def whole(items):
+            return None
+
+        b = CallBatcher(per_item)
+        got = await asyncio.gather(*[b.submit(i) for i in range(5)])
+        return got, await CallBatcher(whole).submit(1)
+
+    got, none = asyncio.run(main())
+    assert got == [0, 10, 20, 30, 40] and none is None
+
+
+def test_a_result_whose_submitter_stopped_waiting_goes_to_orphan():
+    async def main():
+        orphans: list[str] = []
+        gate = asyncio.Event()
+
+        async def send(items):
+            await gate.wait()
+            return [f"done-{x}" for x in items]
+
+        b = CallBatcher(send, orphan=orphans.append)
+        gone, kept = b.submit("a"), b.submit("b")  # both in the first call
+        await asyncio.sleep(0)
+        gone.cancel()  # its submitter went away while the call was in flight: the call still carries it
+        gate.set()
+        return await kept, orphans, b.calls
+
+    kept, orphans, calls = asyncio.run(main())
+    assert kept == "done-b" and orphans == ["done-a"] and calls == 1
+
+
+def test_items_done_before_their_call_left_are_not_sent():
+    async def main():
+        sent: list[list[str]] = []
+        gate = asyncio.Event()
+
+        async def send(items):
+            sent.append(list(items))
+            await gate.wait()
+
+        b = CallBatcher(send, orphan=lambda r: sent.append(["orphan", r]))
+        first = b.submit("first")
+        await asyncio.sleep(0)  # "first" is in flight
+        x, y = b.submit("x"), b.submit("y")
+        x.cancel()
+        gate.set()
+        await asyncio.gather(first, y)
+        await asyncio.sleep(0.01)
+        z = b.submit("z")  # the batcher is idle again; a lone item cancelled before its call left
+        z.cancel()
+        await asyncio.sleep(0.01)
+        return sent, b
+
+    sent, b = asyncio.run(main())
+    assert sent == [["first"], ["y"]] and b.calls == 2 and not b.busy
+
+
+def test_with_a_gap_calls_leave_that_far_apart_answered_or_not():
+    """gap_s: the next call leaves gap_s after the one before, whether that one returned (quick) or not (slow);
+    without it the next leaves when the one in flight returned."""
+    async def main(gap_s, slow_s):
+        loop = asyncio.get_running_loop()
+        started: dict[str, float] = {}
+
+        async def send(items):
+            started[items[0]] = loop.time()
+            if items[0] == "first":
+                await asyncio.sleep(slow_s)
+            return [f"ok-{x}" for x in items]
+
+        b = CallBatcher(send, gap_s=gap_s)
+        first = b.submit("first")
+        await asyncio.sleep(0)
+        rest = await asyncio.gather(b.submit("a"), b.submit("b"))
+        return rest, started["a"] - started["first"], await first, b.calls
+
+    for slow_s in (0.0, 0.5):
+        rest, after, first, calls = asyncio.run(main(0.05, slow_s))
+        assert (rest, first, calls) == (["ok-a", "ok-b"], "ok-first", 2) and 0.045 < after < 0.3
+    rest, after, first, calls = asyncio.run(main(None, 0.5))  # without: the next call waits for the slow one
+    assert (rest, first, calls) == (["ok-a", "ok-b"], "ok-first", 2) and after >= 0.5
+
+
+def test_a_failed_call_with_a_gap_still_fails_its_items():
+    async def main():
+        async def send(items):
+            raise RuntimeError("no group")
+
+        b = CallBatcher(send, gap_s=0.02)
+        res = await asyncio.gather(b.submit(1), b.submit(2), return_exceptions=True)
+        await asyncio.sleep(0.05)  # (the drain's gap ends)
+        return res, b.busy
+
+    res, busy = asyncio.run(main())
+    assert all(isinstance(r, RuntimeError) for r in res) and not busy
+
+
+def test_admissions_batch_hold_their_call_open_abort_orphans_and_send_structured_alone():
+    """Admissions (serve/groups.py) on a CallBatcher, with a stand-in for Serve's streaming call: one call per burst
+    (counted), a structured-output request alone, each call held open after its first message until the group ends
+    it, a request given up before its call left not sent, one admitted after its submitter stopped waiting aborted at
+    its rank."""
+    from mtp_ray.engine.sampling_params import SamplingParams
+    from mtp_ray.runtime.messages import Admission, AdmitItem
+    from mtp_ray.serve.groups import Admissions
+
+    class Worker:
+        def __init__(self):
+            self.aborted: list[str] = []
+            self.abort = self
+
+        async def remote(self, rid):  # worker.abort.remote(rid)
+            self.aborted.append(rid)
+
+    class Call:  # Serve's response generator of admit_batch: the results once `answer` is set, then open until `end`
+        def __init__(self, items, worker):
+            self.items = [i.request_id for i in items]
+            self.results = [Admission(rid, "g", 0, 0, worker) for rid in self.items]
+            self.answer, self.end, self.done = asyncio.Event(), asyncio.Event(), False
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if self.results is not None:
+                await self.answer.wait()
+                results, self.results = self.results, None
+                return results
+            await self.end.wait()
+            self.done = True
+            raise StopAsyncIteration
+
+        def cancel(self):
+            self.done = True
+
+    async def until(cond):
+        for _ in range(1000):
+            if cond():
+                return
+            await asyncio.sleep(0.001)
+        raise AssertionError("timed out")
+
+    async def main():
+        worker, calls, counts = Worker(), [], []
+
+        def send(items):
+            calls.append(Call(items, worker))
+            return calls[-1]
+
+        a = Admissions(send, counts.append)
+        plain = SamplingParams(max_tokens=4)
+        first = a.submit(AdmitItem("first", [1], plain))
+        await until(lambda: len(calls) == 1)
+        structured = a.submit(AdmitItem("s", [1], SamplingParams(max_tokens=4, structured_outputs={"regex": "a+"})))
+        burst = [a.submit(AdmitItem(f"r{i}", [1], plain)) for i in range(4)]
+        burst[3].cancel()  # its submitter went away before its call left: not sent
+        await until(lambda: len(calls) == 2)  # the structured one went at once, alone
+        calls[0].answer.set()
+        calls[1].answer.set()
+        await first
+        await until(lambda: len(calls) == 3)  # the burst's call left BATCH_WAIT_S after the first
+        burst[1].cancel()  # its submitter goes away while the call carrying it is in flight: aborted at its rank
+        calls[2].answer.set()
+        adms = await asyncio.gather(first, structured, burst[0], burst[2])
+        await asyncio.sleep(0.01)
+        open_before_end = not any(c.done for c in calls)
+        for c in calls:
+            c.end.set()
+        await asyncio.sleep(0.01)
+        return [c.items for c in calls], adms, counts, worker.aborted, open_before_end, all(c.done for c in calls)
+
+    items, adms, counts, aborted, open_before_end, ended = asyncio.run(main())
+    assert items == [["first"], ["s"], ["r0", "r1", "r2"]]
+    assert [x.request_id for x in adms] == ["first", "s", "r0", "r2"]
+    assert counts.count("ingress_admission_calls_total") == 3 and aborted == ["r1"]
+    assert "ingress_abort_calls_total" in counts and open_before_end and ended

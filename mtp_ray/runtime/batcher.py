@@ -4,13 +4,17 @@ belong to no request.
 The first item goes out at once; items that arrive while a call is in flight go together in the next call (no
 timer, so an idle engine sees no added latency). Why: a Ray actor task costs the rank process ~0.3 ms of
 GIL-holding CPU, time its engine thread loses; `python bench/submit.py` (2-core dev machine): a burst of 512
-requests as 512 `add` calls took 139-163 ms of the rank's CPU, through this batcher 2-9 ms.
+requests as 512 `add` calls took 139-163 ms of the rank's CPU, through this batcher 2-9 ms. Its users: the group's
+`add_many` calls to its ranks (runtime/group.py: one result for the whole call), the ingress's admission calls to
+the groups (serve/groups.py: Admissions; a result per item, a result nobody waits for any more aborted, calls
+BATCH_WAIT_S apart: a Serve call costs more than the group's part of an admission).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import itertools
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -31,35 +35,58 @@ _LIVE: set[asyncio.Task] = set()
 
 
 class CallBatcher:
-    def __init__(self, send: Callable[[list[Any]], Awaitable[Any]]):
+    """Items in as few `send` calls as possible: the first at once, those that arrive while a call is in flight
+    together in the next. `send(items)` returns None (every item's result is None) or one result per item; an
+    exception it raises is every item's. An item whose future is done before its call leaves (its submitter
+    stopped waiting) is not sent; `orphan` gets the result of one that was sent meanwhile (to undo it).
+    `gap_s`: each call runs in a task of its own and the next leaves gap_s after it, returned or not (where a call
+    costs more than it carries: fewer, fuller calls, and a slow call holds nothing back); None: the next leaves
+    when the one in flight returned (no timer)."""
+
+    def __init__(self, send: Callable[[list[Any]], Awaitable[list[Any] | None]],
+                 gap_s: float | None = None, orphan: Callable[[Any], None] | None = None):
         self.send = send  # called with every pending item; looked up per call (a restarted group's new actor)
+        self.gap_s = gap_s
+        self.orphan = orphan
         self.pending: list[tuple[Any, asyncio.Future]] = []
         self.busy = False
         self.calls = 0  # calls made (tests, stats)
 
-    async def submit(self, item: Any) -> None:
-        """Returns once a call carrying `item` returned; raises what that call raised."""
+    def submit(self, item: Any) -> asyncio.Future:
+        """A future of `item`'s result, set once a call carrying it returned (its exception if that call raised).
+        Cancelling it (or the task awaiting it) drops the item if its call has not left yet."""
         fut = asyncio.get_running_loop().create_future()
         self.pending.append((item, fut))
         if not self.busy:
             self.busy = True
             detached(self._drain())  # its call may carry other requests: no one request's cancel may cancel it
-        await fut
+        return fut
 
     async def _drain(self) -> None:
         try:
             while self.pending:
-                batch, self.pending = self.pending, []
-                self.calls += 1
-                try:
-                    await self.send([item for item, _ in batch])
-                except Exception as e:  # every item of the failed call gets the error; later ones still go
-                    for _, f in batch:
-                        if not f.done():
-                            f.set_exception(e)
+                batch, self.pending = [p for p in self.pending if not p[1].done()], []
+                if not batch:  # (their submitters all stopped waiting)
                     continue
-                for _, f in batch:
-                    if not f.done():
-                        f.set_result(None)
+                self.calls += 1
+                if self.gap_s is None:
+                    await self._call(batch)
+                else:
+                    detached(self._call(batch))
+                    await asyncio.sleep(self.gap_s)
         finally:
             self.busy = False
+
+    async def _call(self, batch: list[tuple[Any, asyncio.Future]]) -> None:
+        try:
+            results = await self.send([item for item, _ in batch])
+        except Exception as e:  # every item of the failed call gets the error; later ones still go
+            for _, f in batch:
+                if not f.done():
+                    f.set_exception(e)
+            return
+        for (_, f), r in zip(batch, itertools.repeat(None) if results is None else results):
+            if not f.done():
+                f.set_result(r)
+            elif self.orphan is not None:  # its submitter stopped waiting while the call was in flight
+                self.orphan(r)
