@@ -38,6 +38,7 @@ from mtp_ray.layers.context import ForwardBatch, UniformDecode
 from mtp_ray.layers.linear import fuse_projections
 from mtp_ray.layers.moe import SparseMoE
 from mtp_ray.layers.rope import bind_rope_tables
+from mtp_ray.layers.triton import pdl
 from mtp_ray.model.fp8 import Fp8Format, config_fp8, make_fp8
 from mtp_ray.model.loader import init_dummy_weights
 from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
@@ -229,6 +230,8 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, nargs="+", default=[0, 32768],
                     help="MTP draft vocabularies (spec.draft_vocab_size) to time side by side; 0: the whole one")
     ap.add_argument("--fp8", action="store_true", help="also time the plain steps with FP8-resident weights")
+    ap.add_argument("--pdl-ab", action="store_true",
+                    help="also time each plain step with programmatic dependent launch off (layers/triton/pdl.py)")
     ap.add_argument("--kernel-batches", type=int, nargs="*", default=[1], help="list these plain steps' kernels")
     ap.add_argument("--out", default="bench/results/decode.json")
     args = ap.parse_args()
@@ -253,6 +256,11 @@ def main() -> None:
                     rows[-1]["mtp"][-1]["oracle"] = oracle_rows(model, bsz, args.context, width, k,
                                                                 args.oracle_accept, args.oracle_steps, make, dev,
                                                                 BLOCK, dv)
+        if args.pdl_ab:  # the same step captured with every kernel launched without PDL, right after
+            pdl.set_enabled(False)
+            off = plain_step(model, cfg, bsz, args.context, width, dev, bw, kernels=bsz in args.kernel_batches)
+            pdl.set_enabled(None)
+            rows[-1]["pdl_off"] = {**off, "on_over_off": round(rows[-1]["graph_step_ms"] / off["graph_step_ms"], 3)}
         torch.cuda.empty_cache()
     if args.fp8:  # the same plain steps with FP8-resident weights, after the bf16 model is gone (memory)
         del model
@@ -296,11 +304,18 @@ def report(result: dict) -> None:
                       f"length {x['mean_acceptance_length']} (expected {x['expected_acceptance_length']}), "
                       f"agreement with the continuation {x['agreement']}")
     for r in rows:
+        if "pdl_off" in r:
+            o = r["pdl_off"]
+            print(f"batch {r['batch']}: graph step with PDL {r['graph_step_ms']} ms, without {o['graph_step_ms']} ms "
+                  f"(x{o['on_over_off']}); without PDL x{o['graph_over_roofline']} the roofline")
+    for r in rows:
         if "fp8" in r:
             f = r["fp8"]
             print(f"FP8 batch {r['batch']}: graph step {f['graph_step_ms']} ms = x{f['over_bf16']} the bf16 step "
                   f"({r['graph_step_ms']} ms); x{f['graph_over_roofline']} its roofline ({f['roofline_ms']} ms)")
-    for name, step in ((f"{p}batch-{r['batch']}", x) for r in rows for p, x in (("", r), ("FP8 ", r.get("fp8", {})))):
+    parts = (("", None), ("no-PDL ", "pdl_off"), ("FP8 ", "fp8"))
+    for name, step in ((f"{p}batch-{r['batch']}", r if key is None else r.get(key, {})) for r in rows
+                       for p, key in parts):
         top = [(x["kernel"][:40], x["count"], x["us"]) for x in step.get("kernels", [])[:14]]
         if top:
             print(f"{name} kernels (name, count, us):", *top, sep="\n  ")

@@ -84,6 +84,9 @@ def _main(target: str) -> None:
     gpu = GPUTarget("cuda", int(target.removeprefix("sm")), 32)
     failed = 0
     items = json.load(sys.stdin)
+    if gpu.arch >= 90:  # the interpreter launches without PDL (layers/triton/pdl.py): compile the PDL variants too
+        items += [{**i, "constexprs": {**i["constexprs"], "PDL": True}, "options": {**i["options"], "launch_pdl": True}}
+                  for i in items if "PDL" in i["constexprs"]]
     for item in items:
         fn = getattr(importlib.import_module(item["module"]), item["name"])
         try:

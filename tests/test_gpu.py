@@ -350,3 +350,19 @@ def test_sleep_gives_back_the_device_memory_it_claims(ray_cluster):
             assert [r["token_ids"] for r in again] == [r["token_ids"] for r in first]
     finally:
         ray_cluster.get(h.shutdown.remote())
+
+
+@needs_gpu
+def test_pdl_launches_equal_plain_launches():
+    """Programmatic dependent launch (layers/triton/pdl.py) changes when a kernel starts, never what it computes:
+    bf16 with MTP k = 3, graphs and eager prefill, token for token the same with PDL off."""
+    from mtp_ray.layers.triton import pdl
+
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert pdl.launch_args(torch.device("cuda"))["PDL"], "Hopper, but this Triton cannot launch with PDL"
+    pdl.set_enabled(False)
+    try:
+        off = greedy(LLM(device="cuda", dtype="bfloat16", num_speculative_tokens=3), 48)
+    finally:
+        pdl.set_enabled(None)
+    assert greedy(LLM(device="cuda", dtype="bfloat16", num_speculative_tokens=3), 48) == off

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mtp_ray.layers.triton import pdl
+
 
 @triton.jit
 def _store_out(o_ptr, g_ptr, out, tok, head, mask, d, stride_ot, stride_oh, stride_gt, stride_gh, GATE: tl.constexpr):
@@ -70,8 +72,9 @@ def _paged_decode_kernel(
     scale,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, GATE: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -108,9 +111,11 @@ def _paged_decode_kernel(
 @triton.jit
 def _combine_kernel(part_ptr, ml_ptr, o_ptr, g_ptr, stride_ot, stride_oh, stride_gt, stride_gh,
                     Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_D: tl.constexpr, GATE: tl.constexpr, SPLITS: tl.constexpr, CHUNK_D: tl.constexpr):
+                    BLOCK_D: tl.constexpr, GATE: tl.constexpr, SPLITS: tl.constexpr, CHUNK_D: tl.constexpr,
+                    PDL: tl.constexpr):
     """One program per (sequence, KV head, CHUNK_D columns of the head dim): the splits' partial outputs merged
     with their (max, sum) statistics, all loads independent (no serial dependency across programs)."""
+    pdl.enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -170,13 +175,14 @@ def paged_decode_attention(
         *gs, scale,
         Q_LEN=q_len, GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, IEEE=q.dtype == torch.float32, GATE=gate is not None, SPLITS=splits, num_warps=4,
+        **pdl.launch_args(q.device),
     )
     if splits > 1:
         chunk_d = min(block_d, 32)  # more programs: the merge is latency-bound at small batch
         _combine_kernel[(bsz, hkv, block_d // chunk_d)](
             part, ml, out, g, out.stride(0), out.stride(1), *gs,
             Q_LEN=q_len, GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d, GATE=gate is not None,
-            SPLITS=splits, CHUNK_D=chunk_d, num_warps=2,
+            SPLITS=splits, CHUNK_D=chunk_d, num_warps=2, **pdl.launch_args(q.device),
         )
     return out
 
@@ -184,7 +190,9 @@ def paged_decode_attention(
 @triton.jit
 def _qk_norm_rope_kernel(qg_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, qo_ptr, kc_ptr,
                          vc_ptr, stride_qt, stride_qh, stride_kt, stride_cs, stride_ot, stride_oh, stride_cache, eps,
-                         HQ: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BD: tl.constexpr, TABLE: tl.constexpr):
+                         HQ: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BD: tl.constexpr, TABLE: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     if TABLE:  # cos / sin rows of a per-position table
         cs_row = tl.load(pos_ptr + t).to(tl.int64)
@@ -242,6 +250,6 @@ def qk_norm_rope_store(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_wei
         qg, k, v, q_weight, k_weight, cos, sin, positions if positions is not None else slot_mapping, slot_mapping,
         q, flat[0], flat[1], qg.stride(0), qg.stride(1), k.stride(0), cos.stride(0), q.stride(0), q.stride(1),
         flat.stride(1), eps, HQ=hq, D=d, RD=cos.shape[1], BD=triton.next_power_of_2(d), TABLE=positions is not None,
-        num_warps=1,
+        num_warps=1, **pdl.launch_args(qg.device),
     )
     return q

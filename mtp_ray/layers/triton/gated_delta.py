@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from mtp_ray.layers.context import FLA_CHUNK
+from mtp_ray.layers.triton import pdl
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,8 @@ log = logging.getLogger(__name__)
 @triton.jit
 def _conv_kernel(mixed_ptr, state_ptr, w_ptr, slots_ptr, spec_ptr, out_ptr, C,
                  stride_m, stride_ss, stride_sc, stride_wc, stride_o,
-                 QL: tl.constexpr, K: tl.constexpr, HAS_SPEC: tl.constexpr, BC: tl.constexpr):
+                 QL: tl.constexpr, K: tl.constexpr, HAS_SPEC: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     cm = c < C
@@ -85,7 +87,7 @@ def conv_decode(mixed: torch.Tensor, conv_state: torch.Tensor, weight: torch.Ten
     _conv_kernel[(bsz, triton.cdiv(c, bc))](
         mixed, conv_state, weight, state_slots, spec_slots if spec_slots is not None else state_slots, out, c,
         mixed.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0), out.stride(0),
-        QL=q_len, K=k, HAS_SPEC=spec_slots is not None, BC=bc, num_warps=2,
+        QL=q_len, K=k, HAS_SPEC=spec_slots is not None, BC=bc, num_warps=2, **pdl.launch_args(mixed.device),
     )
     return out
 
@@ -95,7 +97,8 @@ def _recurrent_kernel(x_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slots_p
                       stride_x, stride_ab, stride_ss, stride_sh, stride_sk, stride_o, stride_oh, q_scale,
                       KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HV: tl.constexpr,
                       REP: tl.constexpr, QL: tl.constexpr, HAS_SPEC: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr):
+                      BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     vv = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -148,7 +151,7 @@ def recurrent_decode(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a
         out, conv_out.stride(0), a.stride(0), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
         out.stride(0), out.stride(1), dk**-0.5,
         KEY_DIM=key_heads * dk, DK=dk, DV=dv, HV=hv, REP=hv // key_heads, QL=q_len,
-        HAS_SPEC=spec_slots is not None, BK=bk, BV=bv, num_warps=4,
+        HAS_SPEC=spec_slots is not None, BK=bk, BV=bv, num_warps=4, **pdl.launch_args(conv_out.device),
     )
     return out
 

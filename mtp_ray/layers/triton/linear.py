@@ -18,16 +18,22 @@ import triton
 import triton.language as tl
 
 from mtp_ray.layers.fp8 import Fp8Weight
+from mtp_ray.layers.triton import pdl
 from mtp_ray.layers.triton.fp8 import block_scales, dequant, fp8_tile, rows_in_block, scale_args, scaled_dot
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_sn,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr,
-                 FP8: tl.constexpr, TILE_SCALE: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr):
+                 FP8: tl.constexpr, TILE_SCALE: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
+                 KP: tl.constexpr, PDL: tl.constexpr):
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     nm, mm = n < N, m < M
+    if PDL:  # this program's weight columns into L2 while the kernel before ends (the first M tile's only)
+        if tl.program_id(0) == 0:
+            pdl.prefetch_rows(w_ptr, n, nm, stride_wn, K, KP)
+    pdl.enter(PDL)
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
         for j in tl.static_range(SUB):  # FP8: sub-tiles of one scale block each (SUB = 1 otherwise)
@@ -46,9 +52,13 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
 @triton.jit
 def _gemv_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn, BN: tl.constexpr, BK: tl.constexpr,
                      K_TILES: tl.constexpr, SUB: tl.constexpr, FP8: tl.constexpr, TILE_SCALE: tl.constexpr,
-                     ROW_SCALE: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr):
+                     ROW_SCALE: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr, KP: tl.constexpr,
+                     PDL: tl.constexpr):
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nm = n < N
+    if PDL:  # this program's weight rows into L2 while the kernel before ends
+        pdl.prefetch_rows(w_ptr, n, nm, stride_wn, K, KP)
+    pdl.enter(PDL)
     acc = tl.zeros([BN, BK // SUB], tl.float32)  # lane-wise partial sums, reduced once at the end
     for i in tl.static_range(K_TILES):  # unrolled: every tile's weight load in flight at once (no pipeliner here)
         for j in tl.static_range(SUB):  # ROW_SCALE: sub-tiles of one scale block each (SUB = 1 otherwise)
@@ -107,7 +117,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[str, int, int, int, 
             _, sub, row_scale = fp8_tile(bk, sk)
     elif fp8 is not None:
         bk, sub, tile_scale = fp8_tile(bk, sk)
-    kw = dict(FP8=fp8 is not None, TILE_SCALE=tile_scale, SN=sn, SK=sk, num_warps=warps, num_stages=stages)
+    kw = dict(FP8=fp8 is not None, TILE_SCALE=tile_scale, SN=sn, SK=sk, num_warps=warps, num_stages=stages,
+              KP=pdl.lines(k, w.dtype), **pdl.launch_args(x.device))
     if kind == "row":
         assert m == 1 and not ieee
         _gemv_row_kernel[(triton.cdiv(n, bn),)](x, w, s, y, n, k, w.stride(0), s_n, BN=bn, BK=bk,

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from mtp_ray.layers.fp8 import Fp8Weight
+from mtp_ray.layers.triton import pdl
 from mtp_ray.layers.triton.fp8 import block_scales, dequant, rows_in_block, scale_args
 
 
@@ -71,12 +72,13 @@ def _gate_up_kernel(x_ptr, ids_ptr, g_ptr, u_ptr, sg_ptr, su_ptr, gs_ptr, sgs_pt
                     H, INTER, INTER_SH, stride_x, stride_we, stride_wn, stride_swn, stride_a, stride_gse, stride_gsn,
                     stride_ssn, TOPK: tl.constexpr, SH: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     H_TILES: tl.constexpr, FP8: tl.constexpr, TILE_SCALE: tl.constexpr, SN: tl.constexpr,
-                    SK: tl.constexpr):
+                    SK: tl.constexpr, PDL: tl.constexpr):
     """act[p] = silu(x[t] @ G.T) * (x[t] @ U.T) for pair p = t * (TOPK + SH) + j: slot j < TOPK is the token's
     local routed expert ids[t, j] (G, U: [E, I, H] views; a foreign expert's row is skipped), slot TOPK (SH = 1)
     the shared expert (SG, SU: [I_sh, H]). TOPK = 0, SH = 1: the shared expert alone. FP8: every weight is e4m3
     with (SN x SK) block scales (GS: the fused gate_up's [E, 2I / SN, H / SK]; SGS, SUS: the shared gate's and
     up's)."""
+    pdl.enter(PDL)
     p = tl.program_id(0).to(tl.int64)
     t = p // (TOPK + SH)
     j = p % (TOPK + SH)
@@ -112,12 +114,13 @@ def _down_kernel(act_ptr, ids_ptr, tw_ptr, w_ptr, x_ptr, sw_ptr, gw_ptr, ds_ptr,
                  H, INTER, INTER_SH, stride_a, stride_we, stride_wn, stride_x, stride_swn, stride_dse, stride_dsn,
                  stride_sdsn, TOPK: tl.constexpr, SH: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  BH: tl.constexpr, I_TILES: tl.constexpr, H_TILES: tl.constexpr, FP8: tl.constexpr,
-                 TILE_SCALE: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr):
+                 TILE_SCALE: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr, PDL: tl.constexpr):
     """part[p] = w[t, j] * (act[p] @ D[e].T) for pair p = t * (TOPK + SH) + j (zero for a foreign expert); the
     shared pair: sigmoid(x[t] @ gw) * (act[p] @ SD.T); each step rounded as SparseMoE.forward rounds it, kept in
     fp32 for _slot_sum_kernel. One pair per program: a program waits on one weight tile's round trip to memory,
     not on one per slot in turn. FP8: D, SD e4m3 with (SN x SK) block scales DS [E, H / SN, I / SK], SDS (the
     gate GW is never quantized)."""
+    pdl.enter(PDL)
     p = tl.program_id(0).to(tl.int64)
     t = p // (TOPK + SH)
     j = p % (TOPK + SH)
@@ -160,9 +163,11 @@ def _down_kernel(act_ptr, ids_ptr, tw_ptr, w_ptr, x_ptr, sw_ptr, gw_ptr, ds_ptr,
 
 
 @triton.jit
-def _slot_sum_kernel(part_ptr, out_ptr, H, stride_o, TOPK: tl.constexpr, SH: tl.constexpr, BN: tl.constexpr):
+def _slot_sum_kernel(part_ptr, out_ptr, H, stride_o, TOPK: tl.constexpr, SH: tl.constexpr, BN: tl.constexpr,
+                     PDL: tl.constexpr):
     """out[t] = the routed slots' sum in slot order (fp32, one rounding), then + the shared expert's output (SH),
     as SparseMoE.forward adds them; TOPK = 0: out holds the routed sum already (the EP path)."""
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < H
@@ -236,7 +241,7 @@ def _experts(x: torch.Tensor, ids: torch.Tensor | None, tw: torch.Tensor | None,
         x, ids, gate_up[:, :inter], gate_up[:, inter:], sg, su, gs, sgs, sus, act, start, e, h, inter, inter_sh,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), sg.stride(0), act.stride(0), gs_e, gs_n, ss_n,
         TOPK=topk, SH=sh, BN=bn_up, BK=bk_up, H_TILES=triton.cdiv(h, bk_up), FP8=fp8 is not None,
-        TILE_SCALE=tile_scale, SN=sn, SK=sk, num_warps=4,
+        TILE_SCALE=tile_scale, SN=sn, SK=sk, num_warps=4, **pdl.launch_args(x.device),
     )
     down_sum(act, ids, tw, down, start, x, (sd, gw), out, topk, sh, inter, inter_sh, bn_down,
              (dn8, sfp8[2]) if fp8 is not None else None)
@@ -274,7 +279,7 @@ def down_sum(act: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, down: torch
         act, ids, tw, down, x, sd, gw, ds, sds, part, start, down.shape[0], h, inter, inter_sh,
         act.stride(0), down.stride(0), down.stride(1), x.stride(0), sd.stride(0), ds_e, ds_n, sds_n,
         TOPK=topk, SH=sh, BN=bn, BK=bk, BH=bh, I_TILES=triton.cdiv(width, bk), H_TILES=triton.cdiv(h, bh),
-        FP8=fp8 is not None, TILE_SCALE=tile_scale, SN=sn, SK=sk, num_warps=4,
+        FP8=fp8 is not None, TILE_SCALE=tile_scale, SN=sn, SK=sk, num_warps=4, **pdl.launch_args(out.device),
     )
     slot_sum(part, out, topk, sh)
 
@@ -283,7 +288,8 @@ def slot_sum(part: torch.Tensor, out: torch.Tensor, topk: int, sh: int) -> None:
     """out[t] = the fp32 partials [T * (topk + sh), H] of t's slots summed in slot order (+ the shared expert's)."""
     t, h = out.shape
     bs = min(triton.next_power_of_2(h), 1024)
-    _slot_sum_kernel[(t, triton.cdiv(h, bs))](part, out, h, out.stride(0), TOPK=topk, SH=sh, BN=bs, num_warps=4)
+    _slot_sum_kernel[(t, triton.cdiv(h, bs))](part, out, h, out.stride(0), TOPK=topk, SH=sh, BN=bs, num_warps=4,
+                                              **pdl.launch_args(out.device))
 
 
 def pair_experts(

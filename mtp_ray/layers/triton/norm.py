@@ -11,10 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
+from mtp_ray.layers.triton import pdl
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_cols, stride_x, stride_r, stride_o, stride_s, eps,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     m = c < n_cols
@@ -48,13 +51,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         x2, r2 if s is not None else x2, weight, out, s if s is not None else out, d,
         x2.stride(0), r2.stride(0) if s is not None else 0, out.stride(0), out.stride(0), eps,
         HAS_RES=s is not None, BLOCK=triton.next_power_of_2(d), num_warps=4 if d >= 1024 else 1,
+        **pdl.launch_args(x.device),
     )
     return out.view(shape), (s.view(shape) if s is not None else None)
 
 
 @triton.jit
 def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_gt, stride_gh, heads, stride_o,
-                           eps, BLOCK: tl.constexpr):
+                           eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     g_row = (row // heads) * stride_gt + (row % heads) * stride_gh  # the gate may be a strided [T, heads, D] view
     c = tl.arange(0, BLOCK)
@@ -81,5 +86,5 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     _gated_rms_norm_kernel[(x2.shape[0],)](x2, g3, weight, out, d, x2.stride(0), g3.stride(0), g3.stride(1),
                                            g3.shape[1], out.stride(0), eps, BLOCK=triton.next_power_of_2(d),
-                                           num_warps=1)
+                                           num_warps=1, **pdl.launch_args(x.device))
     return out.view(shape)

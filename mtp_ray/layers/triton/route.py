@@ -8,10 +8,13 @@ import torch
 import triton
 import triton.language as tl
 
+from mtp_ray.layers.triton import pdl
+
 
 @triton.jit
 def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, TOPK: tl.constexpr, NORM: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
@@ -40,5 +43,5 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch
     w = torch.empty(t, top_k, dtype=dtype, device=logits.device)
     _route_kernel[(t,)](logits, ids, w, e, logits.stride(0), TOPK=top_k, NORM=renormalize,
                         BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
-                        num_warps=1 if e <= 256 else 4)
+                        num_warps=1 if e <= 256 else 4, **pdl.launch_args(logits.device))
     return ids, w
