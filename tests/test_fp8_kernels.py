@@ -62,6 +62,37 @@ def test_gemv_fp8_equals_dequantized(dtype, m, n, k, block):
             assert _same(gemv(x_big, q, fp8=f), torch.nn.functional.linear(x_big, deq))
 
 
+@needs_device
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sizes,block", [((256, 128, 4, 4), Fp8Block(32, 64)), ((256, 64, 64), Fp8Block(32, 64)),
+                                         ((8192, 4096, 32, 32), Fp8Block(128, 128))])
+def test_fused_fp8_projections_through_the_kernel(dtype, sizes, block):
+    """FusedProjections padded to whole scale blocks (a GDN input: qkv, z, b, a; an attention qkv), one GEMV on
+    the stacked e4m3 buffer: each projection's output equals its dequantized weight's, pads dropped."""
+    from mtp_ray.layers.linear import FusedProjections, Linear
+    from mtp_ray.layers.triton.linear import gemv
+
+    if DEVICE != "cuda" and sizes[0] > 1024:
+        pytest.skip("the 35B-sized GDN input: on the GPU only (interpreter time)")
+    g = torch.Generator().manual_seed(len(sizes) + block.rows)
+    k = 2048 if sizes[0] > 1024 else 128
+    layers = [Linear(k, n, bias=False) for n in sizes]
+    for lin in layers:
+        lin.make_fp8(block)
+        q, s = quantize(torch.randn(lin.weight.shape, generator=g) * k**-0.5, block)
+        with torch.no_grad():
+            lin.weight.copy_(q)
+            lin.weight_scale_inv.copy_(s)
+    layers = [lin.to(DEVICE) for lin in layers]
+    x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
+    want = [gemv(x, dequantize(lin.weight, Fp8Weight(lin.weight_scale_inv, block), dtype)) for lin in layers]
+    f = FusedProjections(*layers)
+    f.fuse()
+    y = gemv(x, f.buffer, fp8=Fp8Weight(f.scales, block))
+    parts = y.split([n for lin, pad in zip(layers, f.pads) for n in (lin.weight.shape[0], pad)], dim=-1)[::2]
+    assert all(_same(got, ref) for got, ref in zip(parts, want, strict=True))
+
+
 def _moe_weights(g, e, h, inter, block, dtype):
     gu = torch.randn(e, 2 * inter, h, generator=g) * h**-0.5
     dn = torch.randn(e, h, inter, generator=g) * inter**-0.5
