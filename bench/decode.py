@@ -38,7 +38,6 @@ from mtp_ray.layers.context import ForwardBatch, UniformDecode
 from mtp_ray.layers.linear import fuse_projections
 from mtp_ray.layers.moe import SparseMoE
 from mtp_ray.layers.rope import bind_rope_tables
-from mtp_ray.layers.triton import pdl
 from mtp_ray.model.fp8 import Fp8Format, config_fp8, make_fp8
 from mtp_ray.model.loader import init_dummy_weights
 from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
@@ -257,6 +256,8 @@ def main() -> None:
                                                                 args.oracle_accept, args.oracle_steps, make, dev,
                                                                 BLOCK, dv)
         if args.pdl_ab:  # the same step captured with every kernel launched without PDL, right after
+            from mtp_ray.layers.triton import pdl  # (Triton: GPU machines only)
+
             pdl.set_enabled(False)
             off = plain_step(model, cfg, bsz, args.context, width, dev, bw, kernels=bsz in args.kernel_batches)
             pdl.set_enabled(None)

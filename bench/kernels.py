@@ -72,9 +72,9 @@ def _gemv(x, ws, y, bn, bk, warps, stages, i) -> None:
     w = ws[i]
     m, k = x.shape
     n = w.shape[0]
-    _gemv_kernel[(triton.cdiv(n, bn),)](x, w, x, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), 0, BM=16,
-                                        BN=bn, BK=bk, SUB=1, IEEE=False, FP8=False, TILE_SCALE=False, SN=1, SK=1,
-                                        num_warps=warps, num_stages=stages)
+    _gemv_kernel[(1, triton.cdiv(n, bn))](x, w, x, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), 0, BM=16,
+                                          BN=bn, BK=bk, SUB=1, IEEE=False, FP8=False, TILE_SCALE=False, SN=1, SK=1,
+                                          KP=1, PDL=False, num_warps=warps, num_stages=stages)
 
 
 def _row(x, ws, y, bn, bk, warps, stages, i) -> None:
@@ -82,7 +82,7 @@ def _row(x, ws, y, bn, bk, warps, stages, i) -> None:
     n, k = w.shape
     _gemv_row_kernel[(triton.cdiv(n, bn),)](x, w, x, y, n, k, w.stride(0), 0, BN=bn, BK=bk,
                                             K_TILES=triton.cdiv(k, bk), SUB=1, FP8=False, TILE_SCALE=False,
-                                            ROW_SCALE=False, SN=1, SK=1,
+                                            ROW_SCALE=False, SN=1, SK=1, KP=1, PDL=False,
                                             num_warps=warps, num_stages=stages)
 
 
@@ -92,7 +92,7 @@ def _up(x, idss, gv, uv, sg, act, bn, bk, warps, i) -> None:
     _gate_up_kernel[(act.shape[0], triton.cdiv(INTER, bn))](
         x, ids, gv, uv, sg[:INTER], sg[INTER:], gv, gv, gv, act, 0, EXPERTS, H, INTER, INTER, x.stride(0),
         gv.stride(0), gv.stride(1), sg.stride(0), act.stride(0), 0, 0, 0, TOPK=TOPK, SH=1, BN=bn, BK=bk,
-        H_TILES=triton.cdiv(H, bk), FP8=False, TILE_SCALE=False, SN=1, SK=1, num_warps=warps)
+        H_TILES=triton.cdiv(H, bk), FP8=False, TILE_SCALE=False, SN=1, SK=1, PDL=False, num_warps=warps)
 
 
 def _down(act, idss, tw, down, x, sd, gw, y, bn, bk, warps, i) -> None:

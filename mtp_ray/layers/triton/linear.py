@@ -117,8 +117,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[str, int, int, int, 
             _, sub, row_scale = fp8_tile(bk, sk)
     elif fp8 is not None:
         bk, sub, tile_scale = fp8_tile(bk, sk)
+    # PDL prefetch: a program's rows, 2048 lines of 128 bytes at most (BN x KP; more would only cost registers, and
+    # the 35B shapes need 32-64 lines a row)
     kw = dict(FP8=fp8 is not None, TILE_SCALE=tile_scale, SN=sn, SK=sk, num_warps=warps, num_stages=stages,
-              KP=pdl.lines(k, w.dtype), **pdl.launch_args(x.device))
+              KP=min(pdl.lines(k, w.dtype), max(1, 2048 // bn)), **pdl.launch_args(x.device))
     if kind == "row":
         assert m == 1 and not ieee
         _gemv_row_kernel[(triton.cdiv(n, bn),)](x, w, s, y, n, k, w.stride(0), s_n, BN=bn, BK=bk,

@@ -72,7 +72,8 @@ def enter(PDL: tl.constexpr):
 @triton.jit
 def prefetch_rows(w_ptr, rows, row_ok, stride_r, K, KP: tl.constexpr):
     """Prefetch into L2 rows `rows` [R] (those with row_ok) of a row-major weight, K elements each: one prefetch
-    per 128-byte line (KP >= the lines of a row, a power of two). For before `enter`: weights only."""
+    per 128-byte line, the first KP lines of each row (a power of two; `lines` covers a whole row). For before
+    `enter`: weights only."""
     line: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
     col = tl.arange(0, KP) * line
     ok = row_ok[:, None] & (col[None, :] < K)
