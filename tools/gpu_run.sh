@@ -7,7 +7,7 @@ set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH RAY_AUTH_MODE=disabled NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:/tmp/site:$PWD/.deepep/site PATH=/tmp/site/bin:$PATH RAY_AUTH_MODE=disabled NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
@@ -15,6 +15,8 @@ for stage in "$@"; do
     kernels) python3 -m pytest -q -p no:cacheprovider --durations=8 -m gpu tests/test_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
     gdnsnap) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gdn_prefill.py -k snapshots 2>&1 | tee "$OUT/gdnsnap.log" | tail -3 ;;
     gdn) python3 -m pytest -q -p no:cacheprovider --durations=4 -m gpu tests/test_gdn_prefill.py 2>&1 | tee "$OUT/gdn.log" | tail -12 ;;
+    deepep) [ -d .deepep/site ] || bash tools/deepep.sh build 2>&1 | tee "$OUT/deepep_build.log" | tail -8
+            python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_deepep.py 2>&1 | tee "$OUT/deepep.log" | tail -8 ;;
     e2e) python3 -m pytest -q -rs -p no:cacheprovider --durations=8 -m gpu tests/test_gpu.py tests/test_deepep.py 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;
     tests) python3 -m pytest -q -p no:cacheprovider --durations=12 -rs -m gpu tests/test_kernels.py tests/test_gdn_prefill.py tests/test_gpu.py tests/test_deepep.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     decode) python3 bench/decode.py --out "$OUT/decode_h200.json" 2>&1 | tail -12 ;;
