@@ -21,17 +21,16 @@ import torch
 from mtp_ray.config.engine import EngineConfig
 from mtp_ray.config.model import ModelConfig
 from mtp_ray.engine.block_manager import BlockManager
+from mtp_ray.engine.commit import Committer, plain_greedy, stop_ids
 from mtp_ray.engine.device_greedy import DeviceGreedy
 from mtp_ray.engine.grammar import GrammarCompiler
 from mtp_ray.engine.inputs import StepInputs, build, build_uniform, dummy_inputs, is_uniform, target_pieces
-from mtp_ray.engine.mtp import DraftItem, MTPProposer
+from mtp_ray.engine.mtp import MTPProposer
 from mtp_ray.engine.outputs import OutputProcessor, StepOutput
 from mtp_ray.engine.phases import PhaseClock
 from mtp_ray.engine.prefix_steps import plan_snapshots, publish_prefixes, restore_prefixes
-from mtp_ray.engine.rejection import verify
 from mtp_ray.engine.request import Request, Status, check_request
 from mtp_ray.engine.runner import ModelRunner
-from mtp_ray.engine.sampler import Row, logprob_info, reduce_rows, sample_row
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.engine.scheduler import Scheduled, Scheduler
 from mtp_ray.engine.stats import EngineStats
@@ -69,6 +68,7 @@ class EngineCore:
         self.proposer = MTPProposer(self.runner, self.blocks, self.k, self.sync, self.stats)
         self.clock = PhaseClock()  # host time per phase of a step (get_stats "phases")
         self.out = OutputProcessor(self.scheduler, self.requests, self.eos_ids, self.max_model_len, self.stats)
+        self.committer = Committer(self.runner, self.out, self.eos_ids, self.k)
         self.greedy = DeviceGreedy(self.runner, self.proposer, self.out, self.stats, cfg.scheduler.async_scheduling,
                                    cfg.scheduler.async_verify)
         if cfg.scheduler.max_num_batched_tokens < 1 + self.k:
@@ -91,13 +91,13 @@ class EngineCore:
         if params.allowed_token_ids is not None:
             req.allowed = torch.zeros(self.runner.model_config.vocab_size, dtype=torch.bool)
             req.allowed[params.allowed_token_ids] = True
-            req.allowed[list(self._stop_ids(params))] = True  # a request restricted to some tokens can still end
+            req.allowed[list(stop_ids(params, self.eos_ids))] = True  # restricted to some tokens: it can still end
         self.requests[request_id] = req
         if params.structured_outputs is None:
             self.scheduler.add(req)
             return
         # the constraint compiles off this thread; the request joins the scheduler when it is ready
-        req.compiling = self.grammars.submit(params.structured_outputs, self._stop_ids(params))
+        req.compiling = self.grammars.submit(params.structured_outputs, stop_ids(params, self.eos_ids))
         self.compiling[request_id] = req
 
     def _admit_compiled(self) -> None:
@@ -176,7 +176,7 @@ class EngineCore:
                 return done + self.greedy.resolve()  # no rank has work this step
             clock.kind = "graph" if table.graph_size else "eager"
             if self.greedy.inflight is not None and not self.greedy.can_follow(
-                    table.graph_size, table.graph_drafts, (self._plain_greedy(s.req) for s in sched)):
+                    table.graph_size, table.graph_drafts, (plain_greedy(s.req) for s in sched)):
                 done += self.greedy.resolve()  # an eager or host-path step reads its inputs on the host
                 sched = [s for s in sched if not s.req.finished]  # ended at the step that was in flight
                 uniform = uniform and bool(sched)
@@ -196,12 +196,12 @@ class EngineCore:
             return done
         # commit (and, on the device greedy path, draft): a finished request's row (it stopped at the step that was
         # in flight) is computed and dropped
-        fast = [s.req.finished or self._plain_greedy(s.req) for s in sched]
+        fast = [s.req.finished or plain_greedy(s.req) for s in sched]
         if table.graph_size and (self.k == 0 or table.graph_drafts) and all(fast):
             done += self.greedy.step(sched, table)
             clock.lap("commit")
             return done
-        outputs, items = self._commit(sched, inp, hidden, all_logits, fast)
+        outputs, items = self.committer.commit(sched, inp, hidden, all_logits, fast)
         publish_prefixes(sched, self.blocks, self.runner)
         clock.lap("commit")
         # draft
@@ -230,67 +230,6 @@ class EngineCore:
             return self.runner.replay_target(inp, table.graph_size, self.greedy.src(sched))
         self.stats.count_eager(inp.num_tokens)
         return self.runner.forward(inp), None
-
-    def _commit(self, sched: list[Scheduled], inp: StepInputs, hidden: torch.Tensor, all_logits: torch.Tensor | None,
-                fast: list[bool]) -> tuple[list[StepOutput], list[DraftItem]]:
-        """Sample or verify each sequence's rows on the host path -> its output and its draft-loop item. Logits are
-        reduced on the device; only rows that sample or report top-n log-probs come to the host."""
-        self._score_prompts(sched, inp, hidden)
-        rows = [r for rs in inp.logit_rows for r in rs]
-        sl = None
-        if rows:
-            logits = all_logits[rows] if all_logits is not None else self.runner.logits(hidden[rows])  # [N, V]
-            fast, masks = self._device_masks(sched, inp, fast)
-            sl = reduce_rows(logits, [not f for f, lr in zip(fast, inp.logit_rows, strict=True) for _ in lr], masks)
-        outputs, items, at, host_at = [], [], 0, 0
-        for i, (s, start_row, lrows) in enumerate(zip(sched, inp.batch.cu_seqlens, inp.logit_rows, strict=False)):
-            n, lg = len(lrows), None
-            if n:
-                full = lps = None
-                if not fast[i]:
-                    full, lps = sl.logits[host_at : host_at + n], sl.logprobs[host_at : host_at + n]
-                    host_at += n
-                lg = (full, lps, sl.ids[at : at + n], sl.lp[at : at + n])
-            at += n
-            out, item = self._postprocess(s, lg, hidden[start_row : start_row + s.num_new], i, fast[i])
-            if out is not None:
-                outputs.append(out)
-            if item is not None:
-                items.append(item)
-        return outputs, items
-
-    def _device_masks(self, sched: list[Scheduled], inp: StepInputs, fast: list[bool]
-                      ) -> tuple[list[bool], tuple[list[int], torch.Tensor] | None]:
-        """Greedy rows whose only logit processing is a mask (grammar, allowed_token_ids) take the masked argmax
-        where the logits are (a verify's rows: the masks along its drafts), like plain greedy rows: only the masks
-        go to the device, no logit row comes to the host. -> (fast per sequence, (flat rows, masks [M, V]))."""
-        fast, rows, masks, at = list(fast), [], [], 0
-        for i, (s, lrows) in enumerate(zip(sched, inp.logit_rows, strict=True)):
-            req, p = s.req, s.req.params
-            masked = req.grammar is not None or req.allowed is not None
-            masked_greedy = (masked and p.greedy and not (p.penalized or p.logit_bias or p.logprobs)
-                             and len(req.output_ids) >= p.min_tokens)
-            if not fast[i] and lrows and masked_greedy and (s.verify or len(lrows) == 1):
-                if s.verify:
-                    ms = (req.grammar.masks_along(req.drafts) if req.grammar is not None
-                          else [req.allowed] * len(lrows))
-                else:
-                    ms = [req.mask()]
-                rows += range(at, at + len(lrows))
-                masks += ms
-                fast[i] = True
-            at += len(lrows)
-        if not rows:
-            return fast, None
-        return fast, (rows, torch.stack(masks).to(self.runner.device, non_blocking=True))
-
-    @staticmethod
-    def _plain_greedy(req: Request) -> bool:
-        """Greedy on the raw logits (nothing reshapes or masks them), no top-n log-probs, prompt log-probs (if asked)
-        already out with the first token: the device argmax decides."""
-        p = req.params
-        return (p.greedy and not p.reshapes_logits and not p.logprobs and len(req.output_ids) >= p.min_tokens
-                and (p.prompt_logprobs is None or req.prompt_lps_sent))
 
     def drain(self) -> None:
         """Before anything that must see every token committed (group commands): the results in flight go out with
@@ -335,83 +274,3 @@ class EngineCore:
             **self._pending(sched, uniform),
             **self.meta_extra,
         )
-
-    def _postprocess(self, s: Scheduled, lg: tuple | None, hidden: torch.Tensor, index: int,
-                     fast: bool) -> tuple[StepOutput | None, DraftItem | None]:
-        """lg: this sequence's rows as (logits, log-probs, argmax ids, their log-probs), or None for a non-last
-        prefill chunk; logits and log-probs (host, fp32) only when not `fast`. Plain greedy (`fast`) requests
-        take the argmax as computed for the whole step on the device."""
-        req, start = s.req, s.req.num_computed
-        if req.finished:  # it stopped at the step that was in flight (async scheduling): this row is dropped
-            return None, None
-        logits, logprobs, g_ids, g_lp = lg if lg is not None else (None, None, [], [])
-        if s.verify:
-            assert g_ids and (fast or logits is not None)
-            k = len(req.drafts)
-            if fast:  # accept while the draft is the target's argmax, then the argmax itself
-                a = next((i for i in range(k) if req.drafts[i] != g_ids[i]), k)
-                emitted = req.drafts[:a] + [g_ids[a]]
-            else:
-                out_before = len(req.output_ids)
-                masks = req.grammar.masks_along(req.drafts) if req.grammar is not None else [req.allowed] * (k + 1)
-                rows = [self._row(req, req.drafts[:i], out_before + i, masks[i]) for i in range(k + 1)]
-                emitted = verify(logits, req.drafts, req.draft_probs, rows, req.generator)
-            a = len(emitted) - 1
-            self.out.commit_spec(req, a, k)
-            req.num_computed = start + a + 1
-            committed = a + 1  # the draft loop's step 1 may still run over all k + 1 rows (uniform batch)
-        elif s.completes_prefill:
-            assert g_ids and (fast or logits is not None)
-            committed = s.num_new
-            if fast:
-                emitted = [g_ids[-1]]
-            else:
-                emitted = [sample_row(logits[-1], self._row(req, [], len(req.output_ids), req.mask()), req.generator)]
-                logprobs = logprobs[-1:]
-            g_lp = g_lp[-1:]
-            req.num_computed = start + s.num_new
-        else:
-            req.num_computed = start + s.num_new
-            return None, DraftItem(req, start, hidden, False, index) if self.k else None
-        if fast:
-            info = [(g_lp[i], {}) for i in range(len(emitted))]
-        else:
-            info = [logprob_info(logprobs[i], t, req.params.logprobs) for i, t in enumerate(emitted)]
-        out = self.out.emit(req, emitted, info)
-        if req.params.prompt_logprobs is not None and not req.prompt_lps_sent:  # with the first token
-            out.prompt_logprobs, req.prompt_lps_sent = [None, *req.prompt_lps], True
-        item = DraftItem(req, start, hidden, True, index, committed) if self.k and not req.finished else None
-        return out, item
-
-    def _stop_ids(self, p: SamplingParams) -> tuple[int, ...]:
-        return (() if p.ignore_eos else self.eos_ids) + tuple(p.stop_token_ids)
-
-    def _row(self, req: Request, extra: list[int], num_output: int, allowed: torch.Tensor | None) -> Row:
-        p = req.params
-        history = req.all_ids + extra if p.penalized else []
-        return Row(p, history, num_output, self._stop_ids(p), allowed)
-
-    def _score_prompts(self, sched: list[Scheduled], inp: StepInputs, hidden: torch.Tensor) -> None:
-        """prompt_logprobs: the rows of a prefill piece score the prompt tokens after them, where the logits are
-        (only each position's log-prob, rank and top-n come to the host; a long prompt's [P, V] rows never do);
-        positions already scored (a recompute after preemption) are skipped. The piece keeps its sampling row."""
-        for i, s in enumerate(sched):
-            req, rows = s.req, inp.logit_rows[i]
-            n_top = req.params.prompt_logprobs
-            if n_top is None or s.verify or not rows:
-                continue
-            start, prompt = req.num_computed, req.prompt_ids
-            # row j scores prompt[start + j + 1]; the next unscored position is len(prompt_lps) + 1
-            js = [j for j in range(len(rows)) if len(req.prompt_lps) < start + j + 1 < len(prompt)]
-            for c in range(0, len(js), 512):  # bounded device memory: 512 rows of the vocabulary at a time
-                part = js[c : c + 512]
-                lp = torch.log_softmax(self.runner.logits(hidden[[rows[j] for j in part]]), dim=-1)  # [m, V]
-                want = torch.tensor([prompt[start + j + 1] for j in part], device=lp.device)
-                tok = lp.gather(1, want[:, None])  # [m, 1]
-                rank = (lp > tok).sum(-1) + 1
-                top = lp.topk(min(n_top, lp.shape[-1]), dim=-1) if n_top else None
-                tok_l, rank_l = tok.squeeze(1).tolist(), rank.tolist()
-                tv, ti = (top.values.tolist(), top.indices.tolist()) if top is not None else ([[]] * len(part),) * 2
-                req.prompt_lps += [(a, dict(zip(i_, v_, strict=True)), r)
-                                   for a, r, v_, i_ in zip(tok_l, rank_l, tv, ti, strict=True)]
-            inp.logit_rows[i] = rows[-1:] if s.completes_prefill else []

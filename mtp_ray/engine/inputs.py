@@ -191,7 +191,7 @@ def target_pieces(sched: list[Scheduled]) -> list[Piece]:
             out.append(Piece(r, r.num_computed, toks, "all", r.state_slots[1 : 2 + len(r.drafts)]))
         else:
             toks = r.tokens(r.num_computed, r.num_computed + s.num_new)
-            # prompt_logprobs: every row of a piece that scores prompt tokens (EngineCore._score_prompts)
+            # prompt_logprobs: every row of a piece that scores prompt tokens (Committer._score_prompts)
             scores = r.params.prompt_logprobs is not None and r.num_computed < len(r.prompt_ids) - 1
             out.append(Piece(r, r.num_computed, toks, "all" if scores else "last" if s.completes_prefill else "none",
                              snapshots=s.snapshots))
