@@ -42,6 +42,13 @@ class ModelRunner:
         self.device = resolve_device(cfg)
         self.dtype = resolve_dtype(cfg, self.device)
         self.k = cfg.spec.k
+        if self.device.type == "cuda" and dispatch is not local_dispatch:
+            # PDL launches (layers/triton/pdl.py) have not run beside a cross-rank EP exchange on GPUs yet (no 2-GPU
+            # machine since they landed): off in multi-rank groups until the dp = 2 GPU tests have checked them
+            from mtp_ray.layers.triton import pdl
+
+            pdl.set_enabled(False)
+            log.info("PDL launches off: EP exchange between ranks")
         self.model = load_model(cfg.model, self.dtype, self.device, expert_range, with_mtp=self.k > 0,
                                 dispatch=dispatch, dummy_seed=cfg.seed if cfg.load_format == "dummy" else None)
         self.model_config: ModelConfig = self.model.config
