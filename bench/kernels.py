@@ -281,29 +281,46 @@ def _gemm_shape(name: str, n: int, k: int, rows: int, dev: torch.device) -> dict
     return res
 
 
-def sweep_grouped_fp8(rows: int, dev: torch.device) -> dict:
-    """The routed experts of `rows` tokens through the grouped GEMM (fused_experts) with e4m3 experts over
-    (BLOCK_N, BLOCK_K, warps, stages), next to the bf16 experts at their tile."""
-    from mtp_ray.layers.triton.moe import fused_experts, gemm_tile
+def sweep_grouped(rows: int, dev: torch.device, fp8: bool) -> dict:
+    """The engine's grouped MoE path for `rows` tokens (fused_experts with the shared expert: plan, gate_up, down,
+    slot sum) with bf16 or e4m3 experts: the gate_up tiles swept with down at its default, then down's with gate_up
+    at its default; and the plan launch alone."""
+    from mtp_ray.layers.triton.moe import fused_experts, gemm_tiles
+    from mtp_ray.layers.triton.moe_common import SharedWeights
+    from mtp_ray.layers.triton.moe_plan import plan
+
     block = Fp8Block(128, 128)
     g = torch.Generator(device=dev).manual_seed(0)
     gu = torch.randn(EXPERTS, 2 * INTER, H, device=dev, generator=g) * H**-0.5
     dn = torch.randn(EXPERTS, H, INTER, device=dev, generator=g) * INTER**-0.5
-    (qgu, sgu), (qdn, sdn) = quantize(gu, block), quantize(dn, block)
-    fp8 = (Fp8Weight(sgu, block), Fp8Weight(sdn, block))
-    gu16, dn16 = gu.bfloat16(), dn.bfloat16()
-    del gu, dn
+    sh = [torch.randn(*s, device=dev, generator=g) * s[1] ** -0.5 for s in ((INTER, H), (INTER, H), (H, INTER))]
+    gw = torch.randn(1, H, device=dev, generator=g).bfloat16()
+    if fp8:
+        (gu, sgu), (dn, sdn) = quantize(gu, block), quantize(dn, block)
+        qsh = [quantize(w, block) for w in sh]
+        scales = (Fp8Weight(sgu, block), Fp8Weight(sdn, block))
+        shared = SharedWeights(*(q for q, _ in qsh), gw, tuple(Fp8Weight(sc, block) for _, sc in qsh))
+    else:
+        gu, dn, scales = gu.bfloat16(), dn.bfloat16(), None
+        shared = SharedWeights(*(w.bfloat16() for w in sh), gw)
     x = torch.randn(rows, H, dtype=torch.bfloat16, device=dev)
     ids = torch.randint(0, EXPERTS, (rows, TOPK), device=dev)
     tw = torch.rand(rows, TOPK, dtype=torch.bfloat16, device=dev)
-    res = {"rows": rows, "default": list(gemm_tile(False, True)),
-           "bf16_us": round(graph_time(lambda i: fused_experts(x, ids, tw, gu16, dn16, 0)) * 1e6, 2),
-           "at_default": round(graph_time(lambda i: fused_experts(x, ids, tw, qgu, qdn, 0, fp8=fp8)) * 1e6, 2)}
-    space = list(itertools.product((32, 64, 128), (128, 256), (4, 8), (3, 4)))
-    res.update(_tile_sweep(space, lambda tile: graph_time(lambda i: fused_experts(x, ids, tw, qgu, qdn, 0, fp8=fp8,
-                                                                                  tile=tile))))
-    print(f"fp8 grouped experts rows={rows}: bf16 {res['bf16_us']} us, fp8 default {res['at_default']} us, "
-          f"best {res['best']}")
+    d_gu, d_dn = gemm_tiles(False, fp8)
+
+    def step(tiles):
+        return graph_time(lambda i: fused_experts(x, ids, tw, gu, dn, 0, fp8=scales, tiles=tiles, shared=shared))
+
+    res = {"rows": rows, "fp8": fp8, "default": [list(d_gu), list(d_dn)], "at_default_us": round(step(None) * 1e6, 2),
+           "plan_us": round(graph_time(lambda i: plan(ids, 0, EXPERTS, True, 16 if rows * TOPK <= 4096 else 64))
+                            * 1e6, 2)}
+    bk = (128, 256) if fp8 else (64, 128)
+    res["gate_up"] = _tile_sweep(list(itertools.product((16, 32, 64), bk, (4,), (3, 4))),
+                                 lambda tile: step((tile, d_dn)))
+    res["down"] = _tile_sweep(list(itertools.product((32, 64, 128), bk, (4,), (3, 4))),
+                              lambda tile: step((d_gu, tile)))
+    print(f"grouped experts rows={rows} fp8={fp8}: default {res['at_default_us']} us (plan {res['plan_us']}), "
+          f"best gate_up {res['gate_up']['best']}, best down {res['down']['best']}")
     return res
 
 
@@ -315,6 +332,8 @@ def main() -> None:
                     help="only the FP8 sweeps: one-row GEMV on these DENSE shapes (default: all), experts, GEMM")
     ap.add_argument("--fp8-parts", nargs="+", default=["gemv", "experts", "gemm", "grouped"])
     ap.add_argument("--gemm-rows", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--grouped", action="store_true",
+                    help="only the grouped MoE path (bf16 and FP8) at --gemm-rows tokens: gate_up and down tiles")
     args = ap.parse_args()
     dev = torch.device("cuda")
     flag = torch.zeros(1024, device=dev)
@@ -328,9 +347,15 @@ def main() -> None:
         if "gemm" in args.fp8_parts:
             result["gemm_fp8"] = [r for rows in args.gemm_rows for r in sweep_gemm_fp8(rows, shapes, dev)]
         if "grouped" in args.fp8_parts:
-            result["grouped_fp8"] = [sweep_grouped_fp8(rows, dev) for rows in args.gemm_rows]
+            result["grouped_fp8"] = [sweep_grouped(rows, dev, True) for rows in args.gemm_rows]
         if "gemv" in args.fp8_parts:
             result["gemv_fp8"] = sweep_gemv_fp8(shapes, dev)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        return
+    if args.grouped:
+        result = {"device": torch.cuda.get_device_name(),
+                  "grouped": [sweep_grouped(rows, dev, fp8) for fp8 in (False, True) for rows in args.gemm_rows]}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
         return

@@ -108,7 +108,7 @@ def _moe_weights(g, e, h, inter, block, dtype):
     (1, 16, 16, 0, 4, 256, 128, Fp8Block(128, 128)), (4, 8, 4, 2, 2, 96, 48, Fp8Block(16, 12)),
     (8, 64, 64, 0, 8, 256, 96, Fp8Block(64, 128)), (40, 16, 16, 0, 4, 128, 64, Fp8Block(32, 32))])
 def test_experts_fp8_equal_dequantized(dtype, t, e, n_local, start, topk, h, inter, block):
-    """pair_experts (with a shared expert, FP8 too), fused_experts (per-slot and summed), expert_major_experts:
+    """pair_experts and fused_experts (with a shared expert, FP8 too; per-slot and summed), expert_major_experts:
     each FP8 launch equals the same launch on the dequantized weights, a foreign shard and padding ids included
     (96 = I not a multiple of 64: gate_up keeps one scale row per weight row)."""
     from mtp_ray.layers.triton.moe import expert_major_experts, fused_experts
@@ -137,6 +137,8 @@ def test_experts_fp8_equal_dequantized(dtype, t, e, n_local, start, topk, h, int
         for per_slot in (False, True):
             assert _same(fused_experts(x, ids, w, qgu, qdn, start, per_slot, fp8),
                          fused_experts(x, ids, w, dgu, ddn, start, per_slot))
+        assert _same(fused_experts(x, ids, w, qgu, qdn, start, fp8=fp8, shared=shared8),
+                     fused_experts(x, ids, w, dgu, ddn, start, shared=shared))
         counts = torch.randint(0, 5, (n_local,), generator=g)
         xe = torch.randn(n_local, 6, h, generator=g).to(DEVICE, dtype)
         assert _same(expert_major_experts(xe, counts.to(DEVICE), qgu, qdn, n_local * 6, fp8),

@@ -174,10 +174,10 @@ class SparseMoE(nn.Module):
             w = w / w.sum(-1, keepdim=True)
         return ids, w.to(x.dtype)
 
-    def _shared_weights(self):  # -> triton.moe_small.SharedWeights | None
+    def _shared_weights(self):  # -> triton.moe_common.SharedWeights | None
         """The shared expert for the small-batch kernels; None when its projections are partly FP8 (they read
         one kind) or its sigmoid gate is."""
-        from mtp_ray.layers.triton.moe_small import SharedWeights
+        from mtp_ray.layers.triton.moe_common import SharedWeights
 
         se = self.shared_expert
         lins = (se.gate_proj, se.up_proj, se.down_proj)
@@ -196,15 +196,19 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, w = self.route(x)
-        sw = self._shared_weights() if self.has_shared and x.is_cuda and x.shape[0] <= SHARED_GEMV_TOKENS else None
+        sw = self._shared_weights() if self.has_shared and x.is_cuda else None
         ex = self.experts
-        if sw is not None and self.dispatch is local_dispatch and ex.pairs(ids) and self._same_kind(sw):
-            from mtp_ray.layers.triton.moe_small import pair_experts
+        if sw is not None and self.dispatch is local_dispatch and self._same_kind(sw):
+            # no EP exchange in between: the shared expert runs in the routed experts' launches
+            if ex.pairs(ids):
+                from mtp_ray.layers.triton.moe_small import pair_experts
 
-            # no EP exchange in between: routed and shared experts in the same two launches
-            return pair_experts(x, ids, w, ex.gate_up_proj, ex.down_proj, ex.start, sw, ex.fp8)
+                return pair_experts(x, ids, w, ex.gate_up_proj, ex.down_proj, ex.start, sw, ex.fp8)
+            from mtp_ray.layers.triton.moe import fused_experts
+
+            return fused_experts(x, ids, w, ex.gate_up_proj, ex.down_proj, ex.start, fp8=ex.fp8, shared=sw)
         out = self.dispatch(x, ids, w, self.experts)
-        if sw is not None:
+        if sw is not None and x.shape[0] <= SHARED_GEMV_TOKENS:
             from mtp_ray.layers.triton.moe_small import shared_expert_add
 
             return shared_expert_add(x, out, sw)

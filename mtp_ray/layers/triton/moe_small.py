@@ -14,8 +14,6 @@ FP8-resident experts (layers/fp8.py): e4m3 weights and block scales read in the 
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -23,6 +21,7 @@ import triton.language as tl
 from mtp_ray.layers.fp8 import Fp8Weight
 from mtp_ray.layers.triton import pdl
 from mtp_ray.layers.triton.fp8 import block_scales, dequant, rows_in_block, scale_args
+from mtp_ray.layers.triton.moe_common import SharedWeights, slot_sum
 
 
 @triton.jit
@@ -162,40 +161,6 @@ def _down_kernel(act_ptr, ids_ptr, tw_ptr, w_ptr, x_ptr, sw_ptr, gw_ptr, ds_ptr,
     tl.store(part_ptr + p * H + n, val, mask=nm)
 
 
-@triton.jit
-def _slot_sum_kernel(part_ptr, out_ptr, H, stride_o, TOPK: tl.constexpr, SH: tl.constexpr, BN: tl.constexpr,
-                     PDL: tl.constexpr):
-    """out[t] = the routed slots' sum in slot order (fp32, one rounding), then + the shared expert's output (SH),
-    as SparseMoE.forward adds them; TOPK = 0: out holds the routed sum already (the EP path)."""
-    pdl.enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
-    nm = n < H
-    dt = out_ptr.dtype.element_ty
-    base = part_ptr + t * (TOPK + SH) * H + n
-    total = tl.zeros([BN], tl.float32)
-    for j in tl.static_range(TOPK):
-        total += tl.load(base + j * H, mask=nm, other=0.0)
-    if SH:
-        if TOPK > 0:
-            total = total.to(dt).to(tl.float32)  # the routed sum, rounded once, then the shared expert added
-        else:
-            total = tl.load(out_ptr + t * stride_o + n, mask=nm, other=0.0).to(tl.float32)  # routed input
-        total += tl.load(base + TOPK * H, mask=nm, other=0.0)
-    tl.store(out_ptr + t * stride_o + n, total.to(dt), mask=nm)
-
-
-class SharedWeights(NamedTuple):
-    """The shared expert of a MoE layer: gate, up [I_sh, H]; down [H, I_sh]; gate (the sigmoid scale) [1, H];
-    fp8: gate's, up's and down's scales when those three are e4m3 (the sigmoid gate never is)."""
-
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
-    scale: torch.Tensor
-    fp8: tuple[Fp8Weight, Fp8Weight, Fp8Weight] | None = None
-
-
 def _experts(x: torch.Tensor, ids: torch.Tensor | None, tw: torch.Tensor | None, gate_up: torch.Tensor | None,
              down: torch.Tensor | None, start: int, shared: SharedWeights | None, out: torch.Tensor,
              fp8: tuple[Fp8Weight, Fp8Weight] | None = None, tile: tuple[int, int, int] | None = None
@@ -282,14 +247,6 @@ def down_sum(act: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, down: torch
         FP8=fp8 is not None, TILE_SCALE=tile_scale, SN=sn, SK=sk, num_warps=4, **pdl.launch_args(out.device),
     )
     slot_sum(part, out, topk, sh)
-
-
-def slot_sum(part: torch.Tensor, out: torch.Tensor, topk: int, sh: int) -> None:
-    """out[t] = the fp32 partials [T * (topk + sh), H] of t's slots summed in slot order (+ the shared expert's)."""
-    t, h = out.shape
-    bs = min(triton.next_power_of_2(h), 1024)
-    _slot_sum_kernel[(t, triton.cdiv(h, bs))](part, out, h, out.stride(0), TOPK=topk, SH=sh, BN=bs, num_warps=4,
-                                              **pdl.launch_args(out.device))
 
 
 def pair_experts(
