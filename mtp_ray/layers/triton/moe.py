@@ -20,7 +20,7 @@ from mtp_ray.layers.fp8 import Fp8Weight
 from mtp_ray.layers.triton import pdl
 from mtp_ray.layers.triton.fp8 import fp8_tile, scale_args, scaled_dot
 from mtp_ray.layers.triton.moe_common import SharedWeights, slot_sum
-from mtp_ray.layers.triton.moe_plan import Plan, plan, tiles
+from mtp_ray.layers.triton.moe_plan import Plan, plan, tile_table
 
 
 @triton.jit
@@ -259,7 +259,7 @@ def expert_major_experts(
     i = torch.arange(bound, device=x.device)
     ex = torch.searchsorted(seg_end, i, right=True).clamp_max(e - 1)
     rows = torch.where(i < seg_end[-1], ex * m + i - seg_start[ex], 0).to(torch.int32)  # [bound] row of x
-    p = Plan(rows, rows, *tiles(counts, seg_start, seg_end, bound, bm), bm)
+    p = Plan(rows, rows, *tile_table(counts, seg_start, seg_end, bound, bm), bm)
     # the down GEMM stores straight into each row's place in the expert-major layout (zeroed: padding stays zero)
     y = torch.zeros(e * m, h, dtype=x.dtype, device=x.device)
     grouped_experts(x.reshape(e * m, h), p, gate_up, down, y, None, fp8=fp8)

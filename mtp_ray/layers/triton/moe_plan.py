@@ -127,12 +127,12 @@ def plan_torch(ids: torch.Tensor, start: int, e_local: int, shared: bool, bm: in
     counts = torch.zeros(e_local + sh + 1, dtype=torch.long, device=ids.device).scatter_add_(
         0, key, torch.ones_like(key))[: e_local + sh]
     seg_end = counts.cumsum(0)
-    te, r0, r1 = tiles(counts, seg_end - counts, seg_end, key.numel(), bm)
+    te, r0, r1 = tile_table(counts, seg_end - counts, seg_end, key.numel(), bm)
     i32 = torch.int32
     return Plan((order // (k + sh)).to(i32), order.to(i32), te, r0, r1, bm)
 
 
-def tiles(counts: torch.Tensor, seg_start: torch.Tensor, seg_end: torch.Tensor, rows: int, bm: int
+def tile_table(counts: torch.Tensor, seg_start: torch.Tensor, seg_end: torch.Tensor, rows: int, bm: int
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tiles of up to bm rows over each key's rows [seg_start[e], seg_end[e]) (counts: [E]), as int32 (key, first
     row, end row) per tile, rows past `rows` cut off. Their number is a static bound, ceil(rows / bm) + E; tiles

@@ -1,13 +1,14 @@
 """Small-batch MoE in Triton (GPU): the experts of a few tokens as two GEMV launches with no sorting, for decode
-steps where the sorted grouped GEMM (triton/moe.py) spends more time planning tiles than multiplying (the router:
-triton/route.py).
+steps whose pairs would leave the grouped GEMM's tiles (triton/moe.py) one or two rows each and cost it a planning
+launch (the router: triton/route.py).
 
 - `pair_experts`: gate_up + SwiGLU per (token, slot) pair (one program per pair and output tile), down +
   weighting per pair the same way (into fp32 partials), then the sum over the slots in slot order per token (no
   atomics: deterministic). Roundings follow Experts / fused_experts: each GEMM output, SiLU, the product and the
   weighted output are rounded to the activation dtype; the slot sum runs in fp32 and is rounded once. With
   `shared` (no EP exchange between the routed and the shared expert) the shared expert is one more pair per token
-  in the same launches: a MoE layer of a decode step is router GEMV + top-k + 3 launches.
+  in the same launches: a MoE layer of a decode step is router GEMV + top-k + 3 launches (the slot sum:
+  triton/moe_common.py).
 - `shared_expert_add`: the shared expert alone in the same kernels (the EP path: routed sum from the exchange).
 FP8-resident experts (layers/fp8.py): e4m3 weights and block scales read in the same launches (triton/fp8.py).
 """
