@@ -281,13 +281,15 @@ def _gemm_shape(name: str, n: int, k: int, rows: int, dev: torch.device) -> dict
     return res
 
 
-def sweep_grouped(rows: int, dev: torch.device, fp8: bool) -> dict:
+def sweep_grouped(rows: int, dev: torch.device, fp8: bool, tiles: bool = True) -> dict:
     """The engine's grouped MoE path for `rows` tokens (fused_experts with the shared expert: plan, gate_up, down,
-    slot sum) with bf16 or e4m3 experts: the gate_up tiles swept with down at its default, then down's with gate_up
-    at its default; and the plan launch alone."""
+    slot sum) with bf16 or e4m3 experts, next to the per-pair GEMVs (moe_small.pair_experts, what SparseMoE takes
+    up to 256 pairs) and the plan launch alone; `tiles`: the gate_up tiles swept with down at its default, then
+    down's with gate_up at its default."""
     from mtp_ray.layers.triton.moe import fused_experts, gemm_tiles
     from mtp_ray.layers.triton.moe_common import SharedWeights
     from mtp_ray.layers.triton.moe_plan import plan
+    from mtp_ray.layers.triton.moe_small import pair_experts
 
     block = Fp8Block(128, 128)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -312,15 +314,19 @@ def sweep_grouped(rows: int, dev: torch.device, fp8: bool) -> dict:
         return graph_time(lambda i: fused_experts(x, ids, tw, gu, dn, 0, fp8=scales, tiles=tiles, shared=shared))
 
     res = {"rows": rows, "fp8": fp8, "default": [list(d_gu), list(d_dn)], "at_default_us": round(step(None) * 1e6, 2),
+           "pairs_us": round(graph_time(lambda i: pair_experts(x, ids, tw, gu, dn, 0, shared, scales)) * 1e6, 2),
            "plan_us": round(graph_time(lambda i: plan(ids, 0, EXPERTS, True, 16 if rows * TOPK <= 4096 else 64))
                             * 1e6, 2)}
+    print(f"grouped experts rows={rows} fp8={fp8}: grouped {res['at_default_us']} us (plan {res['plan_us']}), "
+          f"per-pair GEMVs {res['pairs_us']} us")
+    if not tiles:
+        return res
     bk = (128, 256) if fp8 else (64, 128)
     res["gate_up"] = _tile_sweep(list(itertools.product((16, 32, 64), bk, (4,), (3, 4))),
                                  lambda tile: step((tile, d_dn)))
     res["down"] = _tile_sweep(list(itertools.product((32, 64, 128), bk, (4,), (3, 4))),
                               lambda tile: step((d_gu, tile)))
-    print(f"grouped experts rows={rows} fp8={fp8}: default {res['at_default_us']} us (plan {res['plan_us']}), "
-          f"best gate_up {res['gate_up']['best']}, best down {res['down']['best']}")
+    print(f"  best gate_up {res['gate_up']['best']}, best down {res['down']['best']}")
     return res
 
 
@@ -333,7 +339,8 @@ def main() -> None:
     ap.add_argument("--fp8-parts", nargs="+", default=["gemv", "experts", "gemm", "grouped"])
     ap.add_argument("--gemm-rows", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--grouped", action="store_true",
-                    help="only the grouped MoE path (bf16 and FP8) at --gemm-rows tokens: gate_up and down tiles")
+                    help="only the grouped MoE path (bf16 and FP8) at --gemm-rows tokens next to the per-pair GEMVs; "
+                         "from 64 rows also its gate_up and down tiles")
     args = ap.parse_args()
     dev = torch.device("cuda")
     flag = torch.zeros(1024, device=dev)
@@ -355,7 +362,8 @@ def main() -> None:
         return
     if args.grouped:
         result = {"device": torch.cuda.get_device_name(),
-                  "grouped": [sweep_grouped(rows, dev, fp8) for fp8 in (False, True) for rows in args.gemm_rows]}
+                  "grouped": [sweep_grouped(rows, dev, fp8, rows >= 64) for fp8 in (False, True)
+                              for rows in args.gemm_rows]}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
         return
