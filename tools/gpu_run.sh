@@ -23,6 +23,7 @@ for stage in "$@"; do
     offline) python3 bench/offline.py --device cuda --dtype bfloat16 --prompts 16 --repeats 3 --out "$OUT/offline_h200_bf16.json" 2>&1 | tail -16 ;;
     kernsweep) timeout 200 python3 bench/kernels.py --rows 1 --out "$OUT/kernels_h200.json" 2>&1 | tail -30 ;;
     moe) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py -k "experts or shared or moe or plan or gemv" 2>&1 | tail -2 ;;
+    recurrent) python3 bench/kernels.py --recurrent --gemm-rows ${REC_ROWS:-64 256} --out "$OUT/kernels_h200_recurrent.json" 2>&1 | grep "^recurrent" ;;
     grouped) python3 bench/kernels.py --grouped --gemm-rows ${GROUPED_ROWS:-8 16 32 64 256} --out "$OUT/kernels_h200_grouped_moe.json" 2>&1 | grep "grouped\|best" ;;
     fp8) python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_fp8_kernels.py 2>&1 | tee "$OUT/fp8.log" | grep "agreement\|passed\|failed\|Error" | tail -8
          python3 bench/decode.py --fp8 --mtp-k 0 --kernel-batches 1 64 --out "$OUT/decode_h200_fp8.json" 2>&1 | grep -A40 "^| batch" ;;

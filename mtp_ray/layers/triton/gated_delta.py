@@ -136,22 +136,23 @@ def _recurrent_kernel(x_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slots_p
 
 def recurrent_decode(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
                      dt_bias: torch.Tensor, ssm_state: torch.Tensor, state_slots: torch.Tensor,
-                     spec_slots: torch.Tensor | None, q_len: int, key_heads: int, key_dim: int, out_dtype: torch.dtype
-                     ) -> torch.Tensor:
+                     spec_slots: torch.Tensor | None, q_len: int, key_heads: int, key_dim: int, out_dtype: torch.dtype,
+                     tile: tuple[int, int] | None = None) -> torch.Tensor:
     """conv_out: [B * q_len, 2 * Hk * dk + Hv * dv]; a, b: [B * q_len, Hv] raw projections; ssm_state:
-    [S, Hv, dk, dv] fp32 (updated in place) -> core output [B * q_len, Hv, dv] in out_dtype."""
+    [S, Hv, dk, dv] fp32 (updated in place) -> core output [B * q_len, Hv, dv] in out_dtype. tile: (BV, warps),
+    the sweep's override (bench/kernels.py --recurrent)."""
     bsz = state_slots.shape[0]
     _, hv, dk, dv = ssm_state.shape
     assert ssm_state.stride(3) == 1 and conv_out.stride(1) == 1 and a.stride(1) == 1 and a.stride(0) == b.stride(0)
     out = torch.empty(conv_out.shape[0], hv, dv, dtype=out_dtype, device=conv_out.device)
     bk = triton.next_power_of_2(dk)
-    bv = min(triton.next_power_of_2(dv), 32 if bk >= 128 else 64)
+    bv, warps = tile or (min(triton.next_power_of_2(dv), 32 if bk >= 128 else 64), 4)
     _recurrent_kernel[(bsz, hv, triton.cdiv(dv, bv))](
         conv_out, a, b, a_log, dt_bias, ssm_state, state_slots, spec_slots if spec_slots is not None else state_slots,
         out, conv_out.stride(0), a.stride(0), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
         out.stride(0), out.stride(1), dk**-0.5,
         KEY_DIM=key_heads * dk, DK=dk, DV=dv, HV=hv, REP=hv // key_heads, QL=q_len,
-        HAS_SPEC=spec_slots is not None, BK=bk, BV=bv, num_warps=4, **pdl.launch_args(conv_out.device),
+        HAS_SPEC=spec_slots is not None, BK=bk, BV=bv, num_warps=warps, **pdl.launch_args(conv_out.device),
     )
     return out
 
