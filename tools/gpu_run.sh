@@ -24,7 +24,7 @@ for stage in "$@"; do
     kernsweep) timeout 200 python3 bench/kernels.py --rows 1 --out "$OUT/kernels_h200.json" 2>&1 | tail -30 ;;
     moe) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py -k "experts or shared or moe or plan or gemv" 2>&1 | tail -2 ;;
     recurrent) python3 bench/kernels.py --recurrent --gemm-rows ${REC_ROWS:-64 256} --out "$OUT/kernels_h200_recurrent.json" 2>&1 | grep "^recurrent" ;;
-    grouped) python3 bench/kernels.py --grouped --gemm-rows ${GROUPED_ROWS:-8 16 32 64 256} --out "$OUT/kernels_h200_grouped_moe.json" 2>&1 | grep "grouped\|best" ;;
+    grouped) python3 bench/kernels.py --grouped --gemm-rows ${GROUPED_ROWS:-8 16 32 64 256 1024 2048} --out "$OUT/kernels_h200_grouped_moe.json" 2>&1 | grep "grouped\|best" ;;
     fp8) python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_fp8_kernels.py 2>&1 | tee "$OUT/fp8.log" | grep "agreement\|passed\|failed\|Error" | tail -8
          python3 bench/decode.py --fp8 --mtp-k 0 --kernel-batches 1 64 --out "$OUT/decode_h200_fp8.json" 2>&1 | grep -A40 "^| batch" ;;
     pdl) python3 bench/decode.py --mtp-k 0 --batches ${PDL_BATCHES:-1 8 64} --pdl-ab ${PDL_ARGS:-} --out "$OUT/decode_h200_pdl.json" 2>&1 | grep -A40 "^| batch" ;;
