@@ -175,8 +175,8 @@ class SparseMoE(nn.Module):
         return ids, w.to(x.dtype)
 
     def _shared_weights(self):  # -> triton.moe_common.SharedWeights | None
-        """The shared expert for the small-batch kernels; None when its projections are partly FP8 (they read
-        one kind) or its sigmoid gate is."""
+        """The shared expert for the expert kernels (per-pair or grouped); None when its projections are partly FP8
+        (they read one kind) or its sigmoid gate is."""
         from mtp_ray.layers.triton.moe_common import SharedWeights
 
         se = self.shared_expert

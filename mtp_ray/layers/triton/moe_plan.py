@@ -23,7 +23,7 @@ from mtp_ray.layers.triton import pdl
 class Plan(NamedTuple):
     """Sorted row r (pairs grouped by key, stable) -> src[r]: the token (row of x) it reads, dst[r]: its pair id;
     tile i covers rows [r0[i], r1[i]) of expert te[i] (the shared expert: E_LOCAL); tiles past the last live one
-    are empty (r0 = r1 = 0). rows: the static bound on sorted rows (= pairs); a row past the live ones is unset."""
+    are empty (r0 = r1 = 0). src / dst have a row per pair (a static size); rows past the live ones are unset."""
 
     src: torch.Tensor  # [P] int32
     dst: torch.Tensor  # [P] int32
@@ -90,7 +90,7 @@ def _plan_kernel(ids_ptr, src_ptr, dst_ptr, te_ptr, r0_ptr, r1_ptr, P, start, E_
         tl.store(r1_ptr + it, tl.where(live, r1, 0), mask=tm)
 
 
-KERNEL_PAIRS = 8192  # up to this many pairs the one-program plan; past it (prefill) torch's sort, in parallel
+KERNEL_PAIRS = 8192  # up to this many pairs the one-launch plan; past it (prefill) torch's sort
 
 
 def plan(ids: torch.Tensor, start: int, e_local: int, shared: bool, bm: int) -> Plan:
