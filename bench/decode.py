@@ -9,7 +9,7 @@ of B sequences x 1 token plus the lm_head, timed as a CUDA graph replay (median 
 With --mtp-k k (default 3) the model also has its MTP layer, and the MTP step (the target verify of B x (k + 1)
 tokens + the k-step greedy draft loop, both graphs) is timed next to the plain step: plain / MTP step is the bound
 on (MTP speedup / mean acceptance length) from device time alone. The kernels of the batch-1 step (or those of
---kernel-batches) are listed.
+--kernel-batches) are listed, from a capture without PDL (each kernel's own time).
 With --fp8 the plain steps run again on the same shapes with FP8-resident weights (Qwen's FP8 format: e4m3, 128 x
 128 block scales, router / shared-expert gate / embedding / lm_head left in bf16): FP8 step / bf16 step per batch.
 
@@ -95,7 +95,7 @@ def plain_step(model: Qwen3_5MoeForCausalLM, cfg: ModelConfig, bsz: int, context
         graphs.run_target(inp, bsz)
         g = graphs.target[bsz][0]
         graph = timed(g.replay, 20)
-        table = kernel_table(g.replay) if kernels else None
+        table = kernel_table_without_pdl(model, inp, bsz, width, dev) if kernels else None
     by = step_bytes(model, cfg, bsz, context, experts_hit)
     floor = by["total"] / bw
     row = {"batch": bsz, "graph_step_ms": round(graph * 1e3, 3), "eager_step_ms": round(eager * 1e3, 3),
@@ -139,6 +139,21 @@ def inputs(bsz: int, context: int, width: int, vocab: int, device: torch.device,
     u = UniformDecode(q, v["ctx"], v["state"], v["spec"] if q > 1 else None)
     return StepInputs(v["ids"], pos, ForwardBatch.decode(u, v["tables"], v["slots"]), [[b] for b in range(bsz)],
                       packed)
+
+
+def kernel_table_without_pdl(model: Qwen3_5MoeForCausalLM, inp, bsz: int, width: int, dev: torch.device
+                             ) -> list[dict]:
+    """The plain step's kernels from a capture without PDL: with PDL a kernel starts early and its time includes
+    the wait for the one before it (the step's own time is taken with PDL, as served)."""
+    from mtp_ray.layers.triton import pdl  # (Triton: GPU machines only)
+
+    prev = pdl.set_enabled(False)
+    try:
+        graphs = CudaGraphs(model, (bsz,), 0, width, BLOCK, dev)
+        graphs.run_target(inp, bsz)
+        return kernel_table(graphs.target[bsz][0].replay)
+    finally:
+        pdl.set_enabled(prev)
 
 
 def kernel_table(fn, steps: int = 10) -> list[dict]:

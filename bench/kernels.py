@@ -349,7 +349,7 @@ def sweep_grouped(rows: int, dev: torch.device, fp8: bool, tiles: bool = True) -
 def sweep_recurrent(batch: int, q_len: int, dev: torch.device) -> dict:
     """The GDN recurrence of a decode (q_len 1) or verify (q_len k + 1) step at the 35B-A3B shapes (32 value heads
     of 128 x 128 fp32 state, 16 key heads) over (BV, warps), next to the state's bytes at the measured copy
-    bandwidth: at batch 256 the recurrence is ~30 % of the step (10.1 ms for 7.8 ms of state traffic)."""
+    bandwidth: at batch 256 the recurrence is up to ~30 % of the step (<= 10.1 ms for 7.8 ms of state traffic)."""
     from mtp_ray.layers.triton.gated_delta import recurrent_decode
 
     hk, hv, dk, dv = 16, 32, 128, 128

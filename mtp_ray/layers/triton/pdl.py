@@ -43,11 +43,13 @@ except ImportError:  # a Triton without grid dependency control: PDL stays off (
 _forced: bool | None = None  # set_enabled: None = on wherever the device and Triton support it
 
 
-def set_enabled(on: bool | None) -> None:
+def set_enabled(on: bool | None) -> bool | None:
     """Benchmarks' A/B switch: launch the decode kernels with PDL (True), without (False), or where supported
-    (None, the default). Read at launch: a captured CUDA graph keeps what it was captured with."""
+    (None, the default). Read at launch: a captured CUDA graph keeps what it was captured with. Returns the
+    setting it replaced."""
     global _forced
-    _forced = on
+    prev, _forced = _forced, on
+    return prev
 
 
 @functools.cache
