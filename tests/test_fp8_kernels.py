@@ -132,13 +132,13 @@ def test_experts_fp8_equal_dequantized(dtype, t, e, n_local, start, topk, h, int
             assert _same(pair_experts(x, ids, w, qgu, qdn, start, fp8=fp8), pair_experts(x, ids, w, dgu, ddn, start))
             assert _same(pair_experts(x, ids, w, qgu, qdn, start, shared8, fp8),
                          pair_experts(x, ids, w, dgu, ddn, start, shared))
-            routed = torch.randn(t, h, generator=g).to(DEVICE, dtype)
-            assert _same(shared_expert_add(x, routed, shared8), shared_expert_add(x, routed, shared))
         for per_slot in (False, True):
             assert _same(fused_experts(x, ids, w, qgu, qdn, start, per_slot, fp8),
                          fused_experts(x, ids, w, dgu, ddn, start, per_slot))
         assert _same(fused_experts(x, ids, w, qgu, qdn, start, fp8=fp8, shared=shared8),
                      fused_experts(x, ids, w, dgu, ddn, start, shared=shared))
+        routed = torch.randn(t, h, generator=g).to(DEVICE, dtype)  # (past 8 tokens: the grouped launches)
+        assert _same(shared_expert_add(x, routed, shared8), shared_expert_add(x, routed, shared))
         counts = torch.randint(0, 5, (n_local,), generator=g)
         xe = torch.randn(n_local, 6, h, generator=g).to(DEVICE, dtype)
         assert _same(expert_major_experts(xe, counts.to(DEVICE), qgu, qdn, n_local * 6, fp8),

@@ -412,8 +412,9 @@ def test_qk_norm_rope_store(dtype, tol, t, hq, hkv, d, rd):
 
 @needs_device
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("t,h,inter", [(1, 128, 128), (4, 2048, 512), (8, 96, 80)])
+@pytest.mark.parametrize("t,h,inter", [(1, 128, 128), (4, 2048, 512), (8, 96, 80), (9, 128, 64), (70, 96, 80)])
 def test_shared_expert_add(dtype, tol, t, h, inter):
+    """The shared expert after an EP exchange: per-token GEMVs up to SHARED_PAIR_TOKENS, grouped launches past."""
     from mtp_ray.layers.moe import MLP
     from mtp_ray.layers.triton.moe_small import SharedWeights, shared_expert_add
 

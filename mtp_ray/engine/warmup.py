@@ -62,7 +62,7 @@ def warmup_forwards(core: EngineCore) -> None:
     CUDA graph size captured, largest first, on padded rows only, so that no capture stalls a serving step."""
     # eager forwards of padded rows (KV writes dropped) at 1, 2, 9, 16 and 64 tokens: the eager kernels and their
     # size classes (the GEMV's M == 1 / % 16 / other, on both sides of the shared expert's GEMV path at
-    # SHARED_GEMV_TOKENS, varlen attention, GDN chunk, the MoE paths) compile here rather than stalling the
+    # SHARED_PAIR_TOKENS, varlen attention, GDN chunk, the MoE paths) compile here rather than stalling the
     # first requests that meet them; and up to a full step's token budget: fla's q / k
     # L2-norm autotunes once per bucket of ceil(tokens x key heads / 65536) (25 configs, ~3.5 s at the 35B
     # shapes, on the first step of a new bucket: bench/cold_compiles.py)

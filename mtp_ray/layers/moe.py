@@ -16,8 +16,6 @@ from mtp_ray.config.model import ModelConfig
 from mtp_ray.layers.fp8 import E4M3, Fp8Block, Fp8Weight, dequantize, scale_shape
 from mtp_ray.layers.linear import Linear
 
-SHARED_GEMV_TOKENS = 8  # up to this many tokens the shared expert runs as two GEMV launches (GPU), not 9 kernels
-
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     # x: [..., 2I] = [gate | up]
@@ -208,7 +206,7 @@ class SparseMoE(nn.Module):
 
             return fused_experts(x, ids, w, ex.gate_up_proj, ex.down_proj, ex.start, fp8=ex.fp8, shared=sw)
         out = self.dispatch(x, ids, w, self.experts)
-        if sw is not None and x.shape[0] <= SHARED_GEMV_TOKENS:
+        if sw is not None:  # after the EP exchange: the shared expert alone, in its own expert launches
             from mtp_ray.layers.triton.moe_small import shared_expert_add
 
             return shared_expert_add(x, out, sw)

@@ -241,6 +241,23 @@ def fused_experts(
     return out
 
 
+def shared_expert_grouped(x: torch.Tensor, routed: torch.Tensor, shared: SharedWeights) -> torch.Tensor:
+    """routed + sigmoid(x @ scale.T) * down(silu(gate(x)) * up(x)) for many tokens (the EP path, where the routed
+    sum arrives from the exchange): the grouped launches with the shared expert as the only key, its weights read
+    once for all T tokens. x, routed: [T, H]."""
+    t = x.shape[0]
+    sfp8 = shared.fp8
+    ids = torch.empty(t, 0, dtype=torch.long, device=x.device)  # no routed slots: every pair is the shared one
+    p = plan(ids, 0, 1, True, _row_tile(t, 1))
+    part = torch.empty(t, x.shape[1], dtype=torch.float32, device=x.device)
+    # the shared weights stand in for a routed expert 0 that no tile has (a launch reads one kind of weight)
+    stand_in = (shared.gate[None], shared.down[None])
+    grouped_experts(x, p, *stand_in, part, (x, 0, 1), shared, (sfp8[0], sfp8[2]) if sfp8 is not None else None)
+    out = routed.clone()
+    slot_sum(part, out, 0, 1)
+    return out
+
+
 def expert_major_experts(
     x: torch.Tensor,  # [E, M, H]: rows [0, counts[e]) of expert e are tokens (DeepEP's low-latency receive layout)
     counts: torch.Tensor,  # [E] int

@@ -109,9 +109,10 @@ def plan(ids: torch.Tensor, start: int, e_local: int, shared: bool, bm: int) -> 
     # [BP, NE] / [BT, NE] selections in registers: 16k elements a program
     bp, bt = (max(16, min(128, 16384 // ne)) for _ in range(2))
     nblk = triton.cdiv(pairs, bp)
+    ids_arg = ids if k else src  # no routed slots (the shared expert alone): never read, but a device pointer
     _plan_kernel[(nblk + triton.cdiv(nt, bt),)](
-        ids, src, dst, te, r0, r1, pairs, start, e_local, nt, nblk, TOPK=k, SH=sh, BM=bm, NE=ne, BP=bp,
-        BH=1024, BT=bt, num_warps=4, **pdl.launch_args(dev))
+        ids_arg, src, dst, te, r0, r1, pairs, start, e_local, nt, nblk, TOPK=k, SH=sh, BM=bm, NE=ne, BP=bp, BH=1024,
+        BT=bt, num_warps=4, **pdl.launch_args(dev))
     return Plan(src, dst, te, r0, r1, bm)
 
 

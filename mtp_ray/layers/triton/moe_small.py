@@ -265,7 +265,15 @@ def pair_experts(
     return _experts(x, topk_ids.contiguous(), topk_w.contiguous(), gate_up, down, start, shared, out, fp8, tile)
 
 
+SHARED_PAIR_TOKENS = 8  # up to this many tokens the shared expert runs as per-token GEMVs, past it grouped
+
+
 def shared_expert_add(x: torch.Tensor, routed: torch.Tensor, shared: SharedWeights) -> torch.Tensor:
-    """routed + sigmoid(x @ scale.T) * down(silu(gate(x)) * up(x)) in two launches (few tokens; the EP path,
-    where the routed sum arrives from the exchange). x, routed: [T, H]."""
+    """routed + sigmoid(x @ scale.T) * down(silu(gate(x)) * up(x)) (the EP path, where the routed sum arrives from
+    the exchange): two GEMV launches for a few tokens, past SHARED_PAIR_TOKENS the grouped launches (triton/moe.py:
+    the weights read once, not once a token). x, routed: [T, H]."""
+    if x.shape[0] > SHARED_PAIR_TOKENS:
+        from mtp_ray.layers.triton.moe import shared_expert_grouped
+
+        return shared_expert_grouped(x, routed, shared)
     return _experts(x, None, None, None, None, 0, shared, routed.clone())
