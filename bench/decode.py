@@ -273,9 +273,9 @@ def main() -> None:
         if args.pdl_ab:  # the same step captured with every kernel launched without PDL, right after
             from mtp_ray.layers.triton import pdl  # (Triton: GPU machines only)
 
-            pdl.set_enabled(False)
+            prev = pdl.set_enabled(False)
             off = plain_step(model, cfg, bsz, args.context, width, dev, bw, kernels=bsz in args.kernel_batches)
-            pdl.set_enabled(None)
+            pdl.set_enabled(prev)
             rows[-1]["pdl_off"] = {**off, "on_over_off": round(rows[-1]["graph_step_ms"] / off["graph_step_ms"], 3)}
         torch.cuda.empty_cache()
     if args.fp8:  # the same plain steps with FP8-resident weights, after the bf16 model is gone (memory)

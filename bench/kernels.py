@@ -281,26 +281,14 @@ def _gemm_shape(name: str, n: int, k: int, rows: int, dev: torch.device) -> dict
     return res
 
 
-def _plan_one_launch(ids: torch.Tensor, plan) -> None:
-    """plan()'s one-launch form at any size (plan() itself hands more than KERNEL_PAIRS pairs to torch ops)."""
-    from mtp_ray.layers.triton import moe_plan
-
-    saved = moe_plan.KERNEL_PAIRS
-    moe_plan.KERNEL_PAIRS = 1 << 30
-    try:
-        plan(ids, 0, EXPERTS, True, 64)
-    finally:
-        moe_plan.KERNEL_PAIRS = saved
-
-
 def sweep_grouped(rows: int, dev: torch.device, fp8: bool, tiles: bool = True) -> dict:
     """The engine's grouped MoE path for `rows` tokens (fused_experts with the shared expert: plan, gate_up, down,
     slot sum) with bf16 or e4m3 experts, next to the per-pair GEMVs (moe_small.pair_experts, what SparseMoE takes
     up to 256 pairs) and the plan launch alone; `tiles`: the gate_up tiles swept with down at its default, then
     down's with gate_up at its default."""
-    from mtp_ray.layers.triton.moe import fused_experts, gemm_tiles
+    from mtp_ray.layers.triton.moe import _row_tile, fused_experts, gemm_tiles
     from mtp_ray.layers.triton.moe_common import SharedWeights
-    from mtp_ray.layers.triton.moe_plan import plan, plan_torch
+    from mtp_ray.layers.triton.moe_plan import plan, plan_launch, plan_torch
     from mtp_ray.layers.triton.moe_small import pair_experts
 
     block = Fp8Block(128, 128)
@@ -321,6 +309,7 @@ def sweep_grouped(rows: int, dev: torch.device, fp8: bool, tiles: bool = True) -
     ids = torch.randint(0, EXPERTS, (rows, TOPK), device=dev)
     tw = torch.rand(rows, TOPK, dtype=torch.bfloat16, device=dev)
     d_gu, d_dn = gemm_tiles(False, fp8)
+    bm = _row_tile(rows * TOPK, EXPERTS)  # the plan's rows a tile, as fused_experts picks them
 
     def step(tiles):
         return graph_time(lambda i: fused_experts(x, ids, tw, gu, dn, 0, fp8=scales, tiles=tiles, shared=shared))
@@ -328,11 +317,10 @@ def sweep_grouped(rows: int, dev: torch.device, fp8: bool, tiles: bool = True) -
     res = {"rows": rows, "fp8": fp8, "default": [list(d_gu), list(d_dn)], "at_default_us": round(step(None) * 1e6, 2),
            "pairs_us": (round(graph_time(lambda i: pair_experts(x, ids, tw, gu, dn, 0, shared, scales)) * 1e6, 2)
                         if rows <= 256 else None),  # (an expert's weights read once per pair: hopeless past that)
-           "plan_us": round(graph_time(lambda i: plan(ids, 0, EXPERTS, True, 16 if rows * TOPK <= 4096 else 64))
-                            * 1e6, 2),
+           "plan_us": round(graph_time(lambda i: plan(ids, 0, EXPERTS, True, bm)) * 1e6, 2),
            # the plan's two forms at this size, whichever plan() takes (KERNEL_PAIRS): where they cross
-           "plan_kernel_us": round(graph_time(lambda i: _plan_one_launch(ids, plan)) * 1e6, 2),
-           "plan_torch_us": round(graph_time(lambda i: plan_torch(ids, 0, EXPERTS, True, 64)) * 1e6, 2)}
+           "plan_kernel_us": round(graph_time(lambda i: plan_launch(ids, 0, EXPERTS, True, bm)) * 1e6, 2),
+           "plan_torch_us": round(graph_time(lambda i: plan_torch(ids, 0, EXPERTS, True, bm)) * 1e6, 2)}
     print(f"grouped experts rows={rows} fp8={fp8}: grouped {res['at_default_us']} us (plan {res['plan_us']}: "
           f"one launch {res['plan_kernel_us']}, torch {res['plan_torch_us']}), per-pair GEMVs {res['pairs_us']} us")
     if not tiles:

@@ -199,11 +199,11 @@ def test_fused_experts(dtype, tol, t, e, topk, h, inter, start, path):
 @pytest.mark.parametrize("t,k,e,start,shared,bm", [(1, 2, 8, 0, False, 16), (37, 4, 16, 8, True, 16),
                                                    (300, 8, 256, 0, True, 64), (5, 3, 600, 100, True, 16),
                                                    (1100, 8, 64, 0, False, 64)])
-@pytest.mark.parametrize("fn", ["plan", "plan_torch"])
+@pytest.mark.parametrize("fn", ["plan", "plan_launch", "plan_torch"])
 def test_moe_plan_is_a_stable_sort_by_expert(t, k, e, start, shared, bm, fn):
-    """The plan (one launch up to KERNEL_PAIRS pairs, torch ops past it) equals torch's stable argsort of the pairs
-    by local expert (each token's shared-expert pair as key E, foreign experts last with no row), and its tiles
-    cover each expert's rows in order."""
+    """The plan (one launch up to KERNEL_PAIRS pairs, torch ops past it; the launch at any size) equals torch's
+    stable argsort of the pairs by local expert (each token's shared-expert pair as key E, foreign experts last with
+    no row), and its tiles cover each expert's rows in order."""
     from mtp_ray.layers.triton import moe_plan
 
     g = torch.Generator().manual_seed(t * k + e)

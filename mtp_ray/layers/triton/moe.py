@@ -19,7 +19,7 @@ import triton.language as tl
 from mtp_ray.layers.fp8 import Fp8Weight
 from mtp_ray.layers.triton import pdl
 from mtp_ray.layers.triton.fp8 import fp8_tile, scale_args, scaled_dot
-from mtp_ray.layers.triton.moe_common import SharedWeights, slot_sum
+from mtp_ray.layers.triton.moe_common import SharedWeights, gate_up_rows, slot_sum
 from mtp_ray.layers.triton.moe_plan import Plan, plan, tile_table
 
 
@@ -38,24 +38,9 @@ def _gate_up_kernel(x_ptr, src_ptr, w_ptr, sg_ptr, su_ptr, s_ptr, ssg_ptr, ssu_p
     r0 = tl.load(r0_ptr + tile)
     r1 = tl.load(r1_ptr + tile)
     e = tl.load(te_ptr + tile).to(tl.int64)
-    if e < E_LOCAL:
-        g_base = w_ptr + e * stride_we
-        u_base = g_base + INTER * stride_wn
-        inter = INTER
-        stride_n = stride_wn
-        gs = s_ptr + e * stride_se
-        us = gs
-        up_row = INTER
-        ssn = stride_sn
-    else:  # the shared expert
-        g_base = sg_ptr
-        u_base = su_ptr
-        inter = INTER_SH
-        stride_n = stride_swn
-        gs = ssg_ptr
-        us = ssu_ptr
-        up_row = 0
-        ssn = stride_ssn
+    g_base, u_base, inter, stride_n, gs, us, up_row, ssn = gate_up_rows(
+        e >= E_LOCAL, e, w_ptr, w_ptr + INTER * stride_wn, sg_ptr, su_ptr, s_ptr, ssg_ptr, ssu_ptr, stride_we,
+        stride_wn, stride_swn, stride_se, stride_sn, stride_ssn, INTER, INTER_SH)
     if (r0 < r1) & (tl.program_id(1) * BLOCK_N < inter):
         r = r0 + tl.arange(0, BLOCK_M)
         rm = r < r1
@@ -171,12 +156,11 @@ def grouped_experts(x: torch.Tensor, p: Plan, gate_up: torch.Tensor, down: torch
     e, two_i, h = gate_up.shape
     inter = two_i // 2
     rows = p.src.shape[0]
-    sfp8 = shared.fp8 if shared is not None else None
     if shared is None:  # stand-ins of the routed tensors' types: never read (no tile has key E)
         sg, su, sd, gw = gate_up[0], gate_up[0], down[0], x
         sfp8 = (fp8[0], fp8[0], fp8[1]) if fp8 is not None else None
     else:
-        sg, su, sd, gw = shared[:4]
+        sg, su, sd, gw, sfp8 = shared
         assert (fp8 is None) == (sfp8 is None), "routed and shared experts: both FP8 or neither"
     inter_sh = shared.gate.shape[0] if shared is not None else 0
     assert x.stride(1) == 1 and gate_up.stride(2) == 1 and down.stride(2) == 1 and sd.stride(1) == 1

@@ -1,5 +1,6 @@
-"""What the two MoE paths share (GPU): the shared expert's weights and the per-token sum of the (token, slot)
-pairs' fp32 partials in slot order (no atomics: deterministic, whichever program finished first).
+"""What the two MoE paths share (GPU): the shared expert's weights, which weight rows a gate_up program reads, and
+the per-token sum of the (token, slot) pairs' fp32 partials in slot order (no atomics: deterministic, whichever
+program finished first).
 
 Both paths (moe_small: a GEMV per pair; moe: grouped GEMMs over pairs sorted by expert) write each pair's weighted
 output, rounded to the activation dtype as `y * w` rounds it, into fp32 partials [T * (k + SH), H] at row
@@ -27,6 +28,33 @@ class SharedWeights(NamedTuple):
     down: torch.Tensor
     scale: torch.Tensor
     fp8: tuple[Fp8Weight, Fp8Weight, Fp8Weight] | None = None
+
+
+@triton.jit
+def gate_up_rows(shared, e, g_ptr, u_ptr, sg_ptr, su_ptr, gs_ptr, sgs_ptr, sus_ptr, stride_we, stride_wn, stride_swn,
+                 stride_gse, stride_gsn, stride_ssn, INTER, INTER_SH):
+    """-> what a gate_up program of either path reads (the shared expert's, or local expert e's): gate and up
+    weight rows, their count and row stride; FP8: their scales (up's scale rows start at row INTER of the fused
+    gate_up's) and the scale row stride."""
+    if shared:
+        wg_ptr = sg_ptr
+        wu_ptr = su_ptr
+        inter = INTER_SH
+        stride_n = stride_swn
+        gs = sgs_ptr
+        us = sus_ptr
+        up_row = 0
+        stride_sn = stride_ssn
+    else:
+        wg_ptr = g_ptr + e * stride_we
+        wu_ptr = u_ptr + e * stride_we
+        inter = INTER
+        stride_n = stride_wn
+        gs = gs_ptr + e * stride_gse
+        us = gs_ptr + e * stride_gse
+        up_row = INTER
+        stride_sn = stride_gsn
+    return wg_ptr, wu_ptr, inter, stride_n, gs, us, up_row, stride_sn
 
 
 @triton.jit

@@ -97,10 +97,16 @@ def plan(ids: torch.Tensor, start: int, e_local: int, shared: bool, bm: int) -> 
     """The plan of topk ids [T, k] (global expert ids) over local experts [start, start + e_local), plus the
     shared expert's T pairs (shared). Graph-safe: static sizes, no host sync."""
     t, k = ids.shape
+    if t * (k + int(shared)) > KERNEL_PAIRS:
+        return plan_torch(ids, start, e_local, shared, bm)
+    return plan_launch(ids, start, e_local, shared, bm)
+
+
+def plan_launch(ids: torch.Tensor, start: int, e_local: int, shared: bool, bm: int) -> Plan:
+    """The plan in one launch, at any size (plan() takes it up to KERNEL_PAIRS pairs)."""
+    t, k = ids.shape
     sh = int(shared)
     pairs = t * (k + sh)
-    if pairs > KERNEL_PAIRS:
-        return plan_torch(ids, start, e_local, shared, bm)
     nt = triton.cdiv(pairs, bm) + e_local + sh  # a static bound: each key's last tile may be partial
     ne = triton.next_power_of_2(e_local + sh + 2)
     dev = ids.device

@@ -22,34 +22,7 @@ import triton.language as tl
 from mtp_ray.layers.fp8 import Fp8Weight
 from mtp_ray.layers.triton import pdl
 from mtp_ray.layers.triton.fp8 import block_scales, dequant, rows_in_block, scale_args
-from mtp_ray.layers.triton.moe_common import SharedWeights, slot_sum
-
-
-@triton.jit
-def _gate_up_rows(shared, e, g_ptr, u_ptr, sg_ptr, su_ptr, gs_ptr, sgs_ptr, sus_ptr, stride_we, stride_wn, stride_swn,
-                  stride_gse, stride_gsn, stride_ssn, INTER, INTER_SH):
-    """-> what a gate_up program reads (the shared expert's, or local expert e's): gate and up weight rows, their
-    count and row stride; FP8: their scales (up's scale rows start at row INTER of the fused gate_up's) and the
-    scale row stride."""
-    if shared:
-        wg_ptr = sg_ptr
-        wu_ptr = su_ptr
-        inter = INTER_SH
-        stride_n = stride_swn
-        gs = sgs_ptr
-        us = sus_ptr
-        up_row = 0
-        stride_sn = stride_ssn
-    else:
-        wg_ptr = g_ptr + e * stride_we
-        wu_ptr = u_ptr + e * stride_we
-        inter = INTER
-        stride_n = stride_wn
-        gs = gs_ptr + e * stride_gse
-        us = gs_ptr + e * stride_gse
-        up_row = INTER
-        stride_sn = stride_gsn
-    return wg_ptr, wu_ptr, inter, stride_n, gs, us, up_row, stride_sn
+from mtp_ray.layers.triton.moe_common import SharedWeights, gate_up_rows, slot_sum
 
 
 @triton.jit
@@ -85,7 +58,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, g_ptr, u_ptr, sg_ptr, su_ptr, gs_ptr, sgs_pt
     shared = j >= TOPK  # the shared expert (only when SH = 1)
     e = tl.load(ids_ptr + t * TOPK + j, mask=j < TOPK, other=0) - start
     ok = shared | ((e >= 0) & (e < E_LOCAL))
-    wg_ptr, wu_ptr, inter, stride_n, gs, us, up_row, stride_sn = _gate_up_rows(
+    wg_ptr, wu_ptr, inter, stride_n, gs, us, up_row, stride_sn = gate_up_rows(
         shared, tl.where(ok, e, 0), g_ptr, u_ptr, sg_ptr, su_ptr, gs_ptr, sgs_ptr, sus_ptr, stride_we, stride_wn,
         stride_swn, stride_gse, stride_gsn, stride_ssn, INTER, INTER_SH)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
