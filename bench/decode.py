@@ -246,6 +246,8 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="also time the plain steps with FP8-resident weights")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="also time each plain step with programmatic dependent launch off (layers/triton/pdl.py)")
+    ap.add_argument("--rows-gemv-ab", action="store_true",
+                    help="also time each step (and MTP verify) with 2-4 row projections on the multi-row kernel")
     ap.add_argument("--kernel-batches", type=int, nargs="*", default=[1], help="list these plain steps' kernels")
     ap.add_argument("--out", default="bench/results/decode.json")
     args = ap.parse_args()
@@ -277,6 +279,17 @@ def main() -> None:
             off = plain_step(model, cfg, bsz, args.context, width, dev, bw, kernels=bsz in args.kernel_batches)
             pdl.set_enabled(prev)
             rows[-1]["pdl_off"] = {**off, "on_over_off": round(rows[-1]["graph_step_ms"] / off["graph_step_ms"], 3)}
+        if args.rows_gemv_ab:  # the same step with 2-4 row projections on the multi-row kernel (CUDA cores)
+            from mtp_ray.layers.triton import linear as tl_linear
+
+            prev_rows, tl_linear.ROWS_GEMV = tl_linear.ROWS_GEMV, 4
+            on = plain_step(model, cfg, bsz, args.context, width, dev, bw, kernels=bsz in args.kernel_batches)
+            if k and bsz in args.mtp_batches:
+                on["mtp"] = [mtp_step(model, cfg, bsz, args.context, width, k, on["graph_step_ms"] / 1e3, bw, dev,
+                                      dv) for dv in args.draft_vocab]
+            tl_linear.ROWS_GEMV = prev_rows
+            rows[-1]["rows_gemv_on"] = {**on, "on_over_off": round(on["graph_step_ms"] / rows[-1]["graph_step_ms"],
+                                                                   3)}
         torch.cuda.empty_cache()
     if args.fp8:  # the same plain steps with FP8-resident weights, after the bf16 model is gone (memory)
         del model
@@ -325,11 +338,19 @@ def report(result: dict) -> None:
             print(f"batch {r['batch']}: graph step with PDL {r['graph_step_ms']} ms, without {o['graph_step_ms']} ms "
                   f"(x{o['on_over_off']}); without PDL x{o['graph_over_roofline']} the roofline")
     for r in rows:
+        if "rows_gemv_on" in r:
+            o = r["rows_gemv_on"]
+            print(f"batch {r['batch']}: graph step with the multi-row GEMV {o['graph_step_ms']} ms, dot kernel "
+                  f"{r['graph_step_ms']} ms (x{o['on_over_off']})")
+            for on, off in zip(o.get("mtp", []), r.get("mtp", []), strict=False):
+                print(f"  MTP verify, draft vocab {on['draft_vocab']}: {on['verify_ms']} ms, dot kernel "
+                      f"{off['verify_ms']} ms (x{round(on['verify_ms'] / off['verify_ms'], 3)})")
+    for r in rows:
         if "fp8" in r:
             f = r["fp8"]
             print(f"FP8 batch {r['batch']}: graph step {f['graph_step_ms']} ms = x{f['over_bf16']} the bf16 step "
                   f"({r['graph_step_ms']} ms); x{f['graph_over_roofline']} its roofline ({f['roofline_ms']} ms)")
-    parts = (("", None), ("no-PDL ", "pdl_off"), ("FP8 ", "fp8"))
+    parts = (("", None), ("no-PDL ", "pdl_off"), ("multi-row-GEMV ", "rows_gemv_on"), ("FP8 ", "fp8"))
     for name, step in ((f"{p}batch-{r['batch']}", r if key is None else r.get(key, {})) for r in rows
                        for p, key in parts):
         top = [(x["kernel"][:40], x["count"], x["us"]) for x in step.get("kernels", [])[:14]]

@@ -478,8 +478,8 @@ def test_moe_shared_in_expert_launches(dtype, tol, t, e, topk, h, inter, inter_s
 
 @needs_device
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("m,n,k", [(1, 32, 128), (4, 8192, 2048), (16, 2048, 4096), (3, 100, 96), (1, 1000, 600),
-                                   (1, 12352, 2048)])
+@pytest.mark.parametrize("m,n,k", [(1, 32, 128), (4, 8192, 2048), (16, 2048, 4096), (3, 100, 96), (2, 256, 2048),
+                                   (1, 1000, 600), (1, 12352, 2048)])
 def test_gemv(dtype, tol, m, n, k):
     from mtp_ray.layers.linear import Linear
     from mtp_ray.layers.triton.linear import gemv
@@ -492,6 +492,9 @@ def test_gemv(dtype, tol, m, n, k):
     with torch.no_grad():
         lin.weight.copy_(w)
         assert _rel(lin(x.to(DEVICE, dtype)).cpu(), x @ w.T) < tol
+    if 1 < m <= 4 and dtype == torch.bfloat16:  # the multi-row kernel at other tiles
+        for tile in [("rows", 4, 256, 4, 1), ("rows", 1, 1024, 2, 1)]:
+            assert _rel(gemv(x.to(DEVICE, dtype), w.to(DEVICE, dtype), tile).cpu(), x @ w.T) < tol
     if m == 1 and dtype == torch.bfloat16:  # the one-row kernel at other tiles (the sweep's space) agrees too
         for tile in [("row", 2, 256, 2, 1), ("row", 16, 1024, 8, 3)]:
             assert _rel(gemv(x.to(DEVICE, dtype), w.to(DEVICE, dtype), tile).cpu(), x @ w.T) < tol
