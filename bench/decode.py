@@ -182,20 +182,19 @@ def timed(fn, reps: int) -> float:
 
 
 def count_experts(moes: list[SparseMoE], forward) -> list[int]:
-    """Distinct experts each call of a MoE layer in `moes` routes its tokens to during forward() (eager, routers
-    wrapped)."""
+    """Distinct experts each call of a MoE layer in `moes` routes its tokens to during forward() (eager; the
+    layers' forward wrapped, as the routing may happen inside an expert launch)."""
     hits: list[int] = []
     for m in moes:
-        def counted(x, route=m.route):
-            ids, w = route(x)
-            hits.append(int(ids.unique().numel()))
-            return ids, w
-        m.route = counted
+        def counted(x, m=m, fwd=m.forward):
+            hits.append(int(m.route(x)[0].unique().numel()))
+            return fwd(x)
+        m.forward = counted
     try:
         forward()
     finally:
         for m in moes:
-            del m.route  # back to the class method
+            del m.forward  # back to the class method
     return hits
 
 
@@ -246,6 +245,8 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="also time the plain steps with FP8-resident weights")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="also time each plain step with programmatic dependent launch off (layers/triton/pdl.py)")
+    ap.add_argument("--route-ab", action="store_true",
+                    help="also time each step (and MTP verify) with the top-k inside the per-pair gate_up launch")
     ap.add_argument("--rows-gemv-ab", action="store_true",
                     help="also time each step (and MTP verify) with 2-4 row projections on the multi-row kernel")
     ap.add_argument("--kernel-batches", type=int, nargs="*", default=[1], help="list these plain steps' kernels")
@@ -279,6 +280,17 @@ def main() -> None:
             off = plain_step(model, cfg, bsz, args.context, width, dev, bw, kernels=bsz in args.kernel_batches)
             pdl.set_enabled(prev)
             rows[-1]["pdl_off"] = {**off, "on_over_off": round(rows[-1]["graph_step_ms"] / off["graph_step_ms"], 3)}
+        if args.route_ab:  # the same step with the per-pair experts' gate_up launch taking the top-k itself
+            from mtp_ray.layers.triton import moe_small
+
+            prev_route, moe_small.ROUTE_IN_GATE_UP = moe_small.ROUTE_IN_GATE_UP, True
+            on = plain_step(model, cfg, bsz, args.context, width, dev, bw, kernels=bsz in args.kernel_batches)
+            if k and bsz in args.mtp_batches:
+                on["mtp"] = [mtp_step(model, cfg, bsz, args.context, width, k, on["graph_step_ms"] / 1e3, bw, dev,
+                                      dv) for dv in args.draft_vocab]
+            moe_small.ROUTE_IN_GATE_UP = prev_route
+            rows[-1]["route_in_gate_up"] = {**on, "on_over_off": round(on["graph_step_ms"] / rows[-1]["graph_step_ms"],
+                                                                       3)}
         if args.rows_gemv_ab:  # the same step with 2-4 row projections on the multi-row kernel (CUDA cores)
             from mtp_ray.layers.triton import linear as tl_linear
 
@@ -337,20 +349,22 @@ def report(result: dict) -> None:
             o = r["pdl_off"]
             print(f"batch {r['batch']}: graph step with PDL {r['graph_step_ms']} ms, without {o['graph_step_ms']} ms "
                   f"(x{o['on_over_off']}); without PDL x{o['graph_over_roofline']} the roofline")
-    for r in rows:
-        if "rows_gemv_on" in r:
-            o = r["rows_gemv_on"]
-            print(f"batch {r['batch']}: graph step with the multi-row GEMV {o['graph_step_ms']} ms, dot kernel "
+    for key, what in (("rows_gemv_on", "the multi-row GEMV"), ("route_in_gate_up", "the top-k in gate_up")):
+        for r in (r for r in rows if key in r):
+            o = r[key]
+            print(f"batch {r['batch']}: graph step with {what} {o['graph_step_ms']} ms, without "
                   f"{r['graph_step_ms']} ms (x{o['on_over_off']})")
             for on, off in zip(o.get("mtp", []), r.get("mtp", []), strict=False):
-                print(f"  MTP verify, draft vocab {on['draft_vocab']}: {on['verify_ms']} ms, dot kernel "
-                      f"{off['verify_ms']} ms (x{round(on['verify_ms'] / off['verify_ms'], 3)})")
+                print(f"  MTP verify, draft vocab {on['draft_vocab']}: {on['verify_ms']} ms, without "
+                      f"{off['verify_ms']} ms (x{round(on['verify_ms'] / off['verify_ms'], 3)}); draft loop "
+                      f"{on['draft_loop_ms']} / {off['draft_loop_ms']} ms")
     for r in rows:
         if "fp8" in r:
             f = r["fp8"]
             print(f"FP8 batch {r['batch']}: graph step {f['graph_step_ms']} ms = x{f['over_bf16']} the bf16 step "
                   f"({r['graph_step_ms']} ms); x{f['graph_over_roofline']} its roofline ({f['roofline_ms']} ms)")
-    parts = (("", None), ("no-PDL ", "pdl_off"), ("multi-row-GEMV ", "rows_gemv_on"), ("FP8 ", "fp8"))
+    parts = (("", None), ("no-PDL ", "pdl_off"), ("multi-row-GEMV ", "rows_gemv_on"),
+             ("top-k-in-gate_up ", "route_in_gate_up"), ("FP8 ", "fp8"))
     for name, step in ((f"{p}batch-{r['batch']}", r if key is None else r.get(key, {})) for r in rows
                        for p, key in parts):
         top = [(x["kernel"][:40], x["count"], x["us"]) for x in step.get("kernels", [])[:14]]

@@ -99,9 +99,10 @@ def _up(x, idss, gv, uv, sg, act, bn, bk, warps, i) -> None:
     # routed pairs + one shared-expert pair per token (SH = 1), as a decode step without EP runs them
     ids = idss[i]
     _gate_up_kernel[(act.shape[0], triton.cdiv(INTER, bn))](
-        x, ids, gv, uv, sg[:INTER], sg[INTER:], gv, gv, gv, act, 0, EXPERTS, H, INTER, INTER, x.stride(0),
-        gv.stride(0), gv.stride(1), sg.stride(0), act.stride(0), 0, 0, 0, TOPK=TOPK, SH=1, BN=bn, BK=bk,
-        H_TILES=triton.cdiv(H, bk), FP8=False, TILE_SCALE=False, SN=1, SK=1, PDL=False, num_warps=warps)
+        x, ids, gv, uv, sg[:INTER], sg[INTER:], gv, gv, gv, act, x, x, 0, EXPERTS, EXPERTS, H, INTER, INTER,
+        x.stride(0), 0, gv.stride(0), gv.stride(1), sg.stride(0), act.stride(0), 0, 0, 0, TOPK=TOPK, SH=1, BN=bn,
+        BK=bk, H_TILES=triton.cdiv(H, bk), FP8=False, TILE_SCALE=False, SN=1, SK=1, ROUTE=False, NORM=False,
+        BLOCK_E=EXPERTS, BLOCK_K=TOPK, PDL=False, num_warps=warps)
 
 
 def _down(act, idss, tw, down, x, sd, gw, y, bn, bk, warps, i) -> None:

@@ -362,6 +362,21 @@ def test_route_topk(t, e, topk, norm):
 
 
 @needs_device
+@pytest.mark.parametrize("e,topk", [(8, 3), (256, 8), (60, 8)])
+def test_route_topk_ties_take_the_lowest_id(e, topk):
+    """Equal probabilities (logits from a few values) are taken lowest expert id first, as a stable sort does."""
+    from mtp_ray.layers.triton.route import route_topk
+
+    logits = torch.randint(0, 3, (4, e), generator=torch.Generator().manual_seed(e)).float()
+    p = torch.softmax(logits, -1)
+    w, ids = torch.sort(p, stable=True, dim=-1, descending=True)
+    w, ids = w[:, :topk], ids[:, :topk]
+    got_ids, got_w = route_topk(logits.to(DEVICE), topk, True, torch.float32)
+    assert torch.equal(got_ids.cpu(), ids)
+    assert _rel(got_w.cpu(), w / w.sum(-1, keepdim=True)) < 1e-6
+
+
+@needs_device
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("t,hq,hkv,d,rd", [(1, 4, 2, 32, 8), (6, 16, 2, 256, 64), (5, 8, 8, 64, 64)])
 def test_qk_norm_rope_store(dtype, tol, t, hq, hkv, d, rd):
@@ -440,15 +455,22 @@ def test_shared_expert_add(dtype, tol, t, h, inter):
 @pytest.mark.parametrize("t,e,topk,h,inter,inter_sh", [(1, 16, 4, 128, 64, 64), (3, 16, 2, 96, 48, 80),
                                                         (8, 64, 8, 256, 128, 32), (40, 16, 4, 128, 64, 96),
                                                         (70, 64, 8, 256, 128, 128)])
-def test_moe_shared_in_expert_launches(dtype, tol, t, e, topk, h, inter, inter_sh, monkeypatch):
+@pytest.mark.parametrize("route_in_gate_up", [False, True])
+def test_moe_shared_in_expert_launches(dtype, tol, t, e, topk, h, inter, inter_sh, route_in_gate_up, monkeypatch):
     """SparseMoE on the GPU with no EP runs routed + shared experts in the same launches: the per-pair GEMVs for
-    few tokens, the grouped GEMMs (the shared expert one more key of the plan) past them."""
+    few tokens (route_in_gate_up: their gate_up launch takes the top-k itself), the grouped GEMMs (the shared
+    expert one more key of the plan) past them."""
     import copy
     import dataclasses
 
     from mtp_ray.config.engine import BUNDLED_MODEL
     from mtp_ray.config.model import ModelConfig
     from mtp_ray.layers.moe import SparseMoE
+    from mtp_ray.layers.triton import moe_small
+
+    if route_in_gate_up and t > 8:
+        pytest.skip("the grouped path routes in its own launch")
+    monkeypatch.setattr(moe_small, "ROUTE_IN_GATE_UP", route_in_gate_up)
 
     cfg = dataclasses.replace(ModelConfig.from_pretrained(BUNDLED_MODEL), hidden_size=h, num_experts=e,
                               num_experts_per_tok=topk, moe_intermediate_size=inter,
@@ -468,6 +490,13 @@ def test_moe_shared_in_expert_launches(dtype, tol, t, e, topk, h, inter, inter_s
             monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
         out = moe(x.to(DEVICE, dtype))
         ids, w = moe.route(x.to(DEVICE, dtype))
+        if route_in_gate_up:  # the routing the gate_up launch took equals route_topk's
+            got_ids, got_w = torch.empty_like(ids), torch.empty_like(w)
+            ex = moe.experts
+            moe_small._experts(x.to(DEVICE, dtype), got_ids, got_w, ex.gate_up_proj, ex.down_proj, ex.start,
+                               moe._shared_weights(), torch.empty(t, h, dtype=dtype, device=DEVICE),
+                               route=(moe.gate(x.to(DEVICE, dtype)), moe.norm_topk))
+            assert torch.equal(got_ids.cpu(), ids.cpu()) and _rel(got_w.cpu(), w.cpu()) < 1e-5
     monkeypatch.undo()
     if dtype != torch.float32:  # bf16 routing may pick another expert at a near-tie: the reference takes its pick
         ref_moe.route = lambda _: (ids.cpu(), w.cpu().float())

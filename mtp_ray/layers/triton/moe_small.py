@@ -23,6 +23,11 @@ from mtp_ray.layers.fp8 import Fp8Weight
 from mtp_ray.layers.triton import pdl
 from mtp_ray.layers.triton.fp8 import block_scales, dequant, rows_in_block, scale_args
 from mtp_ray.layers.triton.moe_common import SharedWeights, gate_up_rows, slot_sum
+from mtp_ray.layers.triton.route import topk_softmax
+
+# SparseMoE on the per-pair path: the router's top-k inside the gate_up launch (`routed_pair_experts`, one launch
+# fewer a layer) instead of route_topk's own. Off until the device A/B (`bench/decode.py --route-ab`) shows it faster
+ROUTE_IN_GATE_UP = False
 
 
 @triton.jit
@@ -41,22 +46,32 @@ def _row_dot(w, x, s_ptr, rows, cols, km, m2, stride_sn, FP8: tl.constexpr, TILE
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, g_ptr, u_ptr, sg_ptr, su_ptr, gs_ptr, sgs_ptr, sus_ptr, act_ptr, start, E_LOCAL,
-                    H, INTER, INTER_SH, stride_x, stride_we, stride_wn, stride_swn, stride_a, stride_gse, stride_gsn,
-                    stride_ssn, TOPK: tl.constexpr, SH: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    H_TILES: tl.constexpr, FP8: tl.constexpr, TILE_SCALE: tl.constexpr, SN: tl.constexpr,
-                    SK: tl.constexpr, PDL: tl.constexpr):
+def _gate_up_kernel(x_ptr, ids_ptr, g_ptr, u_ptr, sg_ptr, su_ptr, gs_ptr, sgs_ptr, sus_ptr, act_ptr, logit_ptr, tw_ptr,
+                    start, E_LOCAL, E_ALL, H, INTER, INTER_SH, stride_x, stride_l, stride_we, stride_wn, stride_swn,
+                    stride_a, stride_gse, stride_gsn, stride_ssn, TOPK: tl.constexpr, SH: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, H_TILES: tl.constexpr, FP8: tl.constexpr,
+                    TILE_SCALE: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr, ROUTE: tl.constexpr,
+                    NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """act[p] = silu(x[t] @ G.T) * (x[t] @ U.T) for pair p = t * (TOPK + SH) + j: slot j < TOPK is the token's
     local routed expert ids[t, j] (G, U: [E, I, H] views; a foreign expert's row is skipped), slot TOPK (SH = 1)
     the shared expert (SG, SU: [I_sh, H]). TOPK = 0, SH = 1: the shared expert alone. FP8: every weight is e4m3
     with (SN x SK) block scales (GS: the fused gate_up's [E, 2I / SN, H / SK]; SGS, SUS: the shared gate's and
-    up's)."""
+    up's). ROUTE: every program takes its token's top-k from the router logits [T, E_ALL] itself (route.py's
+    math), and the token's (j = 0, first tile) program writes ids and weights tw [T, TOPK] for the down launch."""
     pdl.enter(PDL)
     p = tl.program_id(0).to(tl.int64)
     t = p // (TOPK + SH)
     j = p % (TOPK + SH)
     shared = j >= TOPK  # the shared expert (only when SH = 1)
-    e = tl.load(ids_ptr + t * TOPK + j, mask=j < TOPK, other=0) - start
+    if ROUTE:
+        rid, rw = topk_softmax(logit_ptr + t * stride_l, E_ALL, TOPK, NORM, BLOCK_E, BLOCK_K)
+        slot = tl.arange(0, BLOCK_K)
+        if (j == 0) & (tl.program_id(1) == 0):
+            tl.store(ids_ptr + t * TOPK + slot, rid, mask=slot < TOPK)
+            tl.store(tw_ptr + t * TOPK + slot, rw.to(tw_ptr.dtype.element_ty), mask=slot < TOPK)
+        e = tl.sum(tl.where(slot == j, rid, 0), 0) - start
+    else:
+        e = tl.load(ids_ptr + t * TOPK + j, mask=j < TOPK, other=0) - start
     ok = shared | ((e >= 0) & (e < E_LOCAL))
     wg_ptr, wu_ptr, inter, stride_n, gs, us, up_row, stride_sn = gate_up_rows(
         shared, tl.where(ok, e, 0), g_ptr, u_ptr, sg_ptr, su_ptr, gs_ptr, sgs_ptr, sus_ptr, stride_we, stride_wn,
@@ -137,12 +152,13 @@ def _down_kernel(act_ptr, ids_ptr, tw_ptr, w_ptr, x_ptr, sw_ptr, gw_ptr, ds_ptr,
 
 def _experts(x: torch.Tensor, ids: torch.Tensor | None, tw: torch.Tensor | None, gate_up: torch.Tensor | None,
              down: torch.Tensor | None, start: int, shared: SharedWeights | None, out: torch.Tensor,
-             fp8: tuple[Fp8Weight, Fp8Weight] | None = None, tile: tuple[int, int, int] | None = None
-             ) -> torch.Tensor:
+             fp8: tuple[Fp8Weight, Fp8Weight] | None = None, tile: tuple[int, int, int] | None = None,
+             route: tuple[torch.Tensor, bool] | None = None) -> torch.Tensor:
     """Both launches. x: [T, H]; ids, tw: [T, k] or None (shared expert alone, added to `out`'s routed input);
     gate_up: [E, 2I, H]; down: [E, H, I]; out: [T, H] (written in place); fp8: gate_up's and down's scales when
     they are e4m3 (then the shared expert's must be too, with the same blocks: one launch reads one kind); tile:
-    (gate_up BN, gate_up BK, down BN), default `expert_tiles`."""
+    (gate_up BN, gate_up BK, down BN), default `expert_tiles`; route: (router logits [T, E_all], renormalise):
+    gate_up routes and fills ids, tw (empty here)."""
     t, h = x.shape
     topk, sh = (ids.shape[1] if ids is not None else 0), int(shared is not None)
     assert topk + sh > 0 and x.stride(1) == 1 and out.stride(1) == 1
@@ -176,11 +192,15 @@ def _experts(x: torch.Tensor, ids: torch.Tensor | None, tw: torch.Tensor | None,
     bn_up, bk_up, bn_down = tile or expert_tiles(h, fp8 is not None)
     # FP8: the input scaled per program when its rows (gate's and up's alike) stay in one scale row block
     tile_scale = fp8 is not None and rows_in_block(bn_up, sn, sk) and (topk == 0 or inter % sn == 0)
+    logits, norm = route if route is not None else (x, False)
+    assert route is None or (topk and logits.stride(1) == 1 and logits.shape[0] == t)
     _gate_up_kernel[(pairs, triton.cdiv(width, bn_up))](
-        x, ids, gate_up[:, :inter], gate_up[:, inter:], sg, su, gs, sgs, sus, act, start, e, h, inter, inter_sh,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), sg.stride(0), act.stride(0), gs_e, gs_n, ss_n,
-        TOPK=topk, SH=sh, BN=bn_up, BK=bk_up, H_TILES=triton.cdiv(h, bk_up), FP8=fp8 is not None,
-        TILE_SCALE=tile_scale, SN=sn, SK=sk, num_warps=4, **pdl.launch_args(x.device),
+        x, ids, gate_up[:, :inter], gate_up[:, inter:], sg, su, gs, sgs, sus, act, logits, tw, start, e,
+        logits.shape[1], h, inter, inter_sh, x.stride(0), logits.stride(0), gate_up.stride(0), gate_up.stride(1),
+        sg.stride(0), act.stride(0), gs_e, gs_n, ss_n, TOPK=topk, SH=sh, BN=bn_up, BK=bk_up,
+        H_TILES=triton.cdiv(h, bk_up), FP8=fp8 is not None, TILE_SCALE=tile_scale, SN=sn, SK=sk,
+        ROUTE=route is not None, NORM=norm, BLOCK_E=triton.next_power_of_2(logits.shape[1]),
+        BLOCK_K=triton.next_power_of_2(max(topk, 1)), num_warps=4, **pdl.launch_args(x.device),
     )
     down_sum(act, ids, tw, down, start, x, (sd, gw), out, topk, sh, inter, inter_sh, bn_down,
              (dn8, sfp8[2]) if fp8 is not None else None)
@@ -236,6 +256,25 @@ def pair_experts(
 ) -> torch.Tensor:  # [T, H]
     out = torch.empty_like(x)
     return _experts(x, topk_ids.contiguous(), topk_w.contiguous(), gate_up, down, start, shared, out, fp8, tile)
+
+
+def routed_pair_experts(
+    x: torch.Tensor,  # [T, H]
+    logits: torch.Tensor,  # [T, E_all] the router's output
+    top_k: int,
+    renormalize: bool,
+    gate_up: torch.Tensor,  # [E, 2I, H]
+    down: torch.Tensor,  # [E, H, I]
+    start: int,
+    shared: SharedWeights | None = None,
+    fp8: tuple[Fp8Weight, Fp8Weight] | None = None,
+) -> torch.Tensor:  # [T, H]
+    """pair_experts(x, *route_topk(logits, top_k, renormalize, x.dtype), ...) with the top-k taken inside the
+    gate_up launch: a decode step's MoE layer is router GEMV + 3 launches, not + 4."""
+    t = x.shape[0]
+    ids = torch.empty(t, top_k, dtype=torch.long, device=x.device)
+    tw = torch.empty(t, top_k, dtype=x.dtype, device=x.device)
+    return _experts(x, ids, tw, gate_up, down, start, shared, torch.empty_like(x), fp8, route=(logits, renormalize))
 
 
 SHARED_PAIR_TOKENS = 8  # up to this many tokens the shared expert runs as per-token GEMVs, past it grouped
