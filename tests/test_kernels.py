@@ -506,6 +506,46 @@ def test_moe_shared_in_expert_launches(dtype, tol, t, e, topk, h, inter, inter_s
 
 
 @needs_device
+@pytest.mark.parametrize("t,e,start", [(1, 16, 0), (3, 16, 0), (40, 16, 0), (40, 16, 4)])
+def test_deferred_slot_sum_in_the_next_norm(t, e, start, monkeypatch):
+    """A MoE layer's partials left unsummed (SlotPartials) and summed inside the next RMSNorm give what the slot
+    sum then the norm give: per-pair path (few tokens), grouped path (40 tokens; start > 0: a shard whose foreign
+    slots are never written). fp32."""
+    import dataclasses
+
+    from mtp_ray.config.engine import BUNDLED_MODEL
+    from mtp_ray.config.model import ModelConfig
+    from mtp_ray.layers.moe import SparseMoE
+    from mtp_ray.layers.norm import RMSNorm
+    from mtp_ray.layers.triton import moe_common
+    from mtp_ray.layers.triton.moe_common import SlotPartials
+
+    h = 96
+    cfg = dataclasses.replace(ModelConfig.from_pretrained(BUNDLED_MODEL), hidden_size=h, num_experts=e,
+                              num_experts_per_tok=4, moe_intermediate_size=48, shared_expert_intermediate_size=32)
+    g = torch.Generator().manual_seed(t + start)
+    moe = SparseMoE(cfg, (start, e) if start else None)
+    norm = RMSNorm(h)
+    with torch.no_grad():
+        for prm in [*moe.parameters(), norm.weight]:
+            prm.copy_(torch.randn(prm.shape, generator=g) * prm.shape[-1] ** -0.5)
+    moe, norm = moe.to(DEVICE), norm.to(DEVICE)
+    x, res = torch.randn(t, h, generator=g).to(DEVICE), torch.randn(t, h, generator=g).to(DEVICE)
+    if DEVICE == "cpu":  # interpreter run: take the layer's CUDA branch (its Triton kernels) on CPU tensors
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    with torch.no_grad():
+        want = moe(x, defer_sum=True)  # DEFER_SLOT_SUM off: summed
+        want_out, want_sum = norm.add_forward(want, res)
+        monkeypatch.setattr(moe_common, "DEFER_SLOT_SUM", True)
+        parts = moe(x, defer_sum=True)
+        assert isinstance(parts, SlotPartials) and (parts.masked is not None) == (t > 8)
+        assert torch.equal(parts.total().cpu(), want.cpu())
+        out, s = norm.add_forward(parts, res)
+    monkeypatch.undo()
+    assert torch.equal(s.cpu(), want_sum.cpu()) and _rel(out.cpu(), want_out.cpu()) < 1e-6
+
+
+@needs_device
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("m,n,k", [(1, 32, 128), (4, 8192, 2048), (16, 2048, 4096), (3, 100, 96), (2, 256, 2048),
                                    (1, 1000, 600), (1, 12352, 2048)])

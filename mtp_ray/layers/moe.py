@@ -148,6 +148,12 @@ def local_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
     return experts(x, topk_ids, topk_w)
 
 
+def _defer_enabled() -> bool:
+    from mtp_ray.layers.triton import moe_common
+
+    return moe_common.DEFER_SLOT_SUM
+
+
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, expert_range: tuple[int, int] | None = None,
                  dispatch: ExpertDispatcher = local_dispatch):
@@ -204,24 +210,28 @@ class SparseMoE(nn.Module):
             return ex is None and sw.fp8 is None
         return ex[0].block == sw.fp8[0].block == sw.fp8[1].block and ex[1].block == sw.fp8[2].block
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, defer_sum: bool = False):  # -> torch.Tensor | moe_common.SlotPartials
+        """x: [T, H] -> [T, H]. defer_sum: the caller adds the output to its residual in an RMSNorm, which may
+        take the expert launches' partials unsummed (GPU, no EP; `moe_common.DEFER_SLOT_SUM`)."""
         sw = self._shared_weights() if self.has_shared and x.is_cuda else None
         ex = self.experts
+        defer = defer_sum and x.is_cuda and _defer_enabled()
         if self._route_in_gate_up(x, sw):  # per-pair GEMVs that take the top-k themselves (no route launch)
             from mtp_ray.layers.triton.moe_small import routed_pair_experts
 
             return routed_pair_experts(x, self.gate(x), self.top_k, self.norm_topk, ex.gate_up_proj, ex.down_proj,
-                                       ex.start, sw, ex.fp8)
+                                       ex.start, sw, ex.fp8, defer=defer)
         ids, w = self.route(x)
         if sw is not None and self.dispatch is local_dispatch and self._same_kind(sw):
             # no EP exchange in between: the shared expert runs in the routed experts' launches
             if ex.pairs(ids):
                 from mtp_ray.layers.triton.moe_small import pair_experts
 
-                return pair_experts(x, ids, w, ex.gate_up_proj, ex.down_proj, ex.start, sw, ex.fp8)
+                return pair_experts(x, ids, w, ex.gate_up_proj, ex.down_proj, ex.start, sw, ex.fp8, defer=defer)
             from mtp_ray.layers.triton.moe import fused_experts
 
-            return fused_experts(x, ids, w, ex.gate_up_proj, ex.down_proj, ex.start, fp8=ex.fp8, shared=sw)
+            return fused_experts(x, ids, w, ex.gate_up_proj, ex.down_proj, ex.start, fp8=ex.fp8, shared=sw,
+                                 defer=defer)
         out = self.dispatch(x, ids, w, self.experts)
         if sw is not None:  # after the EP exchange: the shared expert alone, in its own expert launches
             from mtp_ray.layers.triton.moe_small import shared_expert_add

@@ -108,7 +108,7 @@ def _gemv_rows_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride
 
 
 # up to this many rows (> 1) the multi-row kernel instead of the dot kernel: off (1) until the device A/B
-# (`bench/decode.py --rows-gemv-ab`, gpu_run.sh stage rowsgemv) shows it faster
+# (`bench/decode.py --ab rows_gemv`, gpu_run.sh stage rowsgemv) shows it faster
 ROWS_GEMV = 1
 
 

@@ -22,11 +22,12 @@ import triton.language as tl
 from mtp_ray.layers.fp8 import Fp8Weight
 from mtp_ray.layers.triton import pdl
 from mtp_ray.layers.triton.fp8 import block_scales, dequant, rows_in_block, scale_args
-from mtp_ray.layers.triton.moe_common import SharedWeights, gate_up_rows, slot_sum
+from mtp_ray.layers.triton.moe_common import SharedWeights, SlotPartials, gate_up_rows, slot_sum
 from mtp_ray.layers.triton.route import topk_softmax
 
 # SparseMoE on the per-pair path: the router's top-k inside the gate_up launch (`routed_pair_experts`, one launch
-# fewer a layer) instead of route_topk's own. Off until the device A/B (`bench/decode.py --route-ab`) shows it faster
+# fewer a layer) instead of route_topk's own. Off until the device A/B (`bench/decode.py --ab route`, gpu_run.sh
+# stage ab) shows it faster
 ROUTE_IN_GATE_UP = False
 
 
@@ -151,17 +152,17 @@ def _down_kernel(act_ptr, ids_ptr, tw_ptr, w_ptr, x_ptr, sw_ptr, gw_ptr, ds_ptr,
 
 
 def _experts(x: torch.Tensor, ids: torch.Tensor | None, tw: torch.Tensor | None, gate_up: torch.Tensor | None,
-             down: torch.Tensor | None, start: int, shared: SharedWeights | None, out: torch.Tensor,
+             down: torch.Tensor | None, start: int, shared: SharedWeights | None, out: torch.Tensor | None,
              fp8: tuple[Fp8Weight, Fp8Weight] | None = None, tile: tuple[int, int, int] | None = None,
-             route: tuple[torch.Tensor, bool] | None = None) -> torch.Tensor:
+             route: tuple[torch.Tensor, bool] | None = None) -> torch.Tensor | SlotPartials:
     """Both launches. x: [T, H]; ids, tw: [T, k] or None (shared expert alone, added to `out`'s routed input);
-    gate_up: [E, 2I, H]; down: [E, H, I]; out: [T, H] (written in place); fp8: gate_up's and down's scales when
-    they are e4m3 (then the shared expert's must be too, with the same blocks: one launch reads one kind); tile:
-    (gate_up BN, gate_up BK, down BN), default `expert_tiles`; route: (router logits [T, E_all], renormalise):
-    gate_up routes and fills ids, tw (empty here)."""
+    gate_up: [E, 2I, H]; down: [E, H, I]; out: [T, H] (written in place; None: the partials returned unsummed);
+    fp8: gate_up's and down's scales when they are e4m3 (then the shared expert's must be too, with the same
+    blocks: one launch reads one kind); tile: (gate_up BN, gate_up BK, down BN), default `expert_tiles`; route:
+    (router logits [T, E_all], renormalise): gate_up routes and fills ids, tw (empty here)."""
     t, h = x.shape
     topk, sh = (ids.shape[1] if ids is not None else 0), int(shared is not None)
-    assert topk + sh > 0 and x.stride(1) == 1 and out.stride(1) == 1
+    assert topk + sh > 0 and x.stride(1) == 1 and (out is None or out.stride(1) == 1)
     sfp8 = shared.fp8 if shared is not None else None
     if topk and sh:
         assert (fp8 is None) == (sfp8 is None), "routed and shared experts: both FP8 or neither"
@@ -202,9 +203,9 @@ def _experts(x: torch.Tensor, ids: torch.Tensor | None, tw: torch.Tensor | None,
         ROUTE=route is not None, NORM=norm, BLOCK_E=triton.next_power_of_2(logits.shape[1]),
         BLOCK_K=triton.next_power_of_2(max(topk, 1)), num_warps=4, **pdl.launch_args(x.device),
     )
-    down_sum(act, ids, tw, down, start, x, (sd, gw), out, topk, sh, inter, inter_sh, bn_down,
-             (dn8, sfp8[2]) if fp8 is not None else None)
-    return out
+    parts = down_sum(act, ids, tw, down, start, x, (sd, gw), out, topk, sh, inter, inter_sh, bn_down,
+                     (dn8, sfp8[2]) if fp8 is not None else None)
+    return out if out is not None else parts
 
 
 def expert_tiles(h: int, fp8: bool) -> tuple[int, int, int]:
@@ -217,16 +218,18 @@ def expert_tiles(h: int, fp8: bool) -> tuple[int, int, int]:
 
 
 def down_sum(act: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, down: torch.Tensor, start: int,
-             x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor, topk: int, sh: int,
-             inter: int, inter_sh: int, bn: int = 4, fp8: tuple[Fp8Weight, Fp8Weight] | None = None) -> None:
+             x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor | None, topk: int,
+             sh: int, inter: int, inter_sh: int, bn: int = 4, fp8: tuple[Fp8Weight, Fp8Weight] | None = None
+             ) -> SlotPartials | None:
     """The down launches: one program per (pair, BN outputs) into fp32 partials [pairs, H], then their sum per
-    token in slot order into out [T, H]. shared: (down [H, I_sh], gate [1, H]), stand-ins of the routed down's
-    type when sh = 0; fp8: the routed and the shared down's scales (one block; stand-ins likewise)."""
-    t, h = out.shape
+    token in slot order into out [T, H] (out None: the partials returned unsummed). shared: (down [H, I_sh],
+    gate [1, H]), stand-ins of the routed down's type when sh = 0; fp8: the routed and the shared down's scales
+    (one block; stand-ins likewise)."""
+    t, h = x.shape
     sd, gw = shared
     width = act.shape[1]
     pairs = t * (topk + sh)
-    part = torch.empty(pairs, h, dtype=torch.float32, device=out.device)
+    part = torch.empty(pairs, h, dtype=torch.float32, device=x.device)
     bk, bh = min(triton.next_power_of_2(max(width, 16)), 512), min(triton.next_power_of_2(h), 2048)
     ds, ds_e, ds_n, sn, sk = scale_args(down, fp8[0] if fp8 else None)
     sds, _, sds_n, *_ = scale_args(sd, fp8[1] if fp8 else None)
@@ -238,9 +241,12 @@ def down_sum(act: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, down: torch
         act, ids, tw, down, x, sd, gw, ds, sds, part, start, down.shape[0], h, inter, inter_sh,
         act.stride(0), down.stride(0), down.stride(1), x.stride(0), sd.stride(0), ds_e, ds_n, sds_n,
         TOPK=topk, SH=sh, BN=bn, BK=bk, BH=bh, I_TILES=triton.cdiv(width, bk), H_TILES=triton.cdiv(h, bh),
-        FP8=fp8 is not None, TILE_SCALE=tile_scale, SN=sn, SK=sk, num_warps=4, **pdl.launch_args(out.device),
+        FP8=fp8 is not None, TILE_SCALE=tile_scale, SN=sn, SK=sk, num_warps=4, **pdl.launch_args(x.device),
     )
+    if out is None:
+        return SlotPartials(part, topk, sh, x.dtype)
     slot_sum(part, out, topk, sh)
+    return None
 
 
 def pair_experts(
@@ -253,8 +259,9 @@ def pair_experts(
     shared: SharedWeights | None = None,  # the shared expert too, in the same two launches (no EP in between)
     fp8: tuple[Fp8Weight, Fp8Weight] | None = None,  # gate_up's and down's scales when they are e4m3
     tile: tuple[int, int, int] | None = None,  # (gate_up BN, gate_up BK, down BN): the sweep's override
-) -> torch.Tensor:  # [T, H]
-    out = torch.empty_like(x)
+    defer: bool = False,  # the partials unsummed (SlotPartials: the norm after the layer sums them)
+) -> torch.Tensor | SlotPartials:  # [T, H]
+    out = None if defer else torch.empty_like(x)
     return _experts(x, topk_ids.contiguous(), topk_w.contiguous(), gate_up, down, start, shared, out, fp8, tile)
 
 
@@ -268,13 +275,15 @@ def routed_pair_experts(
     start: int,
     shared: SharedWeights | None = None,
     fp8: tuple[Fp8Weight, Fp8Weight] | None = None,
-) -> torch.Tensor:  # [T, H]
+    defer: bool = False,  # as pair_experts'
+) -> torch.Tensor | SlotPartials:  # [T, H]
     """pair_experts(x, *route_topk(logits, top_k, renormalize, x.dtype), ...) with the top-k taken inside the
     gate_up launch: a decode step's MoE layer is router GEMV + 3 launches, not + 4."""
     t = x.shape[0]
     ids = torch.empty(t, top_k, dtype=torch.long, device=x.device)
     tw = torch.empty(t, top_k, dtype=x.dtype, device=x.device)
-    return _experts(x, ids, tw, gate_up, down, start, shared, torch.empty_like(x), fp8, route=(logits, renormalize))
+    out = None if defer else torch.empty_like(x)
+    return _experts(x, ids, tw, gate_up, down, start, shared, out, fp8, route=(logits, renormalize))
 
 
 SHARED_PAIR_TOKENS = 8  # up to this many tokens the shared expert runs as per-token GEMVs, past it grouped
