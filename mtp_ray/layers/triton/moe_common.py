@@ -67,22 +67,32 @@ def _slot_sum_kernel(part_ptr, out_ptr, ids_ptr, start, E_LOCAL, H, stride_o, TO
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < H
-    dt = out_ptr.dtype.element_ty
+    dt: tl.constexpr = out_ptr.dtype.element_ty
     base = part_ptr + t * (TOPK + SH) * H + n
-    total = tl.zeros([BN], tl.float32)
+    if TOPK > 0:
+        total = _row_sum(base, n, nm, ids_ptr + t * TOPK, start, E_LOCAL, H, dt, TOPK, SH, MASKED)
+    else:  # the routed sum is out's input (the EP path): + the shared expert's
+        total = tl.load(out_ptr + t * stride_o + n, mask=nm, other=0.0).to(tl.float32)
+        total += tl.load(base, mask=nm, other=0.0)
+    tl.store(out_ptr + t * stride_o + n, total.to(dt), mask=nm)
+
+
+@triton.jit
+def _row_sum(base, n, nm, ids_ptr, start, E_LOCAL, H, dt: tl.constexpr, TOPK: tl.constexpr, SH: tl.constexpr,
+             MASKED: tl.constexpr):
+    """One token's partials (base: its first slot's row + n) summed in slot order in fp32, rounded to dt once,
+    then + the shared expert's (SH), as SparseMoE.forward adds them. MASKED: a slot whose expert (ids_ptr: the
+    token's ids) is not in [start, start + E_LOCAL) was never written and counts as zero."""
+    total = tl.zeros(n.shape, tl.float32)
     for j in tl.static_range(TOPK):
         lim = H
         if MASKED:
-            e = tl.load(ids_ptr + t * TOPK + j) - start
+            e = tl.load(ids_ptr + j) - start
             lim = tl.where((e >= 0) & (e < E_LOCAL), H, 0)
         total += tl.load(base + j * H, mask=n < lim, other=0.0)
     if SH:
-        if TOPK > 0:
-            total = total.to(dt).to(tl.float32)  # the routed sum, rounded once, then the shared expert added
-        else:
-            total = tl.load(out_ptr + t * stride_o + n, mask=nm, other=0.0).to(tl.float32)  # routed input
-        total += tl.load(base + TOPK * H, mask=nm, other=0.0)
-    tl.store(out_ptr + t * stride_o + n, total.to(dt), mask=nm)
+        total = total.to(dt).to(tl.float32) + tl.load(base + TOPK * H, mask=nm, other=0.0)
+    return total
 
 
 # SparseMoE without EP leaves its slot sum to the norm after the layer (`SlotPartials`: one launch fewer a layer).
@@ -132,19 +142,9 @@ def _slot_sum_norm_kernel(part_ptr, res_ptr, w_ptr, sum_ptr, out_ptr, ids_ptr, s
     t = tl.program_id(0).to(tl.int64)
     n = tl.arange(0, BLOCK)
     nm = n < H
-    dt = out_ptr.dtype.element_ty
-    base = part_ptr + t * (TOPK + SH) * H + n
-    total = tl.zeros([BLOCK], tl.float32)
-    for j in tl.static_range(TOPK):
-        lim = H
-        if MASKED:
-            e = tl.load(ids_ptr + t * TOPK + j) - start
-            lim = tl.where((e >= 0) & (e < E_LOCAL), H, 0)
-        total += tl.load(base + j * H, mask=n < lim, other=0.0)
-    if SH:
-        if TOPK > 0:
-            total = total.to(dt).to(tl.float32)
-        total += tl.load(base + TOPK * H, mask=nm, other=0.0)
+    dt: tl.constexpr = out_ptr.dtype.element_ty
+    total = _row_sum(part_ptr + t * (TOPK + SH) * H + n, n, nm, ids_ptr + t * TOPK, start, E_LOCAL, H, dt, TOPK, SH,
+                     MASKED)
     x = (total.to(dt).to(tl.float32) + tl.load(res_ptr + t * stride_r + n, mask=nm, other=0.0).to(tl.float32))
     x = x.to(dt)
     tl.store(sum_ptr + t * H + n, x, mask=nm)
