@@ -226,6 +226,7 @@ def down_sum(act: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, down: torch
     gate [1, H]), stand-ins of the routed down's type when sh = 0; fp8: the routed and the shared down's scales
     (one block; stand-ins likewise)."""
     t, h = x.shape
+    assert out is not None or topk > 0, "unsummed partials of the shared expert alone would drop the routed input"
     sd, gw = shared
     width = act.shape[1]
     pairs = t * (topk + sh)
