@@ -506,8 +506,8 @@ def test_moe_shared_in_expert_launches(dtype, tol, t, e, topk, h, inter, inter_s
 
 
 @needs_device
-@pytest.mark.parametrize("t,e,start", [(1, 16, 0), (3, 16, 0), (40, 16, 0), (40, 16, 4)])
-def test_deferred_slot_sum_in_the_next_norm(t, e, start, monkeypatch):
+@pytest.mark.parametrize("t,e,start,h", [(1, 16, 0, 96), (3, 16, 0, 2048), (40, 16, 0, 96), (40, 16, 4, 96)])
+def test_deferred_slot_sum_in_the_next_norm(t, e, start, h, monkeypatch):
     """A MoE layer's partials left unsummed (SlotPartials) and summed inside the next RMSNorm give what the slot
     sum then the norm give: per-pair path (few tokens), grouped path (40 tokens; start > 0: a shard whose foreign
     slots are never written). fp32."""
@@ -520,7 +520,6 @@ def test_deferred_slot_sum_in_the_next_norm(t, e, start, monkeypatch):
     from mtp_ray.layers.triton import moe_common
     from mtp_ray.layers.triton.moe_common import SlotPartials
 
-    h = 96
     cfg = dataclasses.replace(ModelConfig.from_pretrained(BUNDLED_MODEL), hidden_size=h, num_experts=e,
                               num_experts_per_tok=4, moe_intermediate_size=48, shared_expert_intermediate_size=32)
     g = torch.Generator().manual_seed(t + start)

@@ -119,8 +119,9 @@ class SlotPartials(NamedTuple):
 
     def add_norm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rmsnorm(s) * (1 + weight), s) for s = total() + residual, in one launch; the values of slot_sum then
-        triton/norm.py's rms_norm (the same roundings, the norm's reduction over the same tile)."""
+        """(rmsnorm(s) * (1 + weight), s) for s = total() + residual, in one launch: slot_sum then triton/norm.py's
+        rms_norm, the same roundings (s equal; the norm's fp32 reduction may run in another order). Twice rms_norm's
+        warps: one program reads the row's k + 1 fp32 partials, more loads in flight."""
         t, h = residual.shape
         assert residual.stride(1) == 1 and self.part.shape == (t * (self.topk + self.sh), h)
         out = torch.empty(t, h, dtype=self.dtype, device=residual.device)
@@ -128,7 +129,7 @@ class SlotPartials(NamedTuple):
         ids, start, e_local = self.masked if self.masked is not None else (self.part, 0, 0)
         _slot_sum_norm_kernel[(t,)](self.part, residual, weight, s, out, ids, start, e_local, h, residual.stride(0),
                                     eps, TOPK=self.topk, SH=self.sh, MASKED=self.masked is not None,
-                                    BLOCK=triton.next_power_of_2(h), num_warps=4 if h >= 1024 else 1,
+                                    BLOCK=triton.next_power_of_2(h), num_warps=8 if h >= 1024 else 1,
                                     **pdl.launch_args(residual.device))
         return out, s
 
