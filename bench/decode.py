@@ -50,6 +50,7 @@ SWITCHES = {
     "route": ("mtp_ray.layers.triton.moe_small", "ROUTE_IN_GATE_UP", True, "the top-k inside the per-pair gate_up"),
     "rows_gemv": ("mtp_ray.layers.triton.linear", "ROWS_GEMV", 4, "the multi-row GEMV at 2-4 rows"),
     "defer": ("mtp_ray.layers.triton.moe_common", "DEFER_SLOT_SUM", True, "the slot sum inside the next norm"),
+    "gdn_norm": ("mtp_ray.layers.triton.gated_delta", "NORM_IN_RECURRENCE", True, "the GDN norm in the recurrence"),
 }
 
 

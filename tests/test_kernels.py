@@ -329,7 +329,7 @@ def test_gdn_decode(dtype, tol, hk, hv, dk, dv, q_len, spec):
     with torch.no_grad():
         ref = m._uniform(mixed, gg, beta, m.conv1d.weight[:, 0, :], batch)
     dev = lambda t: t.to(DEVICE)  # noqa: E731
-    conv_state, ssm_state = dev(conv0.to(dtype)), dev(ssm0)
+    conv_state, ssm_state = dev(conv0.to(dtype)).clone(), dev(ssm0).clone()  # (on the CPU .to() does not copy)
     w = dev(m.conv1d.weight.detach()[:, 0, :].to(dtype).contiguous())
     ss, sp = dev(state_slots), dev(spec_slots) if spec else None
     with torch.no_grad():
@@ -337,6 +337,22 @@ def test_gdn_decode(dtype, tol, hk, hv, dk, dv, q_len, spec):
         out = recurrent_decode(conv, dev(a_raw.to(dtype)), dev(b_raw.to(dtype)), dev(m.A_log.detach()),
                                dev(m.dt_bias.detach()), ssm_state, ss, sp, q_len, hk, dk, dtype)
     assert _rel(out.cpu(), ref) < tol
+    if dtype == torch.float32 or DEVICE == "cuda":  # the gated norm inside the recurrence launch, same states
+        from mtp_ray.layers.norm import GatedRMSNorm
+        from mtp_ray.layers.triton.norm import gated_rms_norm
+
+        gn = GatedRMSNorm(dv).to(DEVICE)
+        with torch.no_grad():
+            gn.weight.copy_(1 + torch.randn(dv, generator=g) * 0.1)
+        zz = dev(torch.randn(b * q_len, hv, dv, generator=g).to(dtype))
+        cs, st = dev(conv0.to(dtype)).clone(), dev(ssm0).clone()
+        with torch.no_grad():
+            conv = conv_decode(dev(mixed.to(dtype)), cs, w, ss, sp, q_len)
+            fused = recurrent_decode(conv, dev(a_raw.to(dtype)), dev(b_raw.to(dtype)), dev(m.A_log.detach()),
+                                     dev(m.dt_bias.detach()), st, ss, sp, q_len, hk, dk, dtype,
+                                     gated_norm=(zz, gn.weight.to(dtype), gn.eps))
+        want = gated_rms_norm(out, zz, gn.weight.to(dtype), gn.eps)
+        assert _rel(fused.cpu(), want.cpu()) < tol and torch.equal(st.cpu(), ssm_state.cpu())
     touched = state_slots.tolist() + ([s for row in spec_slots[:2].tolist() for s in row] if spec else [])
     for s in touched:
         assert _rel(ssm_state[s].cpu(), m.ssm_state[s]) < tol, s

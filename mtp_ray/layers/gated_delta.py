@@ -55,11 +55,14 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
         u = batch.uniform
         if u is not None and x.is_cuda:  # two fused kernels (conv, recurrence), no per-token launches
-            from mtp_ray.layers.triton.gated_delta import conv_decode, recurrent_decode
+            from mtp_ray.layers.triton import gated_delta as tgd
 
-            conv = conv_decode(mixed, self.conv_state, weight, u.state_slots, u.spec_slots, u.q_len)
-            core = recurrent_decode(conv, a_raw, b_raw, self.A_log, self.dt_bias, self.ssm_state, u.state_slots,
-                                    u.spec_slots, u.q_len, self.hk, self.dk, x.dtype)
+            conv = tgd.conv_decode(mixed, self.conv_state, weight, u.state_slots, u.spec_slots, u.q_len)
+            gn = (z, self.norm.weight, self.norm.eps) if tgd.NORM_IN_RECURRENCE else None
+            core = tgd.recurrent_decode(conv, a_raw, b_raw, self.A_log, self.dt_bias, self.ssm_state, u.state_slots,
+                                        u.spec_slots, u.q_len, self.hk, self.dk, x.dtype, gated_norm=gn)
+            if gn is not None:  # the recurrence launch applied the gated norm
+                return self.out_proj(core.reshape(t, self.value_dim))
         elif x.is_cuda and x.dtype != torch.float32 and batch.spec_state_slots is None and _fla() is not None:
             from mtp_ray.layers.triton.gated_delta import chunk_varlen_fla
 
