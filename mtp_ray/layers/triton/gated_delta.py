@@ -29,6 +29,7 @@ import triton.language as tl
 
 from mtp_ray.layers.context import FLA_CHUNK
 from mtp_ray.layers.triton import pdl
+from mtp_ray.layers.triton.norm import gated_rms_row
 
 # GatedDeltaNet's uniform decode / verify: the gated RMSNorm in the recurrence launch (one program a head) instead
 # of its own launch. Off until the device A/B (`bench/decode.py --ab gdn_norm`, gpu_run.sh stage ab) shows it faster
@@ -117,6 +118,7 @@ def _recurrent_kernel(x_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slots_p
     neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
     row0 = b.to(tl.int64) * QL
+    dt: tl.constexpr = out_ptr.dtype.element_ty
     for j in tl.static_range(QL):
         row = row0 + j
         q = tl.load(x_ptr + row * stride_x + hk * DK + kk, mask=km, other=0.0).to(tl.float32)
@@ -132,14 +134,10 @@ def _recurrent_kernel(x_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slots_p
         s = s + k[:, None] * delta[None, :]
         o = tl.sum(s * q[:, None], 0)  # [BV]
         if GATED_NORM:  # the whole head in this program (BV >= DV): GatedRMSNorm's w * rmsnorm(o) * silu(z) here
-            dt = out_ptr.dtype.element_ty
-            of = tl.where(vm, o.to(dt).to(tl.float32), 0.0)
-            rstd = 1.0 / tl.sqrt(tl.sum(of * of, 0) / DV + eps)
             w = tl.load(nw_ptr + vv, mask=vm, other=0.0).to(tl.float32)
-            y = (w * (of * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
             z = tl.load(z_ptr + row * stride_zt + h * stride_zh + vv, mask=vm, other=0.0).to(tl.float32)
-            o = y * z * tl.sigmoid(z)
-        tl.store(out_ptr + row * stride_o + h * stride_oh + vv, o.to(out_ptr.dtype.element_ty), mask=vm)
+            o = gated_rms_row(tl.where(vm, o.to(dt).to(tl.float32), 0.0), w, z, DV, eps, dt)
+        tl.store(out_ptr + row * stride_o + h * stride_oh + vv, o.to(dt), mask=vm)
         if HAS_SPEC:
             dst = tl.load(spec_ptr + b * QL + j).to(tl.int64)
             tl.store(state_ptr + dst * stride_ss + s_off, s, mask=s_mask)

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from mtp_ray.layers.fp8 import Fp8Weight
 from mtp_ray.layers.triton import pdl
+from mtp_ray.layers.triton.norm import rms_row
 
 
 class SharedWeights(NamedTuple):
@@ -149,10 +150,8 @@ def _slot_sum_norm_kernel(part_ptr, res_ptr, w_ptr, sum_ptr, out_ptr, ids_ptr, s
     x = (total.to(dt).to(tl.float32) + tl.load(res_ptr + t * stride_r + n, mask=nm, other=0.0).to(tl.float32))
     x = x.to(dt)
     tl.store(sum_ptr + t * H + n, x, mask=nm)
-    xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / H + eps)
     w = tl.load(w_ptr + n, mask=nm, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * H + n, (xf * rstd * (1.0 + w)).to(dt), mask=nm)
+    tl.store(out_ptr + t * H + n, rms_row(x.to(tl.float32), w, H, eps).to(dt), mask=nm)
 
 
 def slot_sum(part: torch.Tensor, out: torch.Tensor, topk: int, sh: int,
