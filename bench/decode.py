@@ -21,7 +21,6 @@ device bandwidth measured in the same run (device-to-device copy, bytes read + w
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 from pathlib import Path
 
@@ -44,14 +43,6 @@ from mtp_ray.model.loader import init_dummy_weights
 from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
 
 BLOCK = 16
-# --ab NAME: kernel paths that stay off until measured here, each a module constant read at launch:
-# (module, constant, value when on, what it does)
-SWITCHES = {
-    "route": ("mtp_ray.layers.triton.moe_small", "ROUTE_IN_GATE_UP", True, "the top-k inside the per-pair gate_up"),
-    "rows_gemv": ("mtp_ray.layers.triton.linear", "ROWS_GEMV", 4, "the multi-row GEMV at 2-4 rows"),
-    "defer": ("mtp_ray.layers.triton.moe_common", "DEFER_SLOT_SUM", True, "the slot sum inside the next norm"),
-    "gdn_norm": ("mtp_ray.layers.triton.gated_delta", "NORM_IN_RECURRENCE", True, "the GDN norm in the recurrence"),
-}
 
 
 def hf_config(layers: int, mtp: bool = False) -> dict:
@@ -191,19 +182,20 @@ def timed(fn, reps: int) -> float:
 
 
 def count_experts(moes: list[SparseMoE], forward) -> list[int]:
-    """Distinct experts each call of a MoE layer in `moes` routes its tokens to during forward() (eager; the
-    layers' forward wrapped, as the routing may happen inside an expert launch)."""
+    """Distinct experts each call of a MoE layer in `moes` routes its tokens to during forward() (eager, routers
+    wrapped)."""
     hits: list[int] = []
     for m in moes:
-        def counted(x, m=m, fwd=m.forward):
-            hits.append(int(m.route(x)[0].unique().numel()))
-            return fwd(x)
-        m.forward = counted
+        def counted(x, route=m.route):
+            ids, w = route(x)
+            hits.append(int(ids.unique().numel()))
+            return ids, w
+        m.route = counted
     try:
         forward()
     finally:
         for m in moes:
-            del m.forward  # back to the class method
+            del m.route  # back to the class method
     return hits
 
 
@@ -254,8 +246,6 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="also time the plain steps with FP8-resident weights")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="also time each plain step with programmatic dependent launch off (layers/triton/pdl.py)")
-    ap.add_argument("--ab", nargs="*", default=[], choices=sorted(SWITCHES),
-                    help="also time each step (and MTP verify, draft loop) with this kernel switch on")
     ap.add_argument("--kernel-batches", type=int, nargs="*", default=[1], help="list these plain steps' kernels")
     ap.add_argument("--out", default="bench/results/decode.json")
     args = ap.parse_args()
@@ -287,17 +277,6 @@ def main() -> None:
             off = plain_step(model, cfg, bsz, args.context, width, dev, bw, kernels=bsz in args.kernel_batches)
             pdl.set_enabled(prev)
             rows[-1]["pdl_off"] = {**off, "on_over_off": round(rows[-1]["graph_step_ms"] / off["graph_step_ms"], 3)}
-        for name in args.ab:  # the same steps with a kernel switch flipped (SWITCHES), right after
-            mod, attr, value, _ = SWITCHES[name]
-            module = importlib.import_module(mod)
-            prev = getattr(module, attr)
-            setattr(module, attr, value)
-            on = plain_step(model, cfg, bsz, args.context, width, dev, bw, kernels=bsz in args.kernel_batches)
-            if k and bsz in args.mtp_batches:
-                on["mtp"] = [mtp_step(model, cfg, bsz, args.context, width, k, on["graph_step_ms"] / 1e3, bw, dev,
-                                      dv) for dv in args.draft_vocab]
-            setattr(module, attr, prev)
-            rows[-1][f"ab_{name}"] = {**on, "on_over_off": round(on["graph_step_ms"] / rows[-1]["graph_step_ms"], 3)}
         torch.cuda.empty_cache()
     if args.fp8:  # the same plain steps with FP8-resident weights, after the bf16 model is gone (memory)
         del model
@@ -345,21 +324,12 @@ def report(result: dict) -> None:
             o = r["pdl_off"]
             print(f"batch {r['batch']}: graph step with PDL {r['graph_step_ms']} ms, without {o['graph_step_ms']} ms "
                   f"(x{o['on_over_off']}); without PDL x{o['graph_over_roofline']} the roofline")
-    for name, (_, _, _, what) in SWITCHES.items():
-        for r in (r for r in rows if f"ab_{name}" in r):
-            o = r[f"ab_{name}"]
-            print(f"batch {r['batch']}: graph step with {what} {o['graph_step_ms']} ms, without "
-                  f"{r['graph_step_ms']} ms (x{o['on_over_off']})")
-            for on, off in zip(o.get("mtp", []), r.get("mtp", []), strict=False):
-                print(f"  MTP verify, draft vocab {on['draft_vocab']}: {on['verify_ms']} ms, without "
-                      f"{off['verify_ms']} ms (x{round(on['verify_ms'] / off['verify_ms'], 3)}); draft loop "
-                      f"{on['draft_loop_ms']} / {off['draft_loop_ms']} ms")
     for r in rows:
         if "fp8" in r:
             f = r["fp8"]
             print(f"FP8 batch {r['batch']}: graph step {f['graph_step_ms']} ms = x{f['over_bf16']} the bf16 step "
                   f"({r['graph_step_ms']} ms); x{f['graph_over_roofline']} its roofline ({f['roofline_ms']} ms)")
-    parts = (("", None), ("no-PDL ", "pdl_off"), *((f"{n}-on ", f"ab_{n}") for n in SWITCHES), ("FP8 ", "fp8"))
+    parts = (("", None), ("no-PDL ", "pdl_off"), ("FP8 ", "fp8"))
     for name, step in ((f"{p}batch-{r['batch']}", r if key is None else r.get(key, {})) for r in rows
                        for p, key in parts):
         top = [(x["kernel"][:40], x["count"], x["us"]) for x in step.get("kernels", [])[:14]]

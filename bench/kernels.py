@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from mtp_ray.layers.fp8 import Fp8Block, Fp8Weight, quantize, scale_shape
-from mtp_ray.layers.triton.linear import _gemv_kernel, _gemv_row_kernel, _gemv_rows_kernel, gemv, tiles
+from mtp_ray.layers.triton.linear import _gemv_kernel, _gemv_row_kernel, gemv, tiles
 from mtp_ray.layers.triton.moe_small import _gate_up_kernel, down_sum
 
 H, INTER, EXPERTS, TOPK = 2048, 512, 256, 8
@@ -86,23 +86,13 @@ def _row(x, ws, y, bn, bk, warps, stages, i) -> None:
                                             num_warps=warps, num_stages=stages)
 
 
-def _rows(x, ws, y, bn, bk, warps, stages, i) -> None:
-    w = ws[i]
-    m, k = x.shape
-    n = w.shape[0]
-    _gemv_rows_kernel[(triton.cdiv(n, bn),)](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-                                             BM=triton.next_power_of_2(m), BN=bn, BK=bk, K_TILES=triton.cdiv(k, bk),
-                                             KP=1, PDL=False, num_warps=warps, num_stages=stages)
-
-
 def _up(x, idss, gv, uv, sg, act, bn, bk, warps, i) -> None:
     # routed pairs + one shared-expert pair per token (SH = 1), as a decode step without EP runs them
     ids = idss[i]
     _gate_up_kernel[(act.shape[0], triton.cdiv(INTER, bn))](
-        x, ids, gv, uv, sg[:INTER], sg[INTER:], gv, gv, gv, act, x, x, 0, EXPERTS, EXPERTS, H, INTER, INTER,
-        x.stride(0), 0, gv.stride(0), gv.stride(1), sg.stride(0), act.stride(0), 0, 0, 0, TOPK=TOPK, SH=1, BN=bn,
-        BK=bk, H_TILES=triton.cdiv(H, bk), FP8=False, TILE_SCALE=False, SN=1, SK=1, ROUTE=False, NORM=False,
-        BLOCK_E=EXPERTS, BLOCK_K=TOPK, PDL=False, num_warps=warps)
+        x, ids, gv, uv, sg[:INTER], sg[INTER:], gv, gv, gv, act, 0, EXPERTS, H, INTER, INTER, x.stride(0),
+        gv.stride(0), gv.stride(1), sg.stride(0), act.stride(0), 0, 0, 0, TOPK=TOPK, SH=1, BN=bn, BK=bk,
+        H_TILES=triton.cdiv(H, bk), FP8=False, TILE_SCALE=False, SN=1, SK=1, PDL=False, num_warps=warps)
 
 
 def _down(act, idss, tw, down, x, sd, gw, y, bn, bk, warps, i) -> None:
@@ -126,11 +116,9 @@ def sweep_gemv(rows: int, dev: torch.device) -> list[dict]:
         space = [("dot", *c) for c in itertools.product((16, 32, 64), (128, 512), (4,), (3, 4))]
         if rows == 1:  # the one-row kernel: small BN, no tensor cores
             space += [("row", *c) for c in itertools.product((2, 4, 8, 16), (256, 512, 1024), (4, 8), (1, 3))]
-        if 1 < rows <= 8:  # the multi-row kernel: CUDA cores, every K tile's load in flight
-            space += [("rows", *c) for c in itertools.product((1, 2, 4), (256, 512, 1024), (4, 8), (1,))]
         for kind, bn, bk, warps, stages in space:
             cfg = {"kernel": kind, "BN": bn, "BK": bk, "warps": warps, "stages": stages}
-            fn = {"dot": _gemv, "row": _row, "rows": _rows}[kind]
+            fn = _gemv if kind == "dot" else _row
             try:
                 t = timed(functools.partial(fn, x, ws, y, bn, bk, warps, stages))
             except Exception as e:  # a config the compiler rejects (shared memory): recorded, skipped

@@ -54,14 +54,12 @@ class GatedDeltaNet(nn.Module):
         z = z.view(t, self.hv, self.dv)
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
         u = batch.uniform
-        gn = None  # (z, weight, eps) when the recurrence launch applies the gated norm itself
         if u is not None and x.is_cuda:  # two fused kernels (conv, recurrence), no per-token launches
-            from mtp_ray.layers.triton import gated_delta as tgd
+            from mtp_ray.layers.triton.gated_delta import conv_decode, recurrent_decode
 
-            conv = tgd.conv_decode(mixed, self.conv_state, weight, u.state_slots, u.spec_slots, u.q_len)
-            gn = (z, self.norm.weight, self.norm.eps) if tgd.NORM_IN_RECURRENCE else None
-            core = tgd.recurrent_decode(conv, a_raw, b_raw, self.A_log, self.dt_bias, self.ssm_state, u.state_slots,
-                                        u.spec_slots, u.q_len, self.hk, self.dk, x.dtype, gated_norm=gn)
+            conv = conv_decode(mixed, self.conv_state, weight, u.state_slots, u.spec_slots, u.q_len)
+            core = recurrent_decode(conv, a_raw, b_raw, self.A_log, self.dt_bias, self.ssm_state, u.state_slots,
+                                    u.spec_slots, u.q_len, self.hk, self.dk, x.dtype)
         elif x.is_cuda and x.dtype != torch.float32 and batch.spec_state_slots is None and _fla() is not None:
             from mtp_ray.layers.triton.gated_delta import chunk_varlen_fla
 
@@ -73,7 +71,7 @@ class GatedDeltaNet(nn.Module):
                 core = self._uniform(mixed, g, beta, weight, batch)
             else:
                 core = self._per_sequence(mixed, g, beta, weight, batch)
-        out = core if gn is not None else self.norm(core.to(x.dtype), z)  # [T, Hv, dv]
+        out = self.norm(core.to(x.dtype), z)  # [T, Hv, dv]
         return self.out_proj(out.reshape(t, self.value_dim))
 
     def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

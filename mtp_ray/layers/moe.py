@@ -77,10 +77,7 @@ class Experts(nn.Module):
     def pairs(self, topk_ids: torch.Tensor) -> bool:
         """GPU: few (token, slot) pairs run as GEMVs per pair, which beat sorting them into tiles (a static
         function of the shape: graph-safe)."""
-        return self.few_pairs(topk_ids.numel())
-
-    def few_pairs(self, n: int) -> bool:
-        return n <= max(self.end - self.start, 16)
+        return topk_ids.numel() <= max(self.end - self.start, 16)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """Sum of the local experts' weighted outputs. x: [N, H]; topk_ids / topk_w: [N, k] (global ids)."""
@@ -148,12 +145,6 @@ def local_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
     return experts(x, topk_ids, topk_w)
 
 
-def _defer_enabled() -> bool:
-    from mtp_ray.layers.triton import moe_common
-
-    return moe_common.DEFER_SLOT_SUM
-
-
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, expert_range: tuple[int, int] | None = None,
                  dispatch: ExpertDispatcher = local_dispatch):
@@ -194,15 +185,6 @@ class SparseMoE(nn.Module):
         return SharedWeights(se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
                              self.shared_expert_gate.weight, None if fp8[0] is None else fp8)
 
-    def _route_in_gate_up(self, x: torch.Tensor, sw) -> bool:
-        """GPU, no EP exchange, few pairs, the shared expert (if any) in the same launches, a 2-D router output."""
-        if not x.is_cuda or self.dispatch is not local_dispatch or not self.experts.few_pairs(x.shape[0] * self.top_k):
-            return False
-        from mtp_ray.layers.triton import moe_small
-
-        return moe_small.ROUTE_IN_GATE_UP and x.dim() == 2 and x.shape[0] > 0 and (
-            not self.has_shared or (sw is not None and self._same_kind(sw)))
-
     def _same_kind(self, sw) -> bool:
         """Routed and shared experts can share launches: both FP8 with the same blocks, or neither FP8."""
         ex = self.experts.fp8
@@ -210,28 +192,19 @@ class SparseMoE(nn.Module):
             return ex is None and sw.fp8 is None
         return ex[0].block == sw.fp8[0].block == sw.fp8[1].block and ex[1].block == sw.fp8[2].block
 
-    def forward(self, x: torch.Tensor, defer_sum: bool = False):  # -> torch.Tensor | moe_common.SlotPartials
-        """x: [T, H] -> [T, H]. defer_sum: the caller adds the output to its residual in an RMSNorm, which may
-        take the expert launches' partials unsummed (GPU, no EP; `moe_common.DEFER_SLOT_SUM`)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, w = self.route(x)
         sw = self._shared_weights() if self.has_shared and x.is_cuda else None
         ex = self.experts
-        defer = defer_sum and x.is_cuda and _defer_enabled()
-        if self._route_in_gate_up(x, sw):  # per-pair GEMVs that take the top-k themselves (no route launch)
-            from mtp_ray.layers.triton.moe_small import routed_pair_experts
-
-            return routed_pair_experts(x, self.gate(x), self.top_k, self.norm_topk, ex.gate_up_proj, ex.down_proj,
-                                       ex.start, sw, ex.fp8, defer=defer)
-        ids, w = self.route(x)
         if sw is not None and self.dispatch is local_dispatch and self._same_kind(sw):
             # no EP exchange in between: the shared expert runs in the routed experts' launches
             if ex.pairs(ids):
                 from mtp_ray.layers.triton.moe_small import pair_experts
 
-                return pair_experts(x, ids, w, ex.gate_up_proj, ex.down_proj, ex.start, sw, ex.fp8, defer=defer)
+                return pair_experts(x, ids, w, ex.gate_up_proj, ex.down_proj, ex.start, sw, ex.fp8)
             from mtp_ray.layers.triton.moe import fused_experts
 
-            return fused_experts(x, ids, w, ex.gate_up_proj, ex.down_proj, ex.start, fp8=ex.fp8, shared=sw,
-                                 defer=defer)
+            return fused_experts(x, ids, w, ex.gate_up_proj, ex.down_proj, ex.start, fp8=ex.fp8, shared=sw)
         out = self.dispatch(x, ids, w, self.experts)
         if sw is not None:  # after the EP exchange: the shared expert alone, in its own expert launches
             from mtp_ray.layers.triton.moe_small import shared_expert_add

@@ -24,11 +24,8 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
-    def add_forward(self, x, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """s = x + residual (in x's dtype) -> (norm(s), s); one kernel on the GPU. x: [..., D], or a MoE layer's
-        unsummed partials (triton/moe_common.py's SlotPartials), summed in the same kernel."""
-        if not isinstance(x, torch.Tensor):
-            return x.add_norm(residual, self.weight, self.eps)
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """s = x + residual (in x's dtype) -> (norm(s), s); one kernel on the GPU."""
         if x.is_cuda:
             from mtp_ray.layers.triton.norm import rms_norm
 

@@ -30,8 +30,7 @@ class DecoderLayer(nn.Module):
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream is carried as (x, residual) with the stream = x + residual, so every residual add
         fuses into the norm after it (one kernel on the GPU). residual None: x is the stream itself.
-        Returns (this layer's MLP output, the residual stream before it); the output may be a MoE layer's unsummed
-        partials, which only the next RMSNorm.add_forward takes."""
+        Returns (this layer's MLP output, the residual stream before it)."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
@@ -41,6 +40,4 @@ class DecoderLayer(nn.Module):
         else:
             h = self.self_attn(h, positions, batch)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        if isinstance(self.mlp, SparseMoE):  # its sum may be left to the next norm (RMSNorm.add_forward)
-            return self.mlp(h, defer_sum=True), residual
         return self.mlp(h), residual

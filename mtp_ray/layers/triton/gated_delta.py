@@ -29,11 +29,6 @@ import triton.language as tl
 
 from mtp_ray.layers.context import FLA_CHUNK
 from mtp_ray.layers.triton import pdl
-from mtp_ray.layers.triton.norm import gated_rms_row
-
-# GatedDeltaNet's uniform decode / verify: the gated RMSNorm in the recurrence launch (one program a head) instead
-# of its own launch. Off until the device A/B (`bench/decode.py --ab gdn_norm`, gpu_run.sh stage ab) shows it faster
-NORM_IN_RECURRENCE = False
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +93,11 @@ def conv_decode(mixed: torch.Tensor, conv_state: torch.Tensor, weight: torch.Ten
 
 
 @triton.jit
-def _recurrent_kernel(x_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slots_ptr, spec_ptr, out_ptr, z_ptr, nw_ptr,
-                      stride_x, stride_ab, stride_ss, stride_sh, stride_sk, stride_o, stride_oh, stride_zt,
-                      stride_zh, q_scale, eps, KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                      HV: tl.constexpr, REP: tl.constexpr, QL: tl.constexpr, HAS_SPEC: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr, GATED_NORM: tl.constexpr, PDL: tl.constexpr):
+def _recurrent_kernel(x_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slots_ptr, spec_ptr, out_ptr,
+                      stride_x, stride_ab, stride_ss, stride_sh, stride_sk, stride_o, stride_oh, q_scale,
+                      KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HV: tl.constexpr,
+                      REP: tl.constexpr, QL: tl.constexpr, HAS_SPEC: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -118,7 +113,6 @@ def _recurrent_kernel(x_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slots_p
     neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
     row0 = b.to(tl.int64) * QL
-    dt: tl.constexpr = out_ptr.dtype.element_ty
     for j in tl.static_range(QL):
         row = row0 + j
         q = tl.load(x_ptr + row * stride_x + hk * DK + kk, mask=km, other=0.0).to(tl.float32)
@@ -133,11 +127,7 @@ def _recurrent_kernel(x_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slots_p
         delta = (v - tl.sum(s * k[:, None], 0)) * beta  # [BV]
         s = s + k[:, None] * delta[None, :]
         o = tl.sum(s * q[:, None], 0)  # [BV]
-        if GATED_NORM:  # the whole head in this program (BV >= DV): GatedRMSNorm's w * rmsnorm(o) * silu(z) here
-            w = tl.load(nw_ptr + vv, mask=vm, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + row * stride_zt + h * stride_zh + vv, mask=vm, other=0.0).to(tl.float32)
-            o = gated_rms_row(tl.where(vm, o.to(dt).to(tl.float32), 0.0), w, z, DV, eps, dt)
-        tl.store(out_ptr + row * stride_o + h * stride_oh + vv, o.to(dt), mask=vm)
+        tl.store(out_ptr + row * stride_o + h * stride_oh + vv, o.to(out_ptr.dtype.element_ty), mask=vm)
         if HAS_SPEC:
             dst = tl.load(spec_ptr + b * QL + j).to(tl.int64)
             tl.store(state_ptr + dst * stride_ss + s_off, s, mask=s_mask)
@@ -147,32 +137,22 @@ def _recurrent_kernel(x_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slots_p
 def recurrent_decode(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
                      dt_bias: torch.Tensor, ssm_state: torch.Tensor, state_slots: torch.Tensor,
                      spec_slots: torch.Tensor | None, q_len: int, key_heads: int, key_dim: int, out_dtype: torch.dtype,
-                     tile: tuple[int, int] | None = None,
-                     gated_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+                     tile: tuple[int, int] | None = None) -> torch.Tensor:
     """conv_out: [B * q_len, 2 * Hk * dk + Hv * dv]; a, b: [B * q_len, Hv] raw projections; ssm_state:
     [S, Hv, dk, dv] fp32 (updated in place) -> core output [B * q_len, Hv, dv] in out_dtype. tile: (BV, warps),
-    the sweep's override (bench/kernels.py --recurrent). gated_norm: (z [B * q_len, Hv, dv], weight [dv], eps):
-    the output is GatedRMSNorm(core, z) instead (one program a head, 8 warps: no norm launch)."""
+    the sweep's override (bench/kernels.py --recurrent)."""
     bsz = state_slots.shape[0]
     _, hv, dk, dv = ssm_state.shape
     assert ssm_state.stride(3) == 1 and conv_out.stride(1) == 1 and a.stride(1) == 1 and a.stride(0) == b.stride(0)
     out = torch.empty(conv_out.shape[0], hv, dv, dtype=out_dtype, device=conv_out.device)
     bk = triton.next_power_of_2(dk)
-    if gated_norm is not None:
-        bv, warps = tile or (triton.next_power_of_2(dv), 8)
-        assert bv >= dv, "the gated norm needs the whole head in one program"
-        z, nw, eps = gated_norm
-        assert z.shape == out.shape and z.stride(2) == 1
-    else:
-        bv, warps = tile or (min(triton.next_power_of_2(dv), 32 if bk >= 128 else 64), 4)
-        z, nw, eps = out, out, 0.0  # stand-ins (never read)
+    bv, warps = tile or (min(triton.next_power_of_2(dv), 32 if bk >= 128 else 64), 4)
     _recurrent_kernel[(bsz, hv, triton.cdiv(dv, bv))](
         conv_out, a, b, a_log, dt_bias, ssm_state, state_slots, spec_slots if spec_slots is not None else state_slots,
-        out, z, nw, conv_out.stride(0), a.stride(0), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
-        out.stride(0), out.stride(1), z.stride(0), z.stride(1), dk**-0.5, eps,
+        out, conv_out.stride(0), a.stride(0), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
+        out.stride(0), out.stride(1), dk**-0.5,
         KEY_DIM=key_heads * dk, DK=dk, DV=dv, HV=hv, REP=hv // key_heads, QL=q_len,
-        HAS_SPEC=spec_slots is not None, BK=bk, BV=bv, GATED_NORM=gated_norm is not None, num_warps=warps,
-        **pdl.launch_args(conv_out.device),
+        HAS_SPEC=spec_slots is not None, BK=bk, BV=bv, num_warps=warps, **pdl.launch_args(conv_out.device),
     )
     return out
 

@@ -7,8 +7,6 @@ Both kernels stream the weight once with many programs in flight (the step is bo
   neighbours in the grid, so the weight tile they share is read from memory once and from L2 after.
 - `_gemv_row_kernel`: one row (M = 1, half precision), no dot: a program owns only BN (2..16) columns, so a
   small N still spreads over enough programs to fill the GPU (tl.dot needs BN >= 16).
-- `_gemv_rows_kernel`: the same for 2-4 rows (the rows multiplied on CUDA cores); not chosen by `tiles` until a
-  device A/B shows it faster than the dot kernel there (`ROWS_GEMV`).
 Tile choices come from the sweep in bench/kernels.py on an H200 (`tiles`). An FP8-resident weight (e4m3 + block
 scales) is read as e4m3 and scaled as triton/fp8.py describes (the one-row kernel scales its input).
 """
@@ -80,38 +78,6 @@ def _gemv_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn, BN:
     tl.store(y_ptr + n, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=nm)
 
 
-@triton.jit
-def _gemv_rows_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, BM: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, K_TILES: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
-    """_gemv_row_kernel for a few rows (M <= BM, half precision): every K tile's weight load in flight at once
-    and the BM rows multiplied on CUDA cores, instead of the dot kernel's pipelined K walk (whose fixed cost is
-    ~4.4 us a launch at 4 rows against the one-row kernel's ~1.8, bench/kernels.py)."""
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    nm = n < N
-    m = tl.arange(0, BM)
-    mm = m < M
-    if PDL:  # this program's weight rows into L2 while the kernel before ends
-        pdl.prefetch_rows(w_ptr, n, nm, stride_wn, K, KP)
-    pdl.enter(PDL)
-    acc = tl.zeros([BM, BN, BK], tl.float32)  # lane-wise partial sums, reduced once at the end
-    for i in tl.static_range(K_TILES):  # unrolled: every tile's weight load in flight at once
-        kk = i * BK + tl.arange(0, BK)
-        km = kk < K
-        x = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + kk[None, :], mask=mm[:, None] & km[None, :],
-                    other=0.0).to(tl.float32)  # [BM, BK]
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=nm[:, None] & km[None, :],
-                    other=0.0).to(tl.float32)  # [BN, BK]
-        acc += x[:, None, :] * w[None, :, :]
-    y = tl.sum(acc, 2)  # [BM, BN]
-    tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + n[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=mm[:, None] & nm[None, :])
-
-
-# up to this many rows (> 1) the multi-row kernel instead of the dot kernel: off (1) until the device A/B
-# (`bench/decode.py --ab rows_gemv`, gpu_run.sh stage rowsgemv) shows it faster
-ROWS_GEMV = 1
-
-
 def tiles(m: int, n: int, k: int, fp32: bool, fp8: bool = False) -> tuple[str, int, int, int, int]:
     """(kernel, BN, BK, num_warps, num_stages) for an [m, k] x [n, k] product (bench/kernels.py sweeps on an H200).
     FP8 weights (one byte an element): the one-row kernel takes twice the bf16 rows a program (the same bytes in
@@ -123,8 +89,6 @@ def tiles(m: int, n: int, k: int, fp32: bool, fp8: bool = False) -> tuple[str, i
         return "row", 8 if big else 4, min(2048 if big else 1024, triton.next_power_of_2(k)), 4, 1
     if fp8 and m > 16:  # 12352 x 2048 at 64 / 256 rows: 20.6 / 63.5 us (cuBLAS on bf16: 16.1 / 20.6)
         return "dot", 32 if m <= 64 else 64, 128, 4, 3
-    if 1 < m <= ROWS_GEMV and not fp8:  # a few rows (an MTP verify of one sequence): CUDA cores, loads all in flight
-        return "rows", 2, min(1024, triton.next_power_of_2(k)), 4, 1
     if m == 1 and n * k <= 20 * 2**20:  # up to ~40 MB of bf16 weight: two columns a program win (H200 sweep)
         return "row", 2, min(1024, triton.next_power_of_2(k)), 4, 1
     if n > 4096:
@@ -157,13 +121,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[str, int, int, int, 
     # the 35B shapes need 32-64 lines a row)
     kw = dict(FP8=fp8 is not None, TILE_SCALE=tile_scale, SN=sn, SK=sk, num_warps=warps, num_stages=stages,
               KP=min(pdl.lines(k, w.dtype), max(1, 2048 // bn)), **pdl.launch_args(x.device))
-    if kind == "rows":
-        assert fp8 is None and not ieee
-        bm = triton.next_power_of_2(m)
-        _gemv_rows_kernel[(triton.cdiv(n, bn),)](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), BM=bm,
-                                                 BN=bn, BK=bk, K_TILES=triton.cdiv(k, bk), KP=kw["KP"],
-                                                 num_warps=warps, num_stages=stages, **pdl.launch_args(x.device))
-    elif kind == "row":
+    if kind == "row":
         assert m == 1 and not ieee
         _gemv_row_kernel[(triton.cdiv(n, bn),)](x, w, s, y, n, k, w.stride(0), s_n, BN=bn, BK=bk,
                                                 K_TILES=triton.cdiv(k, bk), SUB=sub, ROW_SCALE=row_scale, **kw)

@@ -19,7 +19,7 @@ import triton.language as tl
 from mtp_ray.layers.fp8 import Fp8Weight
 from mtp_ray.layers.triton import pdl
 from mtp_ray.layers.triton.fp8 import fp8_tile, scale_args, scaled_dot
-from mtp_ray.layers.triton.moe_common import SharedWeights, SlotPartials, gate_up_rows, slot_sum
+from mtp_ray.layers.triton.moe_common import SharedWeights, gate_up_rows, slot_sum
 from mtp_ray.layers.triton.moe_plan import Plan, plan, tile_table
 
 
@@ -208,8 +208,7 @@ def fused_experts(
     fp8: tuple[Fp8Weight, Fp8Weight] | None = None,  # gate_up's and down's scales when they are e4m3
     tiles: tuple[Tile, Tile] | None = None,  # gate_up's and down's tiles: the sweep's override
     shared: SharedWeights | None = None,  # the shared expert too (no EP in between; not with per_slot)
-    defer: bool = False,  # the partials unsummed (SlotPartials: the norm after the layer sums them)
-) -> torch.Tensor | SlotPartials:  # [T, H]: sum over the local experts of weight * expert(x) (+ shared expert's)
+) -> torch.Tensor:  # [T, H]: sum over the local experts of weight * expert(x) (+ the shared expert's output)
     t, k = topk_ids.shape
     e = gate_up.shape[0]
     sh = int(shared is not None)
@@ -221,8 +220,6 @@ def fused_experts(
     if per_slot:  # foreign slots were never written
         local = (ids >= start) & (ids < start + e)
         return torch.where(local[..., None], part.view(t, k, -1), 0.0).to(x.dtype)
-    if defer:
-        return SlotPartials(part, k, sh, x.dtype, (ids, start, e))
     out = torch.empty_like(x)
     slot_sum(part, out, k, sh, (ids, start, e))
     return out

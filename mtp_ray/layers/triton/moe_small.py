@@ -22,13 +22,7 @@ import triton.language as tl
 from mtp_ray.layers.fp8 import Fp8Weight
 from mtp_ray.layers.triton import pdl
 from mtp_ray.layers.triton.fp8 import block_scales, dequant, rows_in_block, scale_args
-from mtp_ray.layers.triton.moe_common import SharedWeights, SlotPartials, gate_up_rows, slot_sum
-from mtp_ray.layers.triton.route import topk_softmax
-
-# SparseMoE on the per-pair path: the router's top-k inside the gate_up launch (`routed_pair_experts`, one launch
-# fewer a layer) instead of route_topk's own. Off until the device A/B (`bench/decode.py --ab route`, gpu_run.sh
-# stage ab) shows it faster
-ROUTE_IN_GATE_UP = False
+from mtp_ray.layers.triton.moe_common import SharedWeights, gate_up_rows, slot_sum
 
 
 @triton.jit
@@ -47,32 +41,22 @@ def _row_dot(w, x, s_ptr, rows, cols, km, m2, stride_sn, FP8: tl.constexpr, TILE
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, g_ptr, u_ptr, sg_ptr, su_ptr, gs_ptr, sgs_ptr, sus_ptr, act_ptr, logit_ptr, tw_ptr,
-                    start, E_LOCAL, E_ALL, H, INTER, INTER_SH, stride_x, stride_l, stride_we, stride_wn, stride_swn,
-                    stride_a, stride_gse, stride_gsn, stride_ssn, TOPK: tl.constexpr, SH: tl.constexpr,
-                    BN: tl.constexpr, BK: tl.constexpr, H_TILES: tl.constexpr, FP8: tl.constexpr,
-                    TILE_SCALE: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr, ROUTE: tl.constexpr,
-                    NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _gate_up_kernel(x_ptr, ids_ptr, g_ptr, u_ptr, sg_ptr, su_ptr, gs_ptr, sgs_ptr, sus_ptr, act_ptr, start, E_LOCAL,
+                    H, INTER, INTER_SH, stride_x, stride_we, stride_wn, stride_swn, stride_a, stride_gse, stride_gsn,
+                    stride_ssn, TOPK: tl.constexpr, SH: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    H_TILES: tl.constexpr, FP8: tl.constexpr, TILE_SCALE: tl.constexpr, SN: tl.constexpr,
+                    SK: tl.constexpr, PDL: tl.constexpr):
     """act[p] = silu(x[t] @ G.T) * (x[t] @ U.T) for pair p = t * (TOPK + SH) + j: slot j < TOPK is the token's
     local routed expert ids[t, j] (G, U: [E, I, H] views; a foreign expert's row is skipped), slot TOPK (SH = 1)
     the shared expert (SG, SU: [I_sh, H]). TOPK = 0, SH = 1: the shared expert alone. FP8: every weight is e4m3
     with (SN x SK) block scales (GS: the fused gate_up's [E, 2I / SN, H / SK]; SGS, SUS: the shared gate's and
-    up's). ROUTE: every program takes its token's top-k from the router logits [T, E_ALL] itself (route.py's
-    math), and the token's (j = 0, first tile) program writes ids and weights tw [T, TOPK] for the down launch."""
+    up's)."""
     pdl.enter(PDL)
     p = tl.program_id(0).to(tl.int64)
     t = p // (TOPK + SH)
     j = p % (TOPK + SH)
     shared = j >= TOPK  # the shared expert (only when SH = 1)
-    if ROUTE:
-        rid, rw = topk_softmax(logit_ptr + t * stride_l, E_ALL, TOPK, NORM, BLOCK_E, BLOCK_K)
-        slot = tl.arange(0, BLOCK_K)
-        if (j == 0) & (tl.program_id(1) == 0):
-            tl.store(ids_ptr + t * TOPK + slot, rid, mask=slot < TOPK)
-            tl.store(tw_ptr + t * TOPK + slot, rw.to(tw_ptr.dtype.element_ty), mask=slot < TOPK)
-        e = tl.sum(tl.where(slot == j, rid, 0), 0) - start
-    else:
-        e = tl.load(ids_ptr + t * TOPK + j, mask=j < TOPK, other=0) - start
+    e = tl.load(ids_ptr + t * TOPK + j, mask=j < TOPK, other=0) - start
     ok = shared | ((e >= 0) & (e < E_LOCAL))
     wg_ptr, wu_ptr, inter, stride_n, gs, us, up_row, stride_sn = gate_up_rows(
         shared, tl.where(ok, e, 0), g_ptr, u_ptr, sg_ptr, su_ptr, gs_ptr, sgs_ptr, sus_ptr, stride_we, stride_wn,
@@ -152,17 +136,16 @@ def _down_kernel(act_ptr, ids_ptr, tw_ptr, w_ptr, x_ptr, sw_ptr, gw_ptr, ds_ptr,
 
 
 def _experts(x: torch.Tensor, ids: torch.Tensor | None, tw: torch.Tensor | None, gate_up: torch.Tensor | None,
-             down: torch.Tensor | None, start: int, shared: SharedWeights | None, out: torch.Tensor | None,
-             fp8: tuple[Fp8Weight, Fp8Weight] | None = None, tile: tuple[int, int, int] | None = None,
-             route: tuple[torch.Tensor, bool] | None = None) -> torch.Tensor | SlotPartials:
+             down: torch.Tensor | None, start: int, shared: SharedWeights | None, out: torch.Tensor,
+             fp8: tuple[Fp8Weight, Fp8Weight] | None = None, tile: tuple[int, int, int] | None = None
+             ) -> torch.Tensor:
     """Both launches. x: [T, H]; ids, tw: [T, k] or None (shared expert alone, added to `out`'s routed input);
-    gate_up: [E, 2I, H]; down: [E, H, I]; out: [T, H] (written in place; None: the partials returned unsummed);
-    fp8: gate_up's and down's scales when they are e4m3 (then the shared expert's must be too, with the same
-    blocks: one launch reads one kind); tile: (gate_up BN, gate_up BK, down BN), default `expert_tiles`; route:
-    (router logits [T, E_all], renormalise): gate_up routes and fills ids, tw (empty here)."""
+    gate_up: [E, 2I, H]; down: [E, H, I]; out: [T, H] (written in place); fp8: gate_up's and down's scales when
+    they are e4m3 (then the shared expert's must be too, with the same blocks: one launch reads one kind); tile:
+    (gate_up BN, gate_up BK, down BN), default `expert_tiles`."""
     t, h = x.shape
     topk, sh = (ids.shape[1] if ids is not None else 0), int(shared is not None)
-    assert topk + sh > 0 and x.stride(1) == 1 and (out is None or out.stride(1) == 1)
+    assert topk + sh > 0 and x.stride(1) == 1 and out.stride(1) == 1
     sfp8 = shared.fp8 if shared is not None else None
     if topk and sh:
         assert (fp8 is None) == (sfp8 is None), "routed and shared experts: both FP8 or neither"
@@ -193,19 +176,15 @@ def _experts(x: torch.Tensor, ids: torch.Tensor | None, tw: torch.Tensor | None,
     bn_up, bk_up, bn_down = tile or expert_tiles(h, fp8 is not None)
     # FP8: the input scaled per program when its rows (gate's and up's alike) stay in one scale row block
     tile_scale = fp8 is not None and rows_in_block(bn_up, sn, sk) and (topk == 0 or inter % sn == 0)
-    logits, norm = route if route is not None else (x, False)
-    assert route is None or (topk and logits.stride(1) == 1 and logits.shape[0] == t)
     _gate_up_kernel[(pairs, triton.cdiv(width, bn_up))](
-        x, ids, gate_up[:, :inter], gate_up[:, inter:], sg, su, gs, sgs, sus, act, logits, tw, start, e,
-        logits.shape[1], h, inter, inter_sh, x.stride(0), logits.stride(0), gate_up.stride(0), gate_up.stride(1),
-        sg.stride(0), act.stride(0), gs_e, gs_n, ss_n, TOPK=topk, SH=sh, BN=bn_up, BK=bk_up,
-        H_TILES=triton.cdiv(h, bk_up), FP8=fp8 is not None, TILE_SCALE=tile_scale, SN=sn, SK=sk,
-        ROUTE=route is not None, NORM=norm, BLOCK_E=triton.next_power_of_2(logits.shape[1]),
-        BLOCK_K=triton.next_power_of_2(max(topk, 1)), num_warps=4, **pdl.launch_args(x.device),
+        x, ids, gate_up[:, :inter], gate_up[:, inter:], sg, su, gs, sgs, sus, act, start, e, h, inter, inter_sh,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), sg.stride(0), act.stride(0), gs_e, gs_n, ss_n,
+        TOPK=topk, SH=sh, BN=bn_up, BK=bk_up, H_TILES=triton.cdiv(h, bk_up), FP8=fp8 is not None,
+        TILE_SCALE=tile_scale, SN=sn, SK=sk, num_warps=4, **pdl.launch_args(x.device),
     )
-    parts = down_sum(act, ids, tw, down, start, x, (sd, gw), out, topk, sh, inter, inter_sh, bn_down,
-                     (dn8, sfp8[2]) if fp8 is not None else None)
-    return out if out is not None else parts
+    down_sum(act, ids, tw, down, start, x, (sd, gw), out, topk, sh, inter, inter_sh, bn_down,
+             (dn8, sfp8[2]) if fp8 is not None else None)
+    return out
 
 
 def expert_tiles(h: int, fp8: bool) -> tuple[int, int, int]:
@@ -218,19 +197,16 @@ def expert_tiles(h: int, fp8: bool) -> tuple[int, int, int]:
 
 
 def down_sum(act: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, down: torch.Tensor, start: int,
-             x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor | None, topk: int,
-             sh: int, inter: int, inter_sh: int, bn: int = 4, fp8: tuple[Fp8Weight, Fp8Weight] | None = None
-             ) -> SlotPartials | None:
+             x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor, topk: int, sh: int,
+             inter: int, inter_sh: int, bn: int = 4, fp8: tuple[Fp8Weight, Fp8Weight] | None = None) -> None:
     """The down launches: one program per (pair, BN outputs) into fp32 partials [pairs, H], then their sum per
-    token in slot order into out [T, H] (out None: the partials returned unsummed). shared: (down [H, I_sh],
-    gate [1, H]), stand-ins of the routed down's type when sh = 0; fp8: the routed and the shared down's scales
-    (one block; stand-ins likewise)."""
-    t, h = x.shape
-    assert out is not None or topk > 0, "unsummed partials of the shared expert alone would drop the routed input"
+    token in slot order into out [T, H]. shared: (down [H, I_sh], gate [1, H]), stand-ins of the routed down's
+    type when sh = 0; fp8: the routed and the shared down's scales (one block; stand-ins likewise)."""
+    t, h = out.shape
     sd, gw = shared
     width = act.shape[1]
     pairs = t * (topk + sh)
-    part = torch.empty(pairs, h, dtype=torch.float32, device=x.device)
+    part = torch.empty(pairs, h, dtype=torch.float32, device=out.device)
     bk, bh = min(triton.next_power_of_2(max(width, 16)), 512), min(triton.next_power_of_2(h), 2048)
     ds, ds_e, ds_n, sn, sk = scale_args(down, fp8[0] if fp8 else None)
     sds, _, sds_n, *_ = scale_args(sd, fp8[1] if fp8 else None)
@@ -242,12 +218,9 @@ def down_sum(act: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, down: torch
         act, ids, tw, down, x, sd, gw, ds, sds, part, start, down.shape[0], h, inter, inter_sh,
         act.stride(0), down.stride(0), down.stride(1), x.stride(0), sd.stride(0), ds_e, ds_n, sds_n,
         TOPK=topk, SH=sh, BN=bn, BK=bk, BH=bh, I_TILES=triton.cdiv(width, bk), H_TILES=triton.cdiv(h, bh),
-        FP8=fp8 is not None, TILE_SCALE=tile_scale, SN=sn, SK=sk, num_warps=4, **pdl.launch_args(x.device),
+        FP8=fp8 is not None, TILE_SCALE=tile_scale, SN=sn, SK=sk, num_warps=4, **pdl.launch_args(out.device),
     )
-    if out is None:
-        return SlotPartials(part, topk, sh, x.dtype)
     slot_sum(part, out, topk, sh)
-    return None
 
 
 def pair_experts(
@@ -260,31 +233,9 @@ def pair_experts(
     shared: SharedWeights | None = None,  # the shared expert too, in the same two launches (no EP in between)
     fp8: tuple[Fp8Weight, Fp8Weight] | None = None,  # gate_up's and down's scales when they are e4m3
     tile: tuple[int, int, int] | None = None,  # (gate_up BN, gate_up BK, down BN): the sweep's override
-    defer: bool = False,  # the partials unsummed (SlotPartials: the norm after the layer sums them)
-) -> torch.Tensor | SlotPartials:  # [T, H]
-    out = None if defer else torch.empty_like(x)
+) -> torch.Tensor:  # [T, H]
+    out = torch.empty_like(x)
     return _experts(x, topk_ids.contiguous(), topk_w.contiguous(), gate_up, down, start, shared, out, fp8, tile)
-
-
-def routed_pair_experts(
-    x: torch.Tensor,  # [T, H]
-    logits: torch.Tensor,  # [T, E_all] the router's output
-    top_k: int,
-    renormalize: bool,
-    gate_up: torch.Tensor,  # [E, 2I, H]
-    down: torch.Tensor,  # [E, H, I]
-    start: int,
-    shared: SharedWeights | None = None,
-    fp8: tuple[Fp8Weight, Fp8Weight] | None = None,
-    defer: bool = False,  # as pair_experts'
-) -> torch.Tensor | SlotPartials:  # [T, H]
-    """pair_experts(x, *route_topk(logits, top_k, renormalize, x.dtype), ...) with the top-k taken inside the
-    gate_up launch: a decode step's MoE layer is router GEMV + 3 launches, not + 4."""
-    t = x.shape[0]
-    ids = torch.empty(t, top_k, dtype=torch.long, device=x.device)
-    tw = torch.empty(t, top_k, dtype=x.dtype, device=x.device)
-    out = None if defer else torch.empty_like(x)
-    return _experts(x, ids, tw, gate_up, down, start, shared, out, fp8, route=(logits, renormalize))
 
 
 SHARED_PAIR_TOKENS = 8  # up to this many tokens the shared expert runs as per-token GEMVs, past it grouped

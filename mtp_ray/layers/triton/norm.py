@@ -15,22 +15,6 @@ from mtp_ray.layers.triton import pdl
 
 
 @triton.jit
-def rms_row(xf, w, n_cols, eps):
-    """RMSNorm of one row with a zero-centred weight: xf * rstd * (1 + w), fp32 in and out (masked lanes zero)."""
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
-    return xf * rstd * (1.0 + w)
-
-
-@triton.jit
-def gated_rms_row(xf, w, g, n_cols, eps, dt: tl.constexpr):
-    """GatedRMSNorm of one row, fp32 in and out (masked lanes zero): the weight multiplies in dt, the gate's
-    silu in fp32."""
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
-    y = (w * (xf * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    return y * g * tl.sigmoid(g)
-
-
-@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_cols, stride_x, stride_r, stride_o, stride_s, eps,
                      HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)
@@ -42,9 +26,10 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_cols, stride_x, 
         x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + c, mask=m, other=0.0).to(tl.float32))
         x = x.to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * stride_s + c, x, mask=m)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
     w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + c, rms_row(x.to(tl.float32), w, n_cols, eps).to(out_ptr.dtype.element_ty),
-             mask=m)
+    tl.store(out_ptr + row * stride_o + c, (xf * rstd * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=m)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -80,10 +65,13 @@ def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, n_cols, stride_x, strid
     c = tl.arange(0, BLOCK)
     m = c < n_cols
     xf = tl.load(x_ptr + row * stride_x + c, mask=m, other=0.0).to(tl.float32)
-    dt: tl.constexpr = out_ptr.dtype.element_ty
-    w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+    dt = out_ptr.dtype.element_ty
+    w = tl.load(w_ptr + c, mask=m, other=0.0)
+    # as GatedRMSNorm: the weight multiplies in the input dtype, the gate in fp32
+    y = (w.to(tl.float32) * (xf * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     g = tl.load(g_ptr + g_row + c, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + c, gated_rms_row(xf, w, g, n_cols, eps, dt).to(dt), mask=m)
+    tl.store(out_ptr + row * stride_o + c, (y * g * tl.sigmoid(g)).to(dt), mask=m)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,6 +1,5 @@
 """The MoE router's softmax + top-k in Triton (GPU): per token, softmax over the router logits (fp32), top-k
-(descending, lowest id first on ties), renormalised -> ids, weights in the activation dtype. `route_topk` is one
-launch; `topk_softmax` is the same for one token inside another kernel (moe_small's gate_up may route itself)."""
+(descending, lowest id first on ties), renormalised -> ids, weights in the activation dtype. One launch."""
 
 from __future__ import annotations
 
@@ -12,13 +11,15 @@ from mtp_ray.layers.triton import pdl
 
 
 @triton.jit
-def topk_softmax(logits_ptr, E, TOPK: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """-> (ids [BLOCK_K] int64, weights [BLOCK_K] fp32) from one token's router logits [E]: softmax in fp32, top-k
-    descending (lowest id first among equal probabilities), renormalised when NORM; slots past TOPK hold 0. One
-    max a round: the key packs a probability's bits (>= 0: ordered as integers) over the complement of its id."""
+def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, TOPK: tl.constexpr, NORM: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """One token a program: softmax in fp32, top-k descending (lowest id first among equal probabilities),
+    renormalised when NORM. One max a round, not argmax + max: the key packs a probability's bits (>= 0: ordered
+    as integers) over the complement of its id."""
+    pdl.enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
-    x = tl.load(logits_ptr + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    x = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, 0))
     p = p / tl.sum(p, 0)
     key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64)
@@ -33,16 +34,6 @@ def topk_softmax(logits_ptr, E, TOPK: tl.constexpr, NORM: tl.constexpr, BLOCK_E:
         key = tl.where(key == best, -1, key)
     if NORM:
         vals = vals / tl.sum(vals, 0)
-    return ids, vals
-
-
-@triton.jit
-def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, stride_l, TOPK: tl.constexpr, NORM: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    pdl.enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    ids, vals = topk_softmax(logits_ptr + t * stride_l, E, TOPK, NORM, BLOCK_E, BLOCK_K)
-    slot = tl.arange(0, BLOCK_K)
     tl.store(ids_ptr + t * TOPK + slot, ids, mask=slot < TOPK)
     tl.store(w_ptr + t * TOPK + slot, vals.to(w_ptr.dtype.element_ty), mask=slot < TOPK)
 
