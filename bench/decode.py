@@ -275,6 +275,9 @@ def main() -> None:
 
             prev = pdl.set_enabled(False)
             off = plain_step(model, cfg, bsz, args.context, width, dev, bw, kernels=bsz in args.kernel_batches)
+            if k and bsz in args.mtp_batches:  # verify and draft loop too: PDL may pay differently there
+                off["mtp"] = [mtp_step(model, cfg, bsz, args.context, width, k, off["graph_step_ms"] / 1e3, bw, dev,
+                                       dv) for dv in args.draft_vocab]
             pdl.set_enabled(prev)
             rows[-1]["pdl_off"] = {**off, "on_over_off": round(rows[-1]["graph_step_ms"] / off["graph_step_ms"], 3)}
         torch.cuda.empty_cache()
@@ -324,6 +327,10 @@ def report(result: dict) -> None:
             o = r["pdl_off"]
             print(f"batch {r['batch']}: graph step with PDL {r['graph_step_ms']} ms, without {o['graph_step_ms']} ms "
                   f"(x{o['on_over_off']}); without PDL x{o['graph_over_roofline']} the roofline")
+            for on, off in zip(r.get("mtp", []), o.get("mtp", []), strict=False):
+                print(f"  MTP verify, draft vocab {on['draft_vocab']}: with PDL {on['verify_ms']} ms, without "
+                      f"{off['verify_ms']} ms (x{round(on['verify_ms'] / off['verify_ms'], 3)}); draft loop "
+                      f"{on['draft_loop_ms']} / {off['draft_loop_ms']} ms")
     for r in rows:
         if "fp8" in r:
             f = r["fp8"]

@@ -28,6 +28,7 @@ for stage in "$@"; do
     fp8) python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_fp8_kernels.py 2>&1 | tee "$OUT/fp8.log" | grep "agreement\|passed\|failed\|Error" | tail -8
          python3 bench/decode.py --fp8 --mtp-k 0 --kernel-batches 1 64 --out "$OUT/decode_h200_fp8.json" 2>&1 | grep -A40 "^| batch" ;;
     pdl) python3 bench/decode.py --mtp-k 0 --batches ${PDL_BATCHES:-1 8 64} --pdl-ab ${PDL_ARGS:-} --out "$OUT/decode_h200_pdl.json" 2>&1 | grep -A40 "^| batch" ;;
+    pdlmtp) python3 bench/decode.py --mtp-k 3 --batches 1 8 --mtp-batches 1 8 --draft-vocab 0 --pdl-ab --kernel-batches --out "$OUT/decode_h200_pdl_mtp.json" 2>&1 | grep -A40 "^| batch" ;;
     fp8sweep) timeout ${FP8_TIMEOUT:-250} python3 bench/kernels.py --fp8 ${FP8_SHAPES:-gdn_qkv out_proj router} --fp8-parts ${FP8_PARTS:-gemv experts gemm} --out "$OUT/kernels_h200_fp8.json" 2>&1 | grep "^fp8 " ;;
     profile) python3 bench/profile_step.py --device cuda --out "$OUT/profile_step_h200.json" 2>&1 | grep -v USDT | tail -50 ;;
     profilesv) python3 bench/profile_step.py --device cuda --sync-verify --out "$OUT/profile_step_h200_sync.json" 2>&1 | grep "^k=" ;;
