@@ -127,14 +127,16 @@ def test_multimodal_checkpoint_loads_text_weights(ckpt, tmp_path):
 
 
 @torch.no_grad()
-def test_qwen3_next_checkpoint_matches_transformers(tmp_path):
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_qwen3_next_checkpoint_matches_transformers(tmp_path, norm_topk):
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     cfg = Qwen3NextConfig(vocab_size=61, hidden_size=32, num_hidden_layers=4, full_attention_interval=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
                           linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                          shared_expert_intermediate_size=16, intermediate_size=24, mlp_only_layers=[1])
+                          shared_expert_intermediate_size=16, intermediate_size=24, mlp_only_layers=[1],
+                          norm_topk_prob=norm_topk)
     torch.manual_seed(0)
     hf = Qwen3NextForCausalLM(cfg).eval()
     randomise(hf, 7)
@@ -160,6 +162,26 @@ def test_attention_bias_config_matches_transformers(tmp_path):
     randomise(hf, 3)
     hf.save_pretrained(tmp_path)
     assert any(k.endswith("q_proj.bias") for k in load_file(tmp_path / "model.safetensors"))
+    ref = hf(torch.tensor([IDS])).logits[0]
+    assert (run(load_model(tmp_path, with_mtp=False), IDS) - ref).abs().max().item() < 1e-4
+
+
+@torch.no_grad()
+def test_qwen3_5_ignores_keys_transformers_ignores(tmp_path):
+    """Qwen3.5-MoE always renormalises its top-k and has no dense-MLP layers, whatever config.json says of
+    norm_topk_prob / mlp_only_layers / decoder_sparse_step (Qwen3-Next's keys): as transformers does."""
+    from transformers import Qwen3_5MoeForCausalLM
+
+    from tests.helpers import hf_config
+
+    cfg = hf_config("mha_types")
+    cfg.norm_topk_prob, cfg.mlp_only_layers, cfg.decoder_sparse_step = False, [1], 2
+    cfg.num_experts_per_tok = 3  # a renormalised top-3 differs from the raw probabilities
+    torch.manual_seed(0)
+    hf = Qwen3_5MoeForCausalLM(cfg).eval()
+    randomise(hf, 5)
+    hf.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["norm_topk_prob"] is False
     ref = hf(torch.tensor([IDS])).logits[0]
     assert (run(load_model(tmp_path, with_mtp=False), IDS) - ref).abs().max().item() < 1e-4
 

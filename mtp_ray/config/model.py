@@ -86,9 +86,11 @@ class ModelConfig:
         partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
         heads = int(raw["num_attention_heads"])
         head_dim = int(raw.get("head_dim") or raw["hidden_size"] // heads)
-        sparse_step = int(raw.get("decoder_sparse_step", 1) or 1)
-        mlp_only = set(raw.get("mlp_only_layers") or [])
-        dense = tuple(i for i in range(n) if i in mlp_only or (i + 1) % sparse_step != 0)
+        dense: tuple[int, ...] = ()  # dense-MLP layers: Qwen3-Next only (every Qwen3.5-MoE layer is sparse)
+        if mt == "qwen3_next":
+            sparse_step = int(raw.get("decoder_sparse_step", 1) or 1)
+            mlp_only = set(raw.get("mlp_only_layers") or [])
+            dense = tuple(i for i in range(n) if i in mlp_only or (i + 1) % sparse_step != 0)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         cfg = cls(
@@ -111,7 +113,8 @@ class ModelConfig:
             num_experts_per_tok=int(raw["num_experts_per_tok"]),
             moe_intermediate_size=int(raw["moe_intermediate_size"]),
             shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size", 0)),
-            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+            # Qwen3-Next reads the flag; Qwen3.5-MoE always renormalises the top-k (as transformers does)
+            norm_topk_prob=bool(raw.get("norm_topk_prob", True)) if mt == "qwen3_next" else True,
             dense_layers=dense,
             intermediate_size=int(raw.get("intermediate_size", 0) or 0),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
