@@ -44,6 +44,25 @@ def test_fused_and_per_expert_checkpoints_load_identically(ckpt, tmp_path):
     assert torch.equal(run(a, IDS, mtp=True), run(b, IDS, mtp=True))
 
 
+def test_pytorch_bin_shards_load_as_safetensors_do(ckpt, tmp_path):
+    """A checkpoint saved as pytorch_model-0000N-of-0000M.bin shards (no safetensors) loads the same weights, an
+    expert range included; a .bin that is not a state dict of tensors is a clear error."""
+    bins = tmp_path / "bins"
+    bins.mkdir()
+    shutil.copy(ckpt / "config.json", bins / "config.json")
+    sd = load_file(ckpt / "model.safetensors")
+    names = sorted(sd)
+    for i, part in enumerate((names[::2], names[1::2])):
+        torch.save({n: sd[n] for n in part}, bins / f"pytorch_model-0000{i + 1}-of-00002.bin")
+    a, b = load_model(ckpt), load_model(bins)
+    assert torch.equal(run(a, IDS), run(b, IDS)) and torch.equal(run(a, IDS, mtp=True), run(b, IDS, mtp=True))
+    assert torch.equal(load_model(bins, expert_range=(1, 3)).model.layers[0].mlp.experts.gate_up_proj,
+                       load_model(ckpt, expert_range=(1, 3)).model.layers[0].mlp.experts.gate_up_proj)
+    torch.save({"step": 3}, bins / "pytorch_model-00002-of-00002.bin")
+    with pytest.raises(ValueError, match="pytorch_model-00002-of-00002.bin"):
+        load_model(bins)
+
+
 def test_trunk_and_mtp_may_use_different_expert_layouts(ckpt, tmp_path):
     mixed = tmp_path / "mixed"
     shutil.copytree(ckpt, mixed)

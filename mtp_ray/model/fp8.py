@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from mtp_ray.layers.fp8 import Fp8Block, expand, scale_shape
 from mtp_ray.layers.linear import Linear
 from mtp_ray.layers.moe import Experts
+from mtp_ray.model.files import open_tensors
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
@@ -135,12 +136,9 @@ def config_fp8(fmt: Fp8Format) -> Callable[[str], bool]:
 
 
 def checkpoint_dtypes(path: str | Path) -> dict[str, str]:
-    """Every tensor name in the directory's safetensors files -> its safetensors dtype ("BF16", "F8_E4M3", ...)."""
-    out = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            out.update({name: h.get_slice(name).get_dtype() for name in h.keys()})
-    return out
+    """Every tensor name in the directory's files -> its safetensors dtype name ("BF16", "F8_E4M3", ...)."""
+    with ExitStack() as stack:
+        return {name: h.get_slice(name).get_dtype() for name, h in open_tensors(path, stack).items()}
 
 
 class Fp8Reader:

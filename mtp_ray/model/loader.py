@@ -1,11 +1,12 @@
 """Load HF-format checkpoints (config.json + safetensors) into Qwen3_5MoeForCausalLM.
 
-Handles: one or many safetensors files; experts fused (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`
-[E, H, I]) or one module per expert, chosen per tensor (trunk and MTP may differ); multimodal checkpoints (text
-under `model.language_model.`, vision skipped); qwen3_next's grouped GDN projections; `mtp.*` into the MTP head;
-an expert range, reading only the owned experts' slices from disk; FP8 block-quantized weights, kept in FP8 by
-the projections and experts that can, dequantized on load elsewhere (model/fp8.py); bf16 / fp32 tensors (updates)
-into FP8-resident weights are quantized. Every missing or mis-shaped tensor is an error that names it.
+Handles: one or many safetensors files (or pytorch_model*.bin shards: model/files.py); experts fused
+(`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) or one module per expert, chosen per tensor
+(trunk and MTP may differ); multimodal checkpoints (text under `model.language_model.`, vision skipped);
+qwen3_next's grouped GDN projections; `mtp.*` into the MTP head; an expert range, reading only the owned experts'
+slices from disk; FP8 block-quantized weights, kept in FP8 by the projections and experts that can, dequantized
+on load elsewhere (model/fp8.py); bf16 / fp32 tensors (updates) into FP8-resident weights are quantized. Every
+missing or mis-shaped tensor is an error that names it.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from mtp_ray.config.model import ModelConfig
 from mtp_ray.layers.fp8 import quantize, row_scales
 from mtp_ray.layers.moe import ExpertDispatcher, local_dispatch
+from mtp_ray.model.files import open_tensors
 from mtp_ray.model.fp8 import (
     FP8_DTYPES,
     SCALE_SUFFIX,
@@ -215,16 +216,12 @@ class WeightLoader:
 
 
 def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, list[int], Reader]]:
-    """(name, shape, reader) for every tensor in the directory's safetensors files, read lazily. An FP8 weight
+    """(name, shape, reader) for every tensor in the directory's files (model/files.py), read lazily. An FP8 weight
     (model/fp8.py) is read together with its scale (an Fp8Reader: dequantized, or raw for an FP8-resident
     weight); its scale is not listed."""
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
     fp8 = fp8_format(path) if (Path(path) / "config.json").is_file() else None
     with ExitStack() as stack:  # every shard open: a weight and its scale may live in different files
-        index = {name: h for h in (stack.enter_context(safe_open(str(f), framework="pt")) for f in files)
-                 for name in h.keys()}
+        index = open_tensors(path, stack)
 
         def is_fp8(name: str) -> bool:
             return name in index and index[name].get_slice(name).get_dtype().startswith("F8")

@@ -1,0 +1,69 @@
+"""A checkpoint directory's tensor files, opened lazily: safetensors (`*.safetensors`), or, where a directory has
+none, PyTorch's pickled shards (`pytorch_model*.bin`, as `save_pretrained(safe_serialization=False)` and older
+checkpoints write them; loaded with weights_only and memory-mapped). Either way every tensor name maps to a handle
+whose `get_slice(name)` reads like a safetensors slice: get_dtype() (safetensors' names), get_shape(), [rows]."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+# torch dtype -> the safetensors dtype name the loader and model/fp8.py test for
+_DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64",
+                torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+class _TensorSlice:
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    def get_dtype(self) -> str:
+        return _DTYPE_NAMES.get(self.t.dtype, str(self.t.dtype))
+
+    def get_shape(self) -> list[int]:
+        return list(self.t.shape)
+
+    def __getitem__(self, rows: Any) -> torch.Tensor:
+        return self.t[rows]
+
+
+class _TorchShard:
+    """One pytorch_model*.bin file, as safe_open's handle is used here."""
+
+    def __init__(self, path: Path):
+        try:
+            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # a pickle of anything but tensors, a truncated file
+            raise ValueError(f"{path}: not a loadable state dict of tensors ({type(e).__name__}: {e})") from e
+        if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+            raise ValueError(f"{path}: expected a dict of tensor name -> tensor")
+        self.sd = sd
+
+    def keys(self) -> list[str]:
+        return list(self.sd)
+
+    def get_slice(self, name: str) -> _TensorSlice:
+        return _TensorSlice(self.sd[name])
+
+
+def open_tensors(path: str | Path, stack: ExitStack) -> dict[str, Any]:
+    """Tensor name -> the open handle of the file holding it (closed with `stack`)."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if files:
+        handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+    else:
+        handles = [_TorchShard(f) for f in sorted(Path(path).glob("pytorch_model*.bin"))]
+    if not handles:
+        raise FileNotFoundError(f"no *.safetensors (or pytorch_model*.bin) files in {path}")
+    index: dict[str, Any] = {}
+    for h in handles:
+        for name in h.keys():
+            if name in index:
+                raise ValueError(f"{path}: tensor {name!r} is in more than one file")
+            index[name] = h
+    return index
