@@ -62,7 +62,9 @@ def engine_config(model: str = BUNDLED_MODEL, *, num_speculative_tokens: int = 0
     )
 
 
-def _has_tokenizer(path: str) -> bool:
+def has_tokenizer(path: str) -> bool:
+    """Whether `path` holds tokenizer files (transformers would otherwise make an empty tokenizer of the model
+    type, which encodes text to nothing and decodes to \"\")."""
     from pathlib import Path
 
     p = Path(path)
@@ -84,7 +86,7 @@ class LLM:
             self.engine.warmup()  # captures the CUDA graphs up front
         path = self.config.tokenizer or self.config.model
         # a checkpoint without tokenizer files (e.g. a random model from save_pretrained) serves token ids only
-        self.tokenizer = load_tokenizer(path) if _has_tokenizer(path) else None
+        self.tokenizer = load_tokenizer(path) if has_tokenizer(path) else None
         self._ids = itertools.count()
 
     def encode(self, prompt: Any) -> tuple[str | None, list[int]]:

@@ -9,7 +9,17 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from mtp_ray.serve.openai_protocol import NO_LIMITS, Limits, ParsedRequest, _text, bad, flag, parse_common, prompt_text
+from mtp_ray.serve.openai_protocol import (
+    NO_LIMITS,
+    NO_TOKENIZER,
+    Limits,
+    ParsedRequest,
+    _text,
+    bad,
+    flag,
+    parse_common,
+    prompt_text,
+)
 from mtp_ray.serve.reasoning import THINK_CLOSE, opens_reasoning
 from mtp_ray.serve.structured import tool_call_schema
 
@@ -139,6 +149,8 @@ def template_kwargs(body: dict) -> dict:
 
 def render_chat(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> tuple[str, list[dict] | None, str, str | None]:
     """The prompt text from the chat template -> (text, tools, tool_choice kind, named function)."""
+    if tokenizer is None:
+        raise bad(NO_TOKENIZER, "messages")
     msgs = messages(body.get("messages"), limits)
     tools, choice, name = _tools(body)
     cont = flag(body, "continue_final_message", False)

@@ -14,7 +14,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mtp_ray.config.server import ServerConfig
-from mtp_ray.llm import load_tokenizer
+from mtp_ray.llm import has_tokenizer, load_tokenizer
 from mtp_ray.runtime.batcher import detached
 from mtp_ray.serve.chat_request import ChatServing, parse_chat, render_chat
 from mtp_ray.serve.choices import ChoiceRunner
@@ -24,7 +24,7 @@ from mtp_ray.serve.groups import GroupClient, GroupStream, cause_of, first_line,
 from mtp_ray.serve.intake import check_api_key, off_loop, read_body, read_json_object
 from mtp_ray.serve.metrics import Metrics, render
 from mtp_ray.serve.metrics_hub import HubReporter
-from mtp_ray.serve.openai_protocol import Limits, check_length, parse_completion
+from mtp_ray.serve.openai_protocol import NO_TOKENIZER, Limits, check_length, ids_only, parse_completion
 from mtp_ray.serve.responses import choice_params, error_response, final_response, new_choices
 from mtp_ray.serve.streaming import SSEWriter
 
@@ -54,14 +54,15 @@ class Ingress:
         self.reporter_id = uuid.uuid4().hex[:8]
         self.reporter = HubReporter("ingress", self.reporter_id, self.metrics.snapshot)
         self.model_name = model_name
-        self.tok = load_tokenizer(tokenizer)
-        if self.server.template() is not None:
+        # None: a checkpoint without tokenizer files serves token ids in and out (NO_TOKENIZER says how)
+        self.tok = load_tokenizer(tokenizer) if has_tokenizer(tokenizer) else None
+        if self.tok is not None and self.server.template() is not None:
             self.tok.chat_template = self.server.template()
         self.serving = ChatServing(self.server.reasoning_parser, self.server.tool_call_parser)
         self.runner = ChoiceRunner(self.metrics, self.classify)
         # the longest token's text, once here: over a 248k vocabulary it takes ~0.1 s, and a cold server's first
         # burst used to compute it per request, on the event loop (a 64-request burst waited ~7 s for it)
-        self.longest_token = max(max((len(t) for t in self.tok.get_vocab()), default=1), 1)
+        self.longest_token = max(max((len(t) for t in self.tok.get_vocab()), default=1), 1) if self.tok else 1
         self._info: asyncio.Future | None = None
         self._limits: Limits | None = None
 
@@ -156,6 +157,8 @@ class Ingress:
             limits = await self.limits()
             req = await off_loop(lambda: parse_chat(body, self.tok, limits, self.serving) if chat
                                  else parse_completion(body, self.tok, limits), size)
+            if self.tok is None:
+                ids_only(req)
             max_len = (await self.info())["max_model_len"]
             for ids in req.prompts:
                 check_length(ids, req.params, max_len)
@@ -265,6 +268,8 @@ class Ingress:
         """vLLM's /tokenize: a prompt, or chat messages through the chat template (with tools and its options)."""
         try:
             body, _ = await self._body(request, TOKENIZE_FIELDS)
+            if self.tok is None:
+                raise bad(NO_TOKENIZER, "prompt")
             special = body.get("add_special_tokens", "messages" not in body)
             if not isinstance(special, bool):
                 raise bad("'add_special_tokens' must be a boolean", "add_special_tokens")
@@ -289,6 +294,8 @@ class Ingress:
             vocab = (await self.info())["vocab_size"]
             if not isinstance(toks, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in toks):
                 raise bad(f"'tokens' must be a list of token ids in [0, {vocab})", "tokens")
+            if self.tok is None:
+                raise bad(NO_TOKENIZER, "tokens")
         except ApiError as e:
             return error_response(e)
         return {"prompt": self.tok.decode(toks)}

@@ -43,6 +43,22 @@ class ParsedRequest:
     chat: Any = None  # chat_request.ChatOptions for chat completions
 
 
+NO_TOKENIZER = ("this model has no tokenizer files: send prompts as token ids to /v1/completions and read 'token_ids' "
+                "in the response, or set engine.tokenizer to a tokenizer directory")
+
+
+def ids_only(req: ParsedRequest) -> None:
+    """A model without a tokenizer: the response carries token ids (its text stays empty, logprob tokens are
+    "token_id:<id>"); what needs text is refused rather than silently never matching."""
+    if req.params.stop:
+        raise bad("'stop' strings need a tokenizer and this model has none: use 'stop_token_ids'", "stop")
+    if req.stop_regex:
+        raise bad("'stop_regex' needs a tokenizer and this model has none: use 'stop_token_ids'", "stop_regex")
+    if req.params.structured_outputs is not None:
+        raise bad("structured outputs need a tokenizer and this model has none", "structured_outputs")
+    req.return_token_ids = req.tokens_as_ids = True
+
+
 @dataclass(frozen=True)
 class Limits:
     """What one request may ask for (config/server.py), checked before any engine work."""
@@ -205,6 +221,8 @@ def parse_completion(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> Parse
     prompts, texts = [], []
     for it in items:
         if isinstance(it, str):
+            if tokenizer is None:
+                raise bad(NO_TOKENIZER, "prompt")
             ids = tokenizer.encode(prompt_text(it, "prompt", limits), add_special_tokens=special)
             texts.append(it)
         elif isinstance(it, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in it):

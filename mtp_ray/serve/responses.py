@@ -130,7 +130,9 @@ def new_choices(req: ParsedRequest, tok, serving) -> list[Choice]:
         if req.chat is not None:  # chat echo: the final assistant message's content, which the reply continues
             return req.chat.echo
         text = req.prompt_texts[i]
-        return text if text is not None else tok.decode(req.prompts[i])
+        if text is not None:
+            return text
+        return tok.decode(req.prompts[i]) if tok is not None else ""  # no tokenizer: ids only
 
     return [Choice(i * sp.n + j, p, Detokenizer(tok, sp.stop, sp.skip_special_tokens, sp.include_stop_str_in_output,
                                                 stop_regex=req.stop_regex), echo=echo(i),
