@@ -24,7 +24,7 @@ from mtp_ray.serve.groups import GroupClient, GroupStream, cause_of, first_line,
 from mtp_ray.serve.intake import check_api_key, off_loop, read_body, read_json_object
 from mtp_ray.serve.metrics import Metrics, render
 from mtp_ray.serve.metrics_hub import HubReporter
-from mtp_ray.serve.openai_protocol import NO_TOKENIZER, Limits, check_length, ids_only, parse_completion
+from mtp_ray.serve.openai_protocol import NO_TOKENIZER, Limits, check_length, parse_completion
 from mtp_ray.serve.responses import choice_params, error_response, final_response, new_choices
 from mtp_ray.serve.streaming import SSEWriter
 
@@ -62,7 +62,8 @@ class Ingress:
         self.runner = ChoiceRunner(self.metrics, self.classify)
         # the longest token's text, once here: over a 248k vocabulary it takes ~0.1 s, and a cold server's first
         # burst used to compute it per request, on the event loop (a 64-request burst waited ~7 s for it)
-        self.longest_token = max(max((len(t) for t in self.tok.get_vocab()), default=1), 1) if self.tok else 1
+        self.longest_token = (max(max((len(t) for t in self.tok.get_vocab()), default=1), 1)
+                              if self.tok is not None else 1)
         self._info: asyncio.Future | None = None
         self._limits: Limits | None = None
 
@@ -157,8 +158,6 @@ class Ingress:
             limits = await self.limits()
             req = await off_loop(lambda: parse_chat(body, self.tok, limits, self.serving) if chat
                                  else parse_completion(body, self.tok, limits), size)
-            if self.tok is None:
-                ids_only(req)
             max_len = (await self.info())["max_model_len"]
             for ids in req.prompts:
                 check_length(ids, req.params, max_len)

@@ -204,6 +204,7 @@ def parse_common(body: dict, prompts: list[list[int]], texts: list[str | None], 
 
 
 def parse_completion(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> ParsedRequest:
+    """tokenizer None (a model without tokenizer files): token-id prompts only, token ids out (ids_only)."""
     if "prompt" not in body:
         raise bad("'prompt' is required", "prompt")
     p = body["prompt"]
@@ -244,6 +245,8 @@ def parse_completion(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> Parse
     req = parse_common(body, prompts, texts, "max_tokens", lp, limits,
                        prompt_logprobs=lp if echo and lp is not None else None)
     req.echo, req.drop_output = echo, drop
+    if tokenizer is None:
+        ids_only(req)
     return req
 
 
