@@ -5,7 +5,8 @@
                           [--prompt-tokens 32] [--requests-per-stream 4] [--cold-burst 64]
                           [--out bench/results/serve.json]
 
-Per variant (dp, k; s<ms>: server.stream_interval_ms; a trailing d: Ray Serve's direct ingress, no proxy hop) it
+Per variant (dp, k; s<ms>: server.stream_interval_ms; a<ms>: server.admission_gap_ms; a trailing d: Ray Serve's
+direct ingress, no proxy hop) it
 starts `serve run` on a YAML made from --yaml (engine overrides: dp, k, and with
 --model 35b random weights at the Qwen3.5-35B-A3B shapes cut to --layers layers + the MTP layer, with a word-level
 tokenizer of the full vocabulary; --model micro: random weights at tiny shapes with the bundled tokenizer, engine
@@ -32,6 +33,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -97,7 +99,7 @@ def model_micro(mtp: bool) -> Path:
 
 def variant_yaml(base: dict, dp: int, k: int, model: dict, out: Path, groups: int | None = None,
                  ingress: int | None = None, port: int | None = None,
-                 interval_ms: float | None = None) -> tuple[Path, int, str]:
+                 server: dict | None = None) -> tuple[Path, int, str]:
     cfg = json.loads(json.dumps(base))
     if port:
         cfg["http_options"] = {**cfg.get("http_options", {}), "port": port}
@@ -108,8 +110,8 @@ def variant_yaml(base: dict, dp: int, k: int, model: dict, out: Path, groups: in
     if groups:  # a fixed number of engine groups (no autoscaling): e.g. one group on a one-GPU machine
         app["args"]["group"] = {**app["args"].get("group", {}), "num_replicas": groups}
         app["args"]["group"].pop("autoscaling_config", None)
-    if interval_ms is not None:
-        app["args"]["server"] = {**(app["args"].get("server") or {}), "stream_interval_ms": interval_ms}
+    if server:  # server settings of this variant (stream interval, admission gap)
+        app["args"]["server"] = {**(app["args"].get("server") or {}), **server}
     eng = app["args"]["engine"]
     eng.update(model)
     eng.setdefault("parallel", {})["dp"] = dp
@@ -372,18 +374,19 @@ def save(result: dict, path: str) -> None:
     Path(path).write_text(json.dumps(result, indent=1))
 
 
-async def run_variant(args, name: str, dp: int, k: int, interval_ms: float | None, direct: bool, model: dict,
+async def run_variant(args, name: str, dp: int, k: int, server_cfg: dict, direct: bool, model: dict,
                       work: Path, result: dict) -> dict:
     base = yaml.safe_load(Path(args.yaml).read_text())
     client_port = args.port or base.get("http_options", {}).get("port", 8000)
     path, _, served = variant_yaml(base, dp, k, model, work / f"{name}.yaml", args.groups, args.ingress,
-                                   client_port + 100 if direct else client_port, interval_ms)
+                                   client_port + 100 if direct else client_port, server_cfg)
     server = Server(path, client_port, work / f"{name}.log", direct)
     try:
         up = await server.wait_ready(args.start_timeout)
         url = server.url
         prompt = lambda i: [(7 * i + j) % 2000 + 3 for j in range(args.prompt_tokens)]  # noqa: E731
-        out: dict = {"dp": dp, "k": k, "stream_interval_ms": interval_ms, "direct_ingress": direct,
+        out: dict = {"dp": dp, "k": k, "stream_interval_ms": server_cfg.get("stream_interval_ms"),
+                     "admission_gap_ms": server_cfg.get("admission_gap_ms"), "direct_ingress": direct,
                      "server_up_s": round(up, 1), "levels": {}}
         result["variants"][name] = out
         burst = [prompt(10_000 + i) for i in range(args.cold_burst)]
@@ -433,12 +436,17 @@ async def run_variant(args, name: str, dp: int, k: int, interval_ms: float | Non
         server.stop()
 
 
-def parse_variant(v: str) -> tuple[int, int, float | None, bool]:
-    """dp<N>k<K>[s<ms>][d] -> (dp, k, server.stream_interval_ms or None: the YAML's, direct ingress)."""
-    direct = v.endswith("d")
-    dp, _, rest = v.removesuffix("d").removeprefix("dp").partition("k")
-    k, s, ms = rest.partition("s")
-    return int(dp), int(k), float(ms) if s else None, direct
+VARIANT = re.compile(r"dp(\d+)k(\d+)(?:s(\d+(?:\.\d+)?))?(?:a(\d+(?:\.\d+)?))?(d?)")
+
+
+def parse_variant(v: str) -> tuple[int, int, dict, bool]:
+    """dp<N>k<K>[s<ms>][a<ms>][d] -> (dp, k, the server overrides: s = server.stream_interval_ms, a =
+    server.admission_gap_ms (the YAML's where absent), direct ingress)."""
+    m = VARIANT.fullmatch(v)
+    if m is None:
+        raise SystemExit(f"variant {v!r}: expected dp<N>k<K>[s<ms>][a<ms>][d], e.g. dp1k0s5a20d")
+    server = {key: float(x) for key, x in (("stream_interval_ms", m[3]), ("admission_gap_ms", m[4])) if x}
+    return int(m[1]), int(m[2]), server, bool(m[5])
 
 
 async def main_async(args) -> dict:
@@ -462,11 +470,12 @@ async def main_async(args) -> dict:
     top = str(max(args.concurrency))
     by_dp: dict[tuple, dict] = {}
     for r in result["variants"].values():
-        by_dp.setdefault((r["k"], r["stream_interval_ms"]), {})[r["dp"]] = r["levels"][top]["output_tok_s"]
-    for (k, iv), rows in by_dp.items():
+        key = (r["k"], r["stream_interval_ms"], r.get("admission_gap_ms"), r["direct_ingress"])
+        by_dp.setdefault(key, {})[r["dp"]] = r["levels"][top]["output_tok_s"]
+    for (k, iv, gap, direct), rows in by_dp.items():
         for dp in sorted(rows):
             if dp > 1 and 1 in rows:
-                tag = "" if iv is None else f"_s{iv:g}"
+                tag = ("" if iv is None else f"_s{iv:g}") + ("" if gap is None else f"_a{gap:g}") + ("_d" * direct)
                 result[f"dp{dp}_over_dp1_k{k}{tag}_c{top}"] = round(rows[dp] / rows[1], 3)
     return result
 
@@ -477,7 +486,8 @@ def main() -> None:
     ap.add_argument("--model", choices=["bundled", "35b", "micro"], default="bundled")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--variants", nargs="+", default=["dp1k3", "dp1k0"],
-                    help="dp<N>k<K> each, s<ms> after it: that server.stream_interval_ms (else the YAML's)")
+                    help="dp<N>k<K>[s<ms>][a<ms>][d] each: s, a = server.stream_interval_ms, admission_gap_ms (else "
+                         "the YAML's); d: Ray Serve's direct ingress")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 128, 256])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--ranged", type=int, nargs="*", default=[], help="concurrencies run again with --range-ratio")

@@ -229,7 +229,7 @@ def test_admissions_batch_hold_their_call_open_abort_orphans_and_send_structured
         calls[0].answer.set()
         calls[1].answer.set()
         await first
-        await until(lambda: len(calls) == 3)  # the burst's call left BATCH_WAIT_S after the first
+        await until(lambda: len(calls) == 3)  # the burst's call left the admission gap after the first
         burst[1].cancel()  # its submitter goes away while the call carrying it is in flight: aborted at its rank
         calls[2].answer.set()
         adms = await asyncio.gather(first, structured, burst[0], burst[2])
@@ -245,3 +245,73 @@ def test_admissions_batch_hold_their_call_open_abort_orphans_and_send_structured
     assert [x.request_id for x in adms] == ["first", "s", "r0", "r2"]
     assert counts.count("ingress_admission_calls_total") == 3 and aborted == ["r1"]
     assert "ingress_abort_calls_total" in counts and open_before_end and ended
+
+
+@pytest.mark.parametrize("gap_ms", [0, 20])
+def test_admission_gap_from_server_config(gap_ms):
+    """server.admission_gap_ms reaches the ingress's Admissions: with a gap the burst's call leaves that long after
+    the first, answered or not; with 0 it waits until the call in flight answered."""
+    from mtp_ray.config.server import ServerConfig
+    from mtp_ray.engine.sampling_params import SamplingParams
+    from mtp_ray.runtime.messages import Admission
+    from mtp_ray.serve.groups import GroupClient
+
+    class Call:
+        def __init__(self, items):
+            self.items, self.answer = [i.request_id for i in items], asyncio.Event()
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if self.answer is None:
+                raise StopAsyncIteration
+            await self.answer.wait()
+            self.answer = None
+            return [Admission(rid, "g", 0, 0, None) for rid in self.items]
+
+    calls: list[Call] = []
+
+    class Method:
+        def remote(self, items, _subscriber):
+            calls.append(Call(items))
+            return calls[-1]
+
+    class Handle:
+        admit_batch = Method()
+
+        def options(self, **_):
+            return self
+
+    server = ServerConfig.from_dict({"admission_gap_ms": gap_ms})
+    client = GroupClient(Handle(), 5.0, 1, admission_gap_s=server.admission_gap_ms / 1e3)
+
+    async def main():
+        plain = SamplingParams(max_tokens=4)
+        first = asyncio.ensure_future(client.admit([1], plain))
+        await asyncio.sleep(0.005)
+        burst = [asyncio.ensure_future(client.admit([1], plain)) for _ in range(3)]
+        await asyncio.sleep(0.06)
+        before_answer = len(calls)
+        calls[0].answer.set()
+        await first
+        for _ in range(100):
+            if len(calls) == 2:
+                break
+            await asyncio.sleep(0.005)
+        calls[1].answer.set()
+        await asyncio.gather(*burst)
+        return before_answer, [len(c.items) for c in calls]
+
+    before_answer, sizes = asyncio.run(main())
+    assert sizes == [1, 3]
+    assert before_answer == (1 if gap_ms == 0 else 2)
+
+
+def test_admission_gap_is_checked_by_name():
+    from mtp_ray.config.server import ServerConfig
+
+    assert ServerConfig().admission_gap_ms == 20.0
+    for bad in (-1, "5", True, 1e6):
+        with pytest.raises(ValueError, match="server.admission_gap_ms"):
+            ServerConfig.from_dict({"admission_gap_ms": bad})

@@ -27,6 +27,10 @@ class ServerConfig:
     # step): each pull costs the rank, the ingress and Serve's proxy per call and per chunk, whatever it carries
     # (serve/delivery.py, docs/performance.md); a few streams always get every step at once
     stream_interval_ms: float = 5.0
+    # an ingress replica's admission calls to the groups leave this far apart at most often, each carrying every
+    # request that arrived meanwhile (a quiet spell's first at once); 0: the next leaves when the one in flight
+    # answered (serve/groups.py: Admissions; a Serve call costs ~1.5 ms of routing, docs/performance.md)
+    admission_gap_ms: float = 20.0
 
     def __post_init__(self) -> None:
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
@@ -37,9 +41,10 @@ class ServerConfig:
                 raise ValueError(f"server.{name} must be one of {sorted(known)}, got {v!r}")
         if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template):
             raise ValueError("server.chat_template must be a file path or a Jinja template")
-        iv = self.stream_interval_ms
-        if isinstance(iv, bool) or not isinstance(iv, (int, float)) or not 0 <= iv <= 1000:
-            raise ValueError(f"server.stream_interval_ms must be a number in [0, 1000], got {iv!r}")
+        for name in ("stream_interval_ms", "admission_gap_ms"):
+            iv = getattr(self, name)
+            if isinstance(iv, bool) or not isinstance(iv, (int, float)) or not 0 <= iv <= 1000:
+                raise ValueError(f"server.{name} must be a number in [0, 1000], got {iv!r}")
         for f in fields(self):
             if isinstance(f.default, int):
                 v = getattr(self, f.name)

@@ -7,7 +7,7 @@ GIL-holding CPU, time its engine thread loses; `python bench/submit.py` (2-core 
 requests as 512 `add` calls took 139-163 ms of the rank's CPU, through this batcher 2-9 ms. Its users: the group's
 `add_many` calls to its ranks (runtime/group.py: one result for the whole call), the ingress's admission calls to
 the groups (serve/groups.py: Admissions; a result per item, a result nobody waits for any more aborted, calls
-BATCH_WAIT_S apart: a Serve call costs more than the group's part of an admission).
+server.admission_gap_ms apart: a Serve call costs more than the group's part of an admission).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """GroupClient: how the ingress reaches the engine groups (the group deployment's replicas).
 
 Admission is a call to a group (`GroupDeployment.admit_batch`, routed by Serve) carrying every request that reached
-this replica since its previous admission call left, BATCH_WAIT_S before (`Admissions`, a runtime/batcher.py
+this replica since its previous admission call left, server.admission_gap_ms before (`Admissions`, a runtime/batcher.py
 CallBatcher: a Serve call costs ~1.5 ms of routing and replica work, so a burst of 128 calls took ~160-250 ms
 where one call carrying them takes 5 ms, bench/serve_calls.py); the requests' outputs then come from their ranks
 straight to this replica (serve/delivery.py). A request is admitted by some group within the queue
@@ -32,8 +32,6 @@ from mtp_ray.serve.delivery import Deliveries
 from mtp_ray.serve.errors import ApiError
 
 log = logging.getLogger("mtp_ray.ingress")
-# admission calls leave this far apart at most often (the first of a quiet spell at once)
-BATCH_WAIT_S = 0.02
 
 # a group that cannot serve right now: failed or restarting, a rank or the group replica gone, Serve without a replica
 UNAVAILABLE = (GroupFailed, GroupUnavailable, RayActorError, ActorUnavailableError, DeploymentUnavailableError,
@@ -72,16 +70,15 @@ def abort_at_rank(adm: Admission, count: Callable[[str], None]) -> None:
 
 class Admissions:
     """Requests to admit, in as few Serve calls as possible (a CallBatcher): the first at once, those that arrive
-    after it together in the next, BATCH_WAIT_S later (fewer, fuller calls: 0.897 / 0.929 client / engine tok/s at
-    64 / 128 streams on the H200, 0.863 / 0.906 leaving once a call answered: serve_h200_direct_*.json). A
+    after it together in the next, gap_s later (server.admission_gap_ms; 0: once the call in flight answered). A
     call stays open while its requests run (the group ends it); a request whose submitter stopped waiting is not
     sent, or aborted if it was admitted meanwhile. Structured-output requests go alone (the group compiles their
     grammar before answering)."""
 
-    def __init__(self, send: Callable[[list[AdmitItem]], Any], count: Callable[[str], None]):
+    def __init__(self, send: Callable[[list[AdmitItem]], Any], count: Callable[[str], None], gap_s: float = 0.02):
         self.send = send  # items -> Serve's response generator of GroupDeployment.admit_batch
         self.count = count  # the ingress's metrics
-        self.batcher = CallBatcher(self._call, gap_s=BATCH_WAIT_S, orphan=self._orphan)
+        self.batcher = CallBatcher(self._call, gap_s=gap_s or None, orphan=self._orphan)
 
     def submit(self, item: AdmitItem) -> asyncio.Future:
         """A future of the item's result: its Admission, or the exception that refused it."""
@@ -117,12 +114,12 @@ class Admissions:
 
 class GroupClient:
     def __init__(self, handle, queue_s: float, retry_after_s: int, count: Callable[[str], None] = lambda _: None,
-                 max_resends: int = 3, stream_interval_s: float = 0.0):
+                 max_resends: int = 3, stream_interval_s: float = 0.0, admission_gap_s: float = 0.02):
         self.handle = handle
         self.streaming = handle.options(stream=True)  # (made once: options() builds a new handle each call)
         self.deliveries = Deliveries(stream_interval_s)
         self.admissions = Admissions(lambda items: self.streaming.admit_batch.remote(items, self.deliveries.subscriber),
-                                     count)
+                                     count, admission_gap_s)
         self.queue_s, self.retry_after_s, self.max_resends = queue_s, retry_after_s, max_resends
         self.count = count  # metrics: request_retried_total (sent again: its group could not serve it)
 

@@ -50,7 +50,8 @@ class Ingress:
         self.server = server or ServerConfig()
         self.metrics = Metrics()
         self.groups = GroupClient(group, queue_s, retry_after_s=max(1, round(queue_s)), count=self.metrics.count,
-                                  stream_interval_s=self.server.stream_interval_ms / 1e3)
+                                  stream_interval_s=self.server.stream_interval_ms / 1e3,
+                                  admission_gap_s=self.server.admission_gap_ms / 1e3)
         self.reporter_id = uuid.uuid4().hex[:8]
         self.reporter = HubReporter("ingress", self.reporter_id, self.metrics.snapshot)
         self.model_name = model_name
