@@ -329,21 +329,23 @@ def test_gdn_decode(dtype, tol, hk, hv, dk, dv, q_len, spec):
     with torch.no_grad():
         ref = m._uniform(mixed, gg, beta, m.conv1d.weight[:, 0, :], batch)
     dev = lambda t: t.to(DEVICE)  # noqa: E731
-    conv_state, ssm_state = dev(conv0.to(dtype)).clone(), dev(ssm0).clone()  # (on the CPU .to() does not copy)
     w = dev(m.conv1d.weight.detach()[:, 0, :].to(dtype).contiguous())
     ss, sp = dev(state_slots), dev(spec_slots) if spec else None
-    with torch.no_grad():
-        conv = conv_decode(dev(mixed.to(dtype)), conv_state, w, ss, sp, q_len)
-        out = recurrent_decode(conv, dev(a_raw.to(dtype)), dev(b_raw.to(dtype)), dev(m.A_log.detach()),
-                               dev(m.dt_bias.detach()), ssm_state, ss, sp, q_len, hk, dk, dtype)
-    assert _rel(out.cpu(), ref) < tol
-    touched = state_slots.tolist() + ([s for row in spec_slots[:2].tolist() for s in row] if spec else [])
-    for s in touched:
-        assert _rel(ssm_state[s].cpu(), m.ssm_state[s]) < tol, s
-        assert _rel(conv_state[s].cpu().float(), m.conv_state[s]) < tol, s
-    untouched = [s for s in range(1, slots) if s not in touched and s != 0]
-    for s in untouched:
-        assert torch.equal(ssm_state[s].cpu(), ssm0[s])
+    # the batch's own tile, and for 128-row states the 64-column tile large batches take (recurrent_tile)
+    for tile in [None] + ([(64, 4)] if dk == 128 else []):
+        conv_state, ssm_state = dev(conv0.to(dtype)).clone(), dev(ssm0).clone()  # (on the CPU .to() does not copy)
+        with torch.no_grad():
+            conv = conv_decode(dev(mixed.to(dtype)), conv_state, w, ss, sp, q_len)
+            out = recurrent_decode(conv, dev(a_raw.to(dtype)), dev(b_raw.to(dtype)), dev(m.A_log.detach()),
+                                   dev(m.dt_bias.detach()), ssm_state, ss, sp, q_len, hk, dk, dtype, tile)
+        assert _rel(out.cpu(), ref) < tol
+        touched = state_slots.tolist() + ([s for row in spec_slots[:2].tolist() for s in row] if spec else [])
+        for s in touched:
+            assert _rel(ssm_state[s].cpu(), m.ssm_state[s]) < tol, s
+            assert _rel(conv_state[s].cpu().float(), m.conv_state[s]) < tol, s
+        untouched = [s for s in range(1, slots) if s not in touched and s != 0]
+        for s in untouched:
+            assert torch.equal(ssm_state[s].cpu(), ssm0[s])
 
 
 @needs_device
@@ -570,3 +572,4 @@ def test_greedy_block(b, k, vocab):
     assert torch.equal(got[:, 2 * q :], ref[:, 2 * q :])
     assert torch.allclose(got[:, q : 2 * q], ref[:, q : 2 * q], atol=1e-5)
     assert torch.equal(last_d.cpu(), last) and torch.equal(nxt_d.cpu(), nxt)
+
