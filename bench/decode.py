@@ -141,17 +141,22 @@ def inputs(bsz: int, context: int, width: int, vocab: int, device: torch.device,
                       packed)
 
 
-def kernel_table_without_pdl(model: Qwen3_5MoeForCausalLM, inp, bsz: int, width: int, dev: torch.device
-                             ) -> list[dict]:
-    """The plain step's kernels from a capture without PDL: with PDL a kernel starts early and its time includes
-    the wait for the one before it (the step's own time is taken with PDL, as served)."""
+def kernel_table_without_pdl(model: Qwen3_5MoeForCausalLM, inp, bsz: int, width: int, dev: torch.device,
+                             k: int = 0, next_ids: torch.Tensor | None = None) -> list[dict] | tuple[list, list]:
+    """The target step's kernels (plain, or the verify of k + 1 tokens, then the draft loop's from next_ids) from
+    a capture without PDL: with PDL a kernel starts early and its time includes the wait for the one before it
+    (the steps' own times are taken with PDL, as served)."""
     from mtp_ray.layers.triton import pdl  # (Triton: GPU machines only)
 
     prev = pdl.set_enabled(False)
     try:
-        graphs = CudaGraphs(model, (bsz,), 0, width, BLOCK, dev)
+        graphs = CudaGraphs(model, (bsz,), k, width, BLOCK, dev)
         graphs.run_target(inp, bsz)
-        return kernel_table(graphs.target[bsz][0].replay)
+        target = kernel_table(graphs.target[bsz][0].replay)
+        if not k:
+            return target
+        graphs.run_drafts(next_ids, torch.full((bsz,), k, device=dev), bsz)
+        return target, kernel_table(graphs.draft[bsz][0].replay)
     finally:
         pdl.set_enabled(prev)
 
@@ -217,7 +222,8 @@ def mtp_step(model: Qwen3_5MoeForCausalLM, cfg: ModelConfig, bsz: int, context: 
         verify = timed(graphs.target[bsz][0].replay, 20)
         drafts = timed(graphs.draft[bsz][0].replay, 20)
         both = timed(lambda: (graphs.target[bsz][0].replay(), graphs.draft[bsz][0].replay()), 20)
-        kernels = kernel_table(graphs.target[bsz][0].replay) if bsz == 1 and not draft_vocab else None
+        kernels = (kernel_table_without_pdl(model, inp, bsz, width, dev, k, next_ids) if bsz == 1 and not draft_vocab
+                   else None)
     vb = step_bytes(model, cfg, bsz, context, verify_hit, q=k + 1)
     db = draft_bytes(model, cfg, bsz, context, k, draft_hit, draft_vocab or cfg.vocab_size)
     return {"k": k, "draft_vocab": draft_vocab or cfg.vocab_size,
@@ -228,7 +234,8 @@ def mtp_step(model: Qwen3_5MoeForCausalLM, cfg: ModelConfig, bsz: int, context: 
             "draft_over_roofline": round(drafts / (db["total"] / bw), 2),
             "mtp_step_ms": round(both * 1e3, 3), "plain_step_ms": round(plain * 1e3, 3),
             "speedup_over_acceptance_bound": round(plain / both, 3),
-            "verify_bytes": vb, "draft_bytes": db, **({"verify_kernels": kernels} if kernels else {})}
+            "verify_bytes": vb, "draft_bytes": db,
+            **({"verify_kernels": kernels[0], "draft_kernels": kernels[1]} if kernels else {})}
 
 
 def main() -> None:

@@ -573,3 +573,32 @@ def test_greedy_block(b, k, vocab):
     assert torch.allclose(got[:, q : 2 * q], ref[:, q : 2 * q], atol=1e-5)
     assert torch.equal(last_d.cpu(), last) and torch.equal(nxt_d.cpu(), nxt)
 
+
+@needs_device
+@pytest.mark.parametrize("n,vocab,dtype", [(1, 248320, torch.bfloat16), (3, 32768, torch.bfloat16),
+                                           (5, 9000, torch.float32), (2, 300, torch.bfloat16)])
+def test_argmax_ids(n, vocab, dtype):
+    """The draft loop's two-launch argmax equals torch.argmax: the first max on ties, also across its blocks."""
+    from mtp_ray.layers.triton.graph_ops import argmax_ids
+
+    g = torch.Generator().manual_seed(n * vocab)
+    logits = (torch.randn(n, vocab, generator=g) * 4).round().to(dtype)  # few distinct values: ties
+    logits[0, vocab - 1] = logits[0, 0] = logits.max() + 1  # a tie between the first and the last block
+    assert torch.equal(argmax_ids(logits.to(DEVICE)).cpu(), logits.argmax(-1))
+
+
+@needs_device
+@pytest.mark.parametrize("b,k,width,bs", [(1, 3, 4, 16), (5, 1, 3, 4), (8, 2, 6, 8), (33, 4, 5, 16)])
+def test_draft_rows(b, k, width, bs):
+    """The draft loop's rows, positions and KV slots in one launch equal the torch ops."""
+    from mtp_ray.engine.graph_ops import draft_rows_torch
+    from mtp_ray.layers.triton.graph_ops import draft_rows
+
+    g = torch.Generator().manual_seed(b * 10 + k)
+    tables = torch.randint(1, 50, (b, width), generator=g)
+    ctx = torch.randint(1, width * bs - 2 * (k + 1), (b,), generator=g)
+    last = torch.randint(0, k + 1, (b + 2,), generator=g)
+    ref = draft_rows_torch(ctx, last, tables, k + 1, k, bs)
+    got = draft_rows(ctx.to(DEVICE), last.to(DEVICE), tables.to(DEVICE), k + 1, k, bs)
+    for r, x in zip(ref, got):
+        assert x.shape == r.shape and torch.equal(x.cpu(), r)

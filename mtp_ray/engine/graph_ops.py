@@ -14,6 +14,9 @@ state slot).
 greedy_block: the target graph's last act: per row the argmax and its log-prob, and with k the accepted drafts,
 packed into the float64 block a greedy step copies to the host, and left where the draft loop and the next replay
 read them (next_ids, last).
+
+draft_rows, argmax_ids: the draft loop's glue (one launch for every step's rows, positions and KV slots; the
+drafts' argmax in two launches where torch's reduction over a 248k vocabulary took ~9 us a step).
 """
 
 from __future__ import annotations
@@ -81,3 +84,34 @@ def greedy_block_torch(logits: torch.Tensor, inp_ids: torch.Tensor, q: int, k: i
         parts.append(last[:b, None].double())
     next_ids[:n].copy_(ids)
     return torch.cat(parts, 1)
+
+
+def draft_rows(ctx: torch.Tensor, last: torch.Tensor, tables: torch.Tensor, q: int, k: int, block_size: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The draft loop's indices for b sequences: ctx [b] context before the verify rows, last [>= b] accepted
+    drafts, tables [b, W] -> rows [b]: each sequence's last committed row of the b * q verify rows (i * q + last);
+    pos, slots [k - 1, b]: draft step j + 1's position (ctx + last + j + 1) and KV slot, a contiguous row per step."""
+    if ctx.is_cuda:
+        from mtp_ray.layers.triton.graph_ops import draft_rows as fused
+
+        return fused(ctx, last, tables, q, k, block_size)
+    return draft_rows_torch(ctx, last, tables, q, k, block_size)
+
+
+def draft_rows_torch(ctx: torch.Tensor, last: torch.Tensor, tables: torch.Tensor, q: int, k: int, block_size: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b = ctx.numel()
+    a = last[:b]
+    rows = torch.arange(b, device=ctx.device) * q + a
+    pos = (ctx + a)[None, :] + torch.arange(1, k, device=ctx.device)[:, None]  # [k - 1, b]
+    slots = tables.gather(1, (pos // block_size).T).T * block_size + pos % block_size
+    return rows, pos, slots.contiguous()
+
+
+def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] (any float dtype) -> [N] int64: the first max on ties, as torch.argmax."""
+    if logits.is_cuda:
+        from mtp_ray.layers.triton.graph_ops import argmax_ids as fused
+
+        return fused(logits)
+    return logits.argmax(-1)

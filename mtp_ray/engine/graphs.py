@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtp_ray.engine.graph_ops import feed_in_flight, greedy_block
+from mtp_ray.engine.graph_ops import argmax_ids, draft_rows, feed_in_flight, greedy_block
 from mtp_ray.engine.inputs import StepInputs, UniformLayout, uniform_layout
 from mtp_ray.layers.context import ForwardBatch, UniformDecode
 from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
@@ -134,19 +134,16 @@ class CudaGraphs:
         m, n, v = self.model, b * self.q, self.views(b)
         # step 1 over every verify row (rows past the accepted ones write MTP KV that later steps overwrite)
         h = m.mtp_forward(self.next_ids[:n], hidden, v["pos"], self._batch(v), 0)  # [n, H]
-        last = self.last[:b]
-        h = h[torch.arange(b, device=self.device) * self.q + last]  # [b, H] at the last committed position
+        # rows [b]: the last committed verify row; pos, slots [k - 1, b]: where step j + 1 feeds draft j
+        rows, pos, slots = draft_rows(v["ctx"], self.last, v["tables"], self.q, self.k, self.block_size)
+        h = h.index_select(0, rows)  # [b, H] at the last committed position
         # the argmax of the model-dtype logits: the fp32 cast compute_logits adds is exact and keeps the order (same
         # ids, first max on ties) but writes [b, V] fp32 per draft step (~1.5 MB a row at a 248k vocabulary)
-        drafts = [m.draft_logits(h, self.draft_vocab).argmax(-1)]
-        base = v["ctx"] + last  # position of the last committed token
-        tables = v["tables"]
+        drafts = [argmax_ids(m.draft_logits(h, self.draft_vocab))]
         for j in range(1, self.k):
-            pos = base + j  # step j + 1 feeds draft j at the next position
-            slot = tables.gather(1, (pos // self.block_size)[:, None])[:, 0] * self.block_size + pos % self.block_size
-            batch = ForwardBatch.decode(UniformDecode(1, pos, v["state"]), tables, slot)
-            h = m.mtp_forward(drafts[-1], h, pos, batch, j)
-            drafts.append(m.draft_logits(h, self.draft_vocab).argmax(-1))
+            batch = ForwardBatch.decode(UniformDecode(1, pos[j - 1], v["state"]), v["tables"], slots[j - 1])
+            h = m.mtp_forward(drafts[-1], h, pos[j - 1], batch, j)
+            drafts.append(argmax_ids(m.draft_logits(h, self.draft_vocab)))
         out = torch.stack(drafts, 1)
         if self.feed:
             self.drafts[:b].copy_(out)  # what the next verify of these sequences feeds if this step is left in flight

@@ -48,18 +48,71 @@ def feed_in_flight(v: dict[str, torch.Tensor], src: torch.Tensor, last: torch.Te
 
 
 @triton.jit
-def _argmax_part_kernel(x_ptr, pmax_ptr, pidx_ptr, psum_ptr, n_cols, stride, n_parts, BLOCK: tl.constexpr):
-    """Program (row, part): max, first argmax and sum exp(x - max) over one BLOCK of the row's logits. Rows of a
-    large vocabulary are split over many programs: one program per row would read a 248k-vocabulary row (1 MB)
-    block after block from one SM at batch 1."""
+def _argmax_part_kernel(x_ptr, pmax_ptr, pidx_ptr, psum_ptr, n_cols, stride, n_parts, BLOCK: tl.constexpr,
+                        SUM: tl.constexpr):
+    """Program (row, part): max, first argmax and (SUM) sum exp(x - max) over one BLOCK of the row's logits. Rows
+    of a large vocabulary are split over many programs: one program per row would read a 248k-vocabulary row
+    (1 MB) block after block from one SM at batch 1."""
     r = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     c = p * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + r * stride + c, mask=c < n_cols, other=float("-inf"))
     best = tl.max(x, 0)
-    tl.store(pmax_ptr + r * n_parts + p, best)
+    tl.store(pmax_ptr + r * n_parts + p, best.to(tl.float32))
     tl.store(pidx_ptr + r * n_parts + p, p * BLOCK + tl.argmax(x, 0, tie_break_left=True).to(tl.int64))
-    tl.store(psum_ptr + r * n_parts + p, tl.sum(tl.exp(x - best), 0))
+    if SUM:
+        tl.store(psum_ptr + r * n_parts + p, tl.sum(tl.exp(x - best), 0))
+
+
+@triton.jit
+def _argmax_ids_kernel(pmax_ptr, pidx_ptr, out_ptr, n_parts, PP: tl.constexpr):
+    """Program r: the row's parts -> its argmax (the first part holding the max: first max on ties)."""
+    r = tl.program_id(0).to(tl.int64)
+    parts = tl.arange(0, PP)
+    pm = parts < n_parts
+    pmax = tl.load(pmax_ptr + r * n_parts + parts, mask=pm, other=float("-inf"))
+    first = tl.min(tl.where(pmax == tl.max(pmax, 0), parts, PP), 0)
+    tl.store(out_ptr + r, tl.load(pidx_ptr + r * n_parts + first))
+
+
+def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] -> [N] int64 (engine/graph_ops.py: argmax_ids)."""
+    n, vocab = logits.shape
+    assert logits.stride(1) == 1
+    block = min(triton.next_power_of_2(vocab), 4096)
+    parts = triton.cdiv(vocab, block)
+    pmax = torch.empty(n, parts, dtype=torch.float32, device=logits.device)
+    pidx = torch.empty(n, parts, dtype=torch.long, device=logits.device)
+    out = torch.empty(n, dtype=torch.long, device=logits.device)
+    _argmax_part_kernel[(n, parts)](logits, pmax, pidx, pmax, vocab, logits.stride(0), parts, BLOCK=block,
+                                    SUM=False, num_warps=8 if block >= 2048 else 4)
+    _argmax_ids_kernel[(n,)](pmax, pidx, out, parts, PP=triton.next_power_of_2(parts), num_warps=1)
+    return out
+
+
+@triton.jit
+def _draft_rows_kernel(ctx_ptr, last_ptr, tables_ptr, rows_ptr, pos_ptr, slots_ptr, b, width, block_size,
+                       Q: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    a = tl.load(last_ptr + r)
+    tl.store(rows_ptr + r, r * Q + a)
+    j = tl.arange(0, KP) + 1  # draft steps 1 .. K - 1 (step 0 runs on the verify rows)
+    m = j < K
+    pos = tl.load(ctx_ptr + r) + a + j
+    blk = tl.load(tables_ptr + r * width + pos // block_size, mask=m, other=0)
+    tl.store(pos_ptr + (j - 1) * b + r, pos, mask=m)
+    tl.store(slots_ptr + (j - 1) * b + r, blk * block_size + pos % block_size, mask=m)
+
+
+def draft_rows(ctx: torch.Tensor, last: torch.Tensor, tables: torch.Tensor, q: int, k: int, block_size: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, width = tables.shape
+    assert ctx.is_contiguous() and tables.is_contiguous() and ctx.dtype == last.dtype == tables.dtype == torch.long
+    rows = torch.empty(b, dtype=torch.long, device=ctx.device)
+    pos, slots = (torch.empty(max(k - 1, 0), b, dtype=torch.long, device=ctx.device) for _ in range(2))
+    _draft_rows_kernel[(b,)](ctx, last, tables, rows, pos, slots, b, width, block_size, Q=q, K=k,
+                             KP=triton.next_power_of_2(max(k - 1, 1)), num_warps=1)
+    return rows, pos, slots
 
 
 @triton.jit
@@ -101,7 +154,7 @@ def greedy_block(logits: torch.Tensor, inp_ids: torch.Tensor, q: int, k: int, la
     dev = logits.device
     pmax, psum = (torch.empty(n, parts, dtype=torch.float32, device=dev) for _ in range(2))
     pidx = torch.empty(n, parts, dtype=torch.long, device=dev)
-    _argmax_part_kernel[(n, parts)](logits, pmax, pidx, psum, vocab, logits.stride(0), parts, BLOCK=block,
+    _argmax_part_kernel[(n, parts)](logits, pmax, pidx, psum, vocab, logits.stride(0), parts, BLOCK=block, SUM=True,
                                     num_warps=8 if block >= 2048 else 4)
     out = torch.empty(b, 2 * q + int(k > 0), dtype=torch.float64, device=dev)
     _greedy_block_kernel[(b,)](pmax, pidx, psum, parts, inp_ids, out, last, next_ids, Q=q, K=k,
