@@ -29,6 +29,23 @@ def test_gpu_fp32_matches_cpu_and_mtp_is_exact():
 
 
 @needs_gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_fp32_drafts_as_the_cpu_drafts(graphs):
+    """fp32 MTP on the GPU accepts what it accepts on the CPU: equal outputs alone would hide a draft-path fault (a
+    wrong position or KV slot in the draft loop costs acceptance, never tokens). A near-tie may flip a draft or two
+    between the devices' roundings, not more."""
+    runs = []
+    for dev, g in (("cpu", False), ("cuda", graphs)):
+        llm = LLM(device=dev, dtype="float32", num_speculative_tokens=3, cuda_graphs=g)
+        out = greedy(llm)
+        runs.append((out, llm.engine.stats.drafted, llm.engine.stats.accepted))
+    (cpu_out, cpu_drafted, cpu_accepted), (gpu_out, gpu_drafted, gpu_accepted) = runs
+    assert gpu_out == cpu_out
+    assert cpu_accepted > 0.3 * cpu_drafted  # the bundled MTP head drafts well (half its drafts on these prompts)
+    assert abs(gpu_accepted - cpu_accepted) <= 3 and abs(gpu_drafted - cpu_drafted) <= 3, (runs[0][1:], runs[1][1:])
+
+
+@needs_gpu
 def test_gpu_bf16_runs_with_mtp():
     base = greedy(LLM(device="cuda", dtype="bfloat16"))
     llm = LLM(device="cuda", dtype="bfloat16", num_speculative_tokens=3)
