@@ -62,20 +62,23 @@ def engine_config(model: str = BUNDLED_MODEL, *, num_speculative_tokens: int = 0
     )
 
 
-def has_tokenizer(path: str) -> bool:
-    """Whether `path` holds tokenizer files (transformers would otherwise make an empty tokenizer of the model
-    type, which encodes text to nothing and decodes to \"\")."""
-    from pathlib import Path
-
-    p = Path(path)
-    return not p.is_dir() or any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
-                                                            "tokenizer.model", "vocab.json"))
-
-
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def tokenizer_or_none(path: str):
+    """The tokenizer at `path`, or None when a model directory holds no tokenizer files (transformers would make an
+    empty tokenizer of the model type, which encodes text to nothing and decodes to \"\"): such a model serves token
+    ids only."""
+    from pathlib import Path
+
+    p = Path(path)
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if p.is_dir() and not any((p / f).exists() for f in files):
+        return None
+    return load_tokenizer(path)
 
 
 class LLM:
@@ -86,7 +89,7 @@ class LLM:
             self.engine.warmup()  # captures the CUDA graphs up front
         path = self.config.tokenizer or self.config.model
         # a checkpoint without tokenizer files (e.g. a random model from save_pretrained) serves token ids only
-        self.tokenizer = load_tokenizer(path) if has_tokenizer(path) else None
+        self.tokenizer = tokenizer_or_none(path)
         self._ids = itertools.count()
 
     def encode(self, prompt: Any) -> tuple[str | None, list[int]]:

@@ -14,7 +14,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mtp_ray.config.server import ServerConfig
-from mtp_ray.llm import has_tokenizer, load_tokenizer
+from mtp_ray.llm import tokenizer_or_none
 from mtp_ray.runtime.batcher import detached
 from mtp_ray.serve.chat_request import ChatServing, parse_chat, render_chat
 from mtp_ray.serve.choices import ChoiceRunner
@@ -56,7 +56,7 @@ class Ingress:
         self.reporter = HubReporter("ingress", self.reporter_id, self.metrics.snapshot)
         self.model_name = model_name
         # None: a checkpoint without tokenizer files serves token ids in and out (NO_TOKENIZER says how)
-        self.tok = load_tokenizer(tokenizer) if has_tokenizer(tokenizer) else None
+        self.tok = tokenizer_or_none(tokenizer)
         if self.tok is not None and self.server.template() is not None:
             self.tok.chat_template = self.server.template()
         self.serving = ChatServing(self.server.reasoning_parser, self.server.tool_call_parser)
