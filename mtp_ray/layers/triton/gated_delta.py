@@ -134,13 +134,14 @@ def _recurrent_kernel(x_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slots_p
     tl.store(state_ptr + slot * stride_ss + s_off, s, mask=s_mask)
 
 
-def recurrent_tile(bsz: int, hv: int, dv: int) -> tuple[int, int]:
-    """(BV, warps) for 128-row (dk) state tiles. H200 sweep at the 35B-A3B shapes (`bench/kernels.py --recurrent`,
-    kernels_h200_recurrent.json): 32 columns win while that leaves few programs (batch 1-8: 2.9 / 8.9 us against
-    3.4 / 9.5 at 64), 64 columns once the wider grid still has >= 4096 programs (batch 64 / 256: 75 / 286 us
-    against 85 / 335 at 32; a verify of 4 tokens 286 / 1142 against 298 / 1216)."""
+def recurrent_tile(bsz: int, hv: int, dk: int, dv: int) -> tuple[int, int]:
+    """(BV, warps): state tiles of dk rows x BV columns. Below 128 rows, 64 columns. For 128 rows, the H200 sweep
+    at the 35B-A3B shapes (`bench/kernels.py --recurrent`, kernels_h200_recurrent.json): 32 columns win while that
+    leaves few programs (batch 1-8: 2.9 / 8.9 us against 3.4 / 9.5 at 64), 64 columns once the wider grid still has
+    >= 4096 programs (batch 64 / 256: 75 / 286 us against 85 / 335 at 32; a verify of 4 tokens 286 / 1142 against
+    298 / 1216)."""
     wide = min(triton.next_power_of_2(dv), 64)
-    if bsz * hv * triton.cdiv(dv, wide) >= 4096:
+    if triton.next_power_of_2(dk) < 128 or bsz * hv * triton.cdiv(dv, wide) >= 4096:
         return wide, 4
     return min(triton.next_power_of_2(dv), 32), 4
 
@@ -157,7 +158,7 @@ def recurrent_decode(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a
     assert ssm_state.stride(3) == 1 and conv_out.stride(1) == 1 and a.stride(1) == 1 and a.stride(0) == b.stride(0)
     out = torch.empty(conv_out.shape[0], hv, dv, dtype=out_dtype, device=conv_out.device)
     bk = triton.next_power_of_2(dk)
-    bv, warps = tile or (recurrent_tile(bsz, hv, dv) if bk >= 128 else (min(triton.next_power_of_2(dv), 64), 4))
+    bv, warps = tile or recurrent_tile(bsz, hv, dk, dv)
     _recurrent_kernel[(bsz, hv, triton.cdiv(dv, bv))](
         conv_out, a, b, a_log, dt_bias, ssm_state, state_slots, spec_slots if spec_slots is not None else state_slots,
         out, conv_out.stride(0), a.stride(0), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),

@@ -75,18 +75,27 @@ def _argmax_ids_kernel(pmax_ptr, pidx_ptr, out_ptr, n_parts, PP: tl.constexpr):
     tl.store(out_ptr + r, tl.load(pidx_ptr + r * n_parts + first))
 
 
-def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
-    """logits [N, V] -> [N] int64 (engine/graph_ops.py: argmax_ids)."""
+def _argmax_parts(logits: torch.Tensor, with_sum: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """The first launch of argmax_ids and greedy_block: per (row, block of up to 4096 logits) its max, first argmax
+    and (with_sum) sum exp(x - max) -> (pmax, pidx [N, parts], psum or None, parts)."""
     n, vocab = logits.shape
     assert logits.stride(1) == 1
     block = min(triton.next_power_of_2(vocab), 4096)
     parts = triton.cdiv(vocab, block)
     pmax = torch.empty(n, parts, dtype=torch.float32, device=logits.device)
     pidx = torch.empty(n, parts, dtype=torch.long, device=logits.device)
-    out = torch.empty(n, dtype=torch.long, device=logits.device)
-    _argmax_part_kernel[(n, parts)](logits, pmax, pidx, pmax, vocab, logits.stride(0), parts, BLOCK=block,
-                                    SUM=False, num_warps=8 if block >= 2048 else 4)
-    _argmax_ids_kernel[(n,)](pmax, pidx, out, parts, PP=triton.next_power_of_2(parts), num_warps=1)
+    psum = torch.empty_like(pmax) if with_sum else None
+    _argmax_part_kernel[(n, parts)](logits, pmax, pidx, psum if with_sum else pmax, vocab, logits.stride(0), parts,
+                                    BLOCK=block, SUM=with_sum, num_warps=8 if block >= 2048 else 4)
+    return pmax, pidx, psum, parts
+
+
+def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] -> [N] int64 (engine/graph_ops.py: argmax_ids)."""
+    pmax, pidx, _, parts = _argmax_parts(logits, with_sum=False)
+    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    _argmax_ids_kernel[(logits.shape[0],)](pmax, pidx, out, parts, PP=triton.next_power_of_2(parts), num_warps=1)
     return out
 
 
@@ -146,17 +155,10 @@ def _greedy_block_kernel(pmax_ptr, pidx_ptr, psum_ptr, n_parts, inp_ptr, block_p
 
 def greedy_block(logits: torch.Tensor, inp_ids: torch.Tensor, q: int, k: int, last: torch.Tensor,
                  next_ids: torch.Tensor) -> torch.Tensor:
-    n, vocab = logits.shape
-    b = n // q
-    assert logits.stride(1) == 1 and inp_ids.is_contiguous() and logits.dtype == torch.float32
-    block = min(triton.next_power_of_2(vocab), 4096)
-    parts = triton.cdiv(vocab, block)
-    dev = logits.device
-    pmax, psum = (torch.empty(n, parts, dtype=torch.float32, device=dev) for _ in range(2))
-    pidx = torch.empty(n, parts, dtype=torch.long, device=dev)
-    _argmax_part_kernel[(n, parts)](logits, pmax, pidx, psum, vocab, logits.stride(0), parts, BLOCK=block, SUM=True,
-                                    num_warps=8 if block >= 2048 else 4)
-    out = torch.empty(b, 2 * q + int(k > 0), dtype=torch.float64, device=dev)
+    b = logits.shape[0] // q
+    assert inp_ids.is_contiguous() and logits.dtype == torch.float32
+    pmax, pidx, psum, parts = _argmax_parts(logits, with_sum=True)
+    out = torch.empty(b, 2 * q + int(k > 0), dtype=torch.float64, device=logits.device)
     _greedy_block_kernel[(b,)](pmax, pidx, psum, parts, inp_ids, out, last, next_ids, Q=q, K=k,
                                QP=triton.next_power_of_2(q), PP=triton.next_power_of_2(parts), num_warps=1)
     return out
