@@ -95,7 +95,7 @@ def plain_step(model: Qwen3_5MoeForCausalLM, cfg: ModelConfig, bsz: int, context
         graphs.run_target(inp, bsz)
         g = graphs.target[bsz][0]
         graph = timed(g.replay, 20)
-        table = kernel_table_without_pdl(model, inp, bsz, width, dev) if kernels else None
+        table = kernel_table_without_pdl(model, inp, bsz, width, dev)[0] if kernels else None
     by = step_bytes(model, cfg, bsz, context, experts_hit)
     floor = by["total"] / bw
     row = {"batch": bsz, "graph_step_ms": round(graph * 1e3, 3), "eager_step_ms": round(eager * 1e3, 3),
@@ -142,9 +142,9 @@ def inputs(bsz: int, context: int, width: int, vocab: int, device: torch.device,
 
 
 def kernel_table_without_pdl(model: Qwen3_5MoeForCausalLM, inp, bsz: int, width: int, dev: torch.device,
-                             k: int = 0, next_ids: torch.Tensor | None = None) -> list[dict] | tuple[list, list]:
-    """The target step's kernels (plain, or the verify of k + 1 tokens, then the draft loop's from next_ids) from
-    a capture without PDL: with PDL a kernel starts early and its time includes the wait for the one before it
+                             k: int = 0, next_ids: torch.Tensor | None = None) -> tuple[list, list | None]:
+    """(the target step's kernels: plain, or the verify of k + 1 tokens; with k the draft loop's from next_ids)
+    from a capture without PDL: with PDL a kernel starts early and its time includes the wait for the one before it
     (the steps' own times are taken with PDL, as served)."""
     from mtp_ray.layers.triton import pdl  # (Triton: GPU machines only)
 
@@ -154,7 +154,7 @@ def kernel_table_without_pdl(model: Qwen3_5MoeForCausalLM, inp, bsz: int, width:
         graphs.run_target(inp, bsz)
         target = kernel_table(graphs.target[bsz][0].replay)
         if not k:
-            return target
+            return target, None
         graphs.run_drafts(next_ids, torch.full((bsz,), k, device=dev), bsz)
         return target, kernel_table(graphs.draft[bsz][0].replay)
     finally:
