@@ -56,6 +56,32 @@ def test_greedy_and_seeded_outputs_equal_with_the_cache_on_and_off(k):
         settled(llm)
 
 
+def test_a_prefix_left_by_a_one_token_request_drafts_as_a_fresh_prefill():
+    """A request that ends at its first token (max_tokens = 1: a cache warm-up, a scoring call) drafts nothing, but
+    the blocks it names hold MTP KV too: a later request on that prefix must draft as after its own prefill. Equal
+    outputs would not show it (a draft from unwritten KV costs acceptance, never tokens): the counts must match."""
+    prompts = workload()[:5] + workload(1)[:3]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def second_requests(first: int) -> tuple[list, list, int]:
+        llm = LLM(num_speculative_tokens=3, enable_prefix_caching=True, prefix_snapshots=16, **KW)
+        outs, counts = [], []
+        for p in prompts:
+            if first:
+                llm.generate([p], SamplingParams(temperature=0, max_tokens=first))
+            s0 = llm.engine.stats.snapshot()
+            outs.append(llm.generate([p], params)[0].outputs[0].token_ids)
+            s1 = llm.engine.stats.snapshot()
+            counts.append((s1["drafted"] - s0["drafted"], s1["accepted"] - s0["accepted"]))
+        settled(llm)
+        return outs, counts, llm.engine.blocks.prefix_stats()["prefix_cache_hits"]
+
+    fresh, after_one, after_full = second_requests(0), second_requests(1), second_requests(16)
+    assert after_one[2] >= after_full[2] > fresh[2]  # the second requests start from the first ones' blocks
+    assert sum(a for _, a in fresh[1]) > 0.3 * sum(d for d, _ in fresh[1])
+    assert after_one[:2] == after_full[:2] == fresh[:2]
+
+
 def test_a_small_cache_evicts_and_leaks_nothing():
     prompts = workload(1) * 2
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -97,6 +97,7 @@ class Committer:
         if req.finished:  # it stopped at the step that was in flight (async scheduling): this row is dropped
             return None, None
         logits, logprobs, g_ids, g_lp = lg if lg is not None else (None, None, [], [])
+        table: list[int] = []  # the prefill's block table, kept past a finish that releases it (_named_kv_item)
         if s.verify:
             assert g_ids and (fast or logits is not None)
             k = len(req.drafts)
@@ -114,6 +115,7 @@ class Committer:
             committed = a + 1  # the draft loop's step 1 may still run over all k + 1 rows (uniform batch)
         elif s.completes_prefill:
             assert g_ids and (fast or logits is not None)
+            table = list(req.block_ids) if self.k else []
             committed = s.num_new
             if fast:
                 emitted = [g_ids[-1]]
@@ -132,8 +134,20 @@ class Committer:
         out = self.out.emit(req, emitted, info)
         if req.params.prompt_logprobs is not None and not req.prompt_lps_sent:  # with the first token
             out.prompt_logprobs, req.prompt_lps_sent = [None, *req.prompt_lps], True
-        item = DraftItem(req, start, hidden, True, index, committed) if self.k and not req.finished else None
-        return out, item
+        if req.finished:
+            return out, self._named_kv_item(s, start, hidden, index, table) if table else None
+        return out, DraftItem(req, start, hidden, True, index, committed) if self.k else None
+
+    def _named_kv_item(self, s: Scheduled, start: int, hidden: torch.Tensor, index: int,
+                       table: list[int]) -> DraftItem | None:
+        """A request that ended at the step that completed its prefill drafts nothing, but the blocks its piece
+        named in the prefix cache (plan_snapshots) hold MTP KV too, which only MTP step 1 writes: a later hit on
+        them would draft from KV never written (outputs stay exact, acceptance falls). Step 1 still runs over the
+        piece's rows whose next token is a prompt token (named blocks end before the prompt's last token), through
+        the table the request held: released in this step, its blocks go to no one before the step ends."""
+        if s.num_new < 2 or not any(start < p for p in s.req.snap_points):
+            return None
+        return DraftItem(s.req, start, hidden, False, index, committed=s.num_new - 1, block_ids=table)
 
     def _row(self, req: Request, extra: list[int], num_output: int, allowed: torch.Tensor | None) -> Row:
         p = req.params

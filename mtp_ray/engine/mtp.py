@@ -34,6 +34,7 @@ class DraftItem:
     wants_drafts: bool  # False for a non-last prefill chunk: only its MTP KV is filled
     index: int = 0  # the sequence's row in the step's batch (graph drafts read its rows of the static buffers)
     committed: int | None = None  # rows the target committed (accepted drafts + 1); None: all L
+    block_ids: list[int] | None = None  # a finished request's block table (Piece.block_ids): KV-only step 1
 
     @property
     def n(self) -> int:
@@ -104,7 +105,8 @@ class MTPProposer:
             inp = build_uniform(pieces, self.blocks, q)
             inp.logit_rows = [[b * q + it.n - 1] for b, it in enumerate(items)]  # the last committed row
             return inp, torch.cat([it.hidden for it in items])
-        pieces = [Piece(it.req, it.start, it.next_tokens(), "last" if it.wants_drafts else "none") for it in items]
+        pieces = [Piece(it.req, it.start, it.next_tokens(), "last" if it.wants_drafts else "none",
+                        block_ids=it.block_ids) for it in items]
         return build(pieces, self.blocks), torch.cat([it.hidden[: it.n] for it in items])
 
     def propose_graph(self, items: list[DraftItem], table: Gathered) -> None:
@@ -141,7 +143,8 @@ class MTPProposer:
         heads = [(it, it.n - q if it.wants_drafts else it.n) for it in items]
         heads = [(it, m) for it, m in heads if m > 0]
         if heads:  # step 1 up to the last q rows: fills the MTP KV the graph's attention reads
-            inp = build([Piece(it.req, it.start, nxt[id(it)][:m], "none") for it, m in heads], self.blocks)
+            inp = build([Piece(it.req, it.start, nxt[id(it)][:m], "none", block_ids=it.block_ids) for it, m in heads],
+                        self.blocks)
             with self.sync.drafting(DPMeta(num_tokens=inp.num_tokens, batch_size=len(heads), is_dummy=0,
                                            forward_idx=1, has_unfinished=1)):
                 self.runner.mtp_forward(inp, torch.cat([it.hidden[:m] for it, m in heads]), 0)
