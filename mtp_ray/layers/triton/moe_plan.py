@@ -44,9 +44,11 @@ def _keys(ids_ptr, p, P, start, E_LOCAL, TOPK: tl.constexpr, SH: tl.constexpr, J
     return tl.where(p < P, key, JUNK).to(tl.int32)
 
 
-@triton.jit(do_not_specialize=["P", "NT", "NBLK"])  # batch-dependent: one compile serves every batch size
-def _plan_kernel(ids_ptr, src_ptr, dst_ptr, te_ptr, r0_ptr, r1_ptr, P, start, E_LOCAL, NT, NBLK,
-                 TOPK: tl.constexpr, SH: tl.constexpr, BM: tl.constexpr, NE: tl.constexpr, BP: tl.constexpr,
+# batch-dependent: one compile serves every batch size. BM too (the tile rows, 16 or 64 by the batch): as a
+# constexpr it made a second compile that only batches of ~500-900 tokens meet, after the warmup (1.5 s stall)
+@triton.jit(do_not_specialize=["P", "NT", "NBLK", "BM"])
+def _plan_kernel(ids_ptr, src_ptr, dst_ptr, te_ptr, r0_ptr, r1_ptr, P, start, E_LOCAL, NT, NBLK, BM,
+                 TOPK: tl.constexpr, SH: tl.constexpr, NE: tl.constexpr, BP: tl.constexpr,
                  BH: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr):
     """Programs [0, NBLK) sort BP pairs each, the rest write BT tiles each; every program counts all P keys itself
     (a few thousand loads from L2), so none waits on another. NE: a power of two > E_LOCAL + SH + 1 (the last bin
@@ -117,7 +119,7 @@ def plan_launch(ids: torch.Tensor, start: int, e_local: int, shared: bool, bm: i
     nblk = triton.cdiv(pairs, bp)
     ids_arg = ids if k else src  # no routed slots (the shared expert alone): never read, but a device pointer
     _plan_kernel[(nblk + triton.cdiv(nt, bt),)](
-        ids_arg, src, dst, te, r0, r1, pairs, start, e_local, nt, nblk, TOPK=k, SH=sh, BM=bm, NE=ne, BP=bp, BH=1024,
+        ids_arg, src, dst, te, r0, r1, pairs, start, e_local, nt, nblk, bm, TOPK=k, SH=sh, NE=ne, BP=bp, BH=1024,
         BT=bt, num_warps=4, **pdl.launch_args(dev))
     return Plan(src, dst, te, r0, r1, bm)
 
