@@ -228,6 +228,34 @@ def test_moe_plan_is_a_stable_sort_by_expert(t, k, e, start, shared, bm, fn):
     assert (key[order[r1[live] - 1]] == te[live]).all()
 
 
+@pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="counts GPU compiles (device machine)")
+def test_moe_plan_compiles_once_for_both_tile_sizes():
+    """The one-launch plan's tile rows (16 or 64, chosen by the batch) are not part of its compile: a server met the
+    64-row plan first at ~500-900-token steps, after the warmup, and stalled 1.5 s compiling it (cold_compiles)."""
+    from triton import knobs
+
+    from mtp_ray.layers.triton import moe_plan
+
+    seen: list[str] = []
+
+    def hook(**kw: object) -> bool:
+        seen.append(getattr(kw.get("fn"), "name", "?"))
+        return False
+
+    ids = torch.randint(0, 40, (37, 5), device="cuda")  # top-5 of 37 local experts + shared: shapes no other test has
+    before = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = hook
+    try:
+        moe_plan.plan_launch(ids, 0, 37, True, 16)
+        torch.cuda.synchronize()
+        seen.clear()
+        moe_plan.plan_launch(ids, 0, 37, True, 64)
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_post_compile_hook = before
+    assert seen == [], seen
+
+
 @needs_device
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("e,m,h,inter,counts", [(4, 12, 64, 32, (3, 0, 12, 1)),
