@@ -56,15 +56,20 @@ def test_greedy_and_seeded_outputs_equal_with_the_cache_on_and_off(k):
         settled(llm)
 
 
-def test_a_prefix_left_by_a_one_token_request_drafts_as_a_fresh_prefill():
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_prefix_left_by_a_one_token_request_drafts_as_a_fresh_prefill(request, graphs):
     """A request that ends at its first token (max_tokens = 1: a cache warm-up, a scoring call) drafts nothing, but
     the blocks it names hold MTP KV too: a later request on that prefix must draft as after its own prefill. Equal
-    outputs would not show it (a draft from unwritten KV costs acceptance, never tokens): the counts must match."""
+    outputs would not show it (a draft from unwritten KV costs acceptance, never tokens): the counts must match.
+    graphs: the GPU step logic on the CPU (emulated graphs: the draft loop after an eager prefill as one replay)."""
     prompts = workload()[:5] + workload(1)[:3]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    if graphs:
+        request.getfixturevalue("emulated_graphs")
 
     def second_requests(first: int) -> tuple[list, list, int]:
         llm = LLM(num_speculative_tokens=3, enable_prefix_caching=True, prefix_snapshots=16, **KW)
+        llm = with_graphs(llm) if graphs else llm
         outs, counts = [], []
         for p in prompts:
             if first:
@@ -74,6 +79,7 @@ def test_a_prefix_left_by_a_one_token_request_drafts_as_a_fresh_prefill():
             s1 = llm.engine.stats.snapshot()
             counts.append((s1["drafted"] - s0["drafted"], s1["accepted"] - s0["accepted"]))
         settled(llm)
+        assert bool(llm.engine.stats.draft_graphs_after_eager) == graphs  # the path under test was taken
         return outs, counts, llm.engine.blocks.prefix_stats()["prefix_cache_hits"]
 
     fresh, after_one, after_full = second_requests(0), second_requests(1), second_requests(16)
