@@ -45,17 +45,9 @@ class Piece:
     spec_slots: list[int] | None = None  # GDN snapshot slot per token (verify)
     snapshots: list[tuple[int, int]] | None = None  # prefix-cache GDN snapshots: (tokens into the piece, slot)
     # the block table of a request that released its own: one that finished at this step still has its KV-only
-    # MTP step 1 to run (engine/commit.py), into blocks nothing can take before the step ends
+    # MTP step 1 to run (engine/commit.py), into blocks nothing can take before the step ends. `build` only: such a
+    # piece is never part of a uniform batch (build_uniform reads the request's table, per decode step)
     block_ids: list[int] | None = None
-
-    @property
-    def blocks(self) -> list[int]:
-        return self.req.block_ids if self.block_ids is None else self.block_ids
-
-    @property
-    def state_slot(self) -> int:
-        """The sequence's GDN state slot; the dummy slot 0 for a released table (the MTP layer has no GDN state)."""
-        return self.req.state_slots[0] if self.block_ids is None else 0
 
 
 def build(pieces: list[Piece], blocks: BlockManager) -> StepInputs:
@@ -69,8 +61,9 @@ def build(pieces: list[Piece], blocks: BlockManager) -> StepInputs:
     first = np.cumsum(q) - q  # [n] first flat row of each sequence
     start = np.fromiter((p.start for p in pieces), np.int64, n)
     pos = np.arange(t) - first[seq] + start[seq]  # [T]
-    nb = np.fromiter((len(p.blocks) for p in pieces), np.int64, n)
-    tables = _tables(pieces, nb, int(nb.max(initial=1)))
+    held = [p.req.block_ids if p.block_ids is None else p.block_ids for p in pieces]
+    nb = np.fromiter(map(len, held), np.int64, n)
+    tables = _tables(held, nb, int(nb.max(initial=1)))
     slots = _slots(tables, seq, pos, nb, blocks.block_size)
     ids = np.fromiter(chain.from_iterable(p.tokens for p in pieces), np.int64, t)
     rows = []
@@ -82,20 +75,22 @@ def build(pieces: list[Piece], blocks: BlockManager) -> StepInputs:
         context_lens=start.tolist(),
         block_tables=torch.from_numpy(tables),
         slot_mapping=torch.from_numpy(slots),
-        state_slots=[p.state_slot for p in pieces],
+        # a released table's piece takes the dummy state slot 0: the MTP layer has no GDN state
+        state_slots=[p.req.state_slots[0] if p.block_ids is None else 0 for p in pieces],
         spec_state_slots=spec if any(spec) else None,
         snapshots=[(b, j, slot) for b, p in enumerate(pieces) for j, slot in p.snapshots or ()] or None,
     )
     return StepInputs(torch.from_numpy(ids), torch.from_numpy(pos), batch, rows)
 
 
-def _tables(pieces: list[Piece], nb: np.ndarray, width: int, out: np.ndarray | None = None) -> np.ndarray:
-    """[n, width] block tables (zeros past each sequence's blocks; `out`: written in place), in one scatter."""
-    n, total = len(pieces), int(nb.sum())
+def _tables(held: list[list[int]], nb: np.ndarray, width: int, out: np.ndarray | None = None) -> np.ndarray:
+    """[n, width] block tables from each sequence's block ids (zeros past them; `out`: written in place), in one
+    scatter."""
+    n, total = len(held), int(nb.sum())
     tables = np.zeros((n, width), dtype=np.int64) if out is None else out
     rows = np.repeat(np.arange(n), nb)
     cols = np.arange(total) - np.repeat(np.cumsum(nb) - nb, nb)
-    tables[rows, cols] = np.fromiter(chain.from_iterable(p.blocks for p in pieces), np.int64, total)
+    tables[rows, cols] = np.fromiter(chain.from_iterable(held), np.int64, total)
     return tables
 
 
@@ -155,7 +150,8 @@ def build_uniform(pieces: list[Piece], blocks: BlockManager, q_len: int, size: i
     n = len(pieces)
     size = n if size is None else size
     assert n <= size
-    nb = np.fromiter((len(p.blocks) for p in pieces), np.int64, n)  # [n] blocks per sequence
+    held = [p.req.block_ids for p in pieces]
+    nb = np.fromiter(map(len, held), np.int64, n)  # [n] blocks per sequence
     width = width or int(nb.max(initial=1))
     has_spec = any(p.spec_slots for p in pieces) or (graph and q_len > 1)
     layout = uniform_layout(size, q_len, width, has_spec)
@@ -167,13 +163,13 @@ def build_uniform(pieces: list[Piece], blocks: BlockManager, q_len: int, size: i
         ids = np.fromiter(chain.from_iterable(p.tokens for p in pieces), np.int64, m)  # raises if a piece is short
         start = np.fromiter((p.start for p in pieces), np.int64, n)  # [n]
         assert (start > 0).all(), "a uniform batch decodes on top of a cached prefix"
-        _tables(pieces, nb, width, out=f["tables"][:n])
+        _tables(held, nb, width, out=f["tables"][:n])
         pos = start[:, None] + np.arange(q_len)  # [n, q_len]
         f["slots"][:m] = _slots(f["tables"], np.repeat(np.arange(n), q_len), pos.reshape(-1), nb, blocks.block_size)
         f["ids"][:m] = ids
         f["pos"][:m] = pos.reshape(-1)
         f["ctx"][:n] = start
-        f["state"][:n] = np.fromiter((p.state_slot for p in pieces), np.int64, n)
+        f["state"][:n] = np.fromiter((p.req.state_slots[0] for p in pieces), np.int64, n)
         if has_spec:
             zeros = [0] * q_len
             f["spec"][:n] = np.fromiter(chain.from_iterable(p.spec_slots or zeros for p in pieces), np.int64,
