@@ -1,7 +1,7 @@
 """The CUDA graphs' glue ops (engine/graph_ops) as Triton kernels vs as torch ops, side by side in one run (GPU):
-per k, the device time of one target / draft-loop graph replay at batch 1 (launch + run, synchronised), and batch-1
-requests interleaved request by request (decode tok/s after the first token, host wall per graph step, the host's
-wait for the device); the same tokens either way.
+per k, the device time of one target / draft-loop / fused graph replay at batch 1 (launch + run, synchronised) and
+the host time of its launch alone, and batch-1 requests interleaved request by request (decode tok/s after the first
+token, host wall per graph step, the host's wait for the device); the same tokens either way.
 
     python bench/graph_ops.py --out bench/results/graph_ops_h200.json [--prompts 16] [--repeats 3]
 """
@@ -38,6 +38,18 @@ def engines(n: int) -> dict[str, LLM]:
     finally:
         fused_ops.feed_in_flight, fused_ops.greedy_block = fused
     return out
+
+
+def launch_us(graph: torch.cuda.CUDAGraph) -> float:
+    """Host time of the replay call alone (the launch; the device then runs on), median of 200."""
+    ts = []
+    for _ in range(200):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        graph.replay()
+        ts.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    return round(1e6 * statistics.median(ts), 1)
 
 
 def replay_us(graph: torch.cuda.CUDAGraph) -> float:
@@ -84,9 +96,12 @@ def main() -> None:
              "mean_acceptance_length": round(1 + st["accepted"] / max(st["verify_steps"], 1), 3),
              "graph_step_host_us": round(1e6 * st["graph_step_s"] / st["graph_steps"], 1),
              "graph_wait_us": round(1e6 * st["graph_wait_s"] / st["graph_steps"], 1),
-             "target_graph_b1_us": replay_us(g.target[1][0])}
-        if 1 in g.draft:
+             "target_graph_b1_us": replay_us(g.target[1][0]), "target_launch_b1_host_us": launch_us(g.target[1][0])}
+        if 1 in g.draft:  # the host path's second launch, and the fused graph a plain-greedy step replays instead
             e["draft_graph_b1_us"] = replay_us(g.draft[1][0])
+            e["draft_launch_b1_host_us"] = launch_us(g.draft[1][0])
+            e["fused_graph_b1_us"] = replay_us(g.fused[1][0])
+            e["fused_launch_b1_host_us"] = launch_us(g.fused[1][0])
         res["engines"][n] = e
     for tag in ("torch", "fused"):
         a, b = res["engines"][f"k0_{tag}"], res["engines"][f"k3_{tag}"]

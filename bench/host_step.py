@@ -49,12 +49,12 @@ def measure(k: int, batch: int, steps: int) -> dict:
         eng.step()
     for _ in range(5):
         eng.step()
-    g0 = eng.stats["device_greedy_steps"]
+    g0 = eng.stats.device_greedy_steps
     t0 = time.perf_counter()
     for _ in range(steps):
         eng.step()
     ms = 1e3 * (time.perf_counter() - t0) / steps
-    assert eng.stats["device_greedy_steps"] - g0 == steps, "a step left the graph path"
+    assert eng.stats.device_greedy_steps - g0 == steps, "a step left the graph path"
     return {"k": k, "batch": batch, "host_ms_per_step": round(ms, 3), "host_us_per_seq": round(1e3 * ms / batch, 2)}
 
 

@@ -58,8 +58,9 @@ def test_graph_steps_equal_eager(emulated_graphs, k):
     assert run(llm, greedy) == eager
     st = llm.engine.stats
     assert st.device_greedy_steps > 0, "no step took the device greedy path"
+    assert st.fused_steps == (st.device_greedy_steps if k else 0)  # one launch a step: target + draft loop
     g = llm.engine.runner.graphs
-    assert set(g.target) == {1, 2, 4, 8} and bool(g.draft) == bool(k)
+    assert set(g.target) == {1, 2, 4, 8} and set(g.draft) == set(g.fused) == ({1, 2, 4, 8} if k else set())
     # seeded sampling and log-probs: the target graph with the host path (and the eager draft loop)
     sampled = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, seed=i, logprobs=2 * (i % 2),
                               ignore_eos=True) for i in range(len(PROMPTS))]
@@ -167,7 +168,11 @@ def test_async_scheduling_with_min_tokens_and_late_joiners(emulated_graphs, k):
     ref = drive(with_graphs(LLM(max_num_seqs=8, num_speculative_tokens=k, async_scheduling=False)))
     llm = with_graphs(LLM(max_num_seqs=8, num_speculative_tokens=k, async_verify=True))
     assert drive(llm) == ref and len(ref) == 4
-    assert llm.engine.stats.async_steps > 0
+    st = llm.engine.stats
+    assert st.async_steps > 0
+    # k > 0: every device-greedy step launched its draft loop with the target (the fused graph), those whose rows
+    # turned plain greedy at the resolve before the launch too
+    assert st.fused_steps == (st.device_greedy_steps if k else 0)
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -175,11 +175,12 @@ class EngineCore:
             if table is None:
                 return done + self.greedy.resolve()  # no rank has work this step
             clock.kind = "graph" if table.graph_size else "eager"
-            if self.greedy.inflight is not None and not self.greedy.can_follow(
-                    table.graph_size, table.graph_drafts, (plain_greedy(s.req) for s in sched)):
+            plain = self._all_plain(sched, table)
+            if self.greedy.inflight is not None and not self.greedy.can_follow(table.graph_size, plain):
                 done += self.greedy.resolve()  # an eager or host-path step reads its inputs on the host
                 sched = [s for s in sched if not s.req.finished]  # ended at the step that was in flight
                 uniform = uniform and bool(sched)
+                plain = self._all_plain(sched, table)  # min_tokens reached, a sampled request ended
                 clock.lap("resolve")
             decodes = len(sched) if uniform else sum(s.req.is_decode for s in sched)
             self.stats.count_step(uniform, bool(table.graph_size), mixed=0 < decodes < len(sched),
@@ -187,7 +188,8 @@ class EngineCore:
             plan_snapshots(sched, self.blocks)
             inp = self._inputs(sched, uniform, table)
             clock.lap("inputs")
-            hidden, all_logits = self._forward(inp, sched, table)
+            fused = plain and bool(sched)  # the draft loop in the target's launch (plain: a graph step)
+            hidden, all_logits = self._forward(inp, sched, table, fused)
         clock.lap("launch")
         done += self.greedy.resolve()  # the step before, while the device runs this one
         clock.lap("resolve")
@@ -196,9 +198,9 @@ class EngineCore:
             return done
         # commit (and, on the device greedy path, draft): a finished request's row (it stopped at the step that was
         # in flight) is computed and dropped
-        fast = [s.req.finished or plain_greedy(s.req) for s in sched]
+        fast = [True] if fused else [s.req.finished or plain_greedy(s.req) for s in sched]
         if table.graph_size and (self.k == 0 or table.graph_drafts) and all(fast):
-            done += self.greedy.step(sched, table)
+            done += self.greedy.step(sched, table, fused)
             clock.lap("commit")
             return done
         outputs, items = self.committer.commit(sched, inp, hidden, all_logits, fast)
@@ -223,11 +225,16 @@ class EngineCore:
             return build_uniform(pieces, self.blocks, q_len)
         return build(pieces, self.blocks) if sched else dummy_inputs()
 
-    def _forward(self, inp: StepInputs, sched: list[Scheduled], table: Gathered
+    def _all_plain(self, sched: list[Scheduled], table: Gathered) -> bool:
+        """k > 0 and a draft-loop graph step: whether every row is plain greedy (the device decides the step)."""
+        return self.k > 0 and table.graph_drafts and all(plain_greedy(s.req) for s in sched)
+
+    def _forward(self, inp: StepInputs, sched: list[Scheduled], table: Gathered, fused: bool
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The target forward -> (hidden [T, H], logits [T, V] when the graph computed them, else None)."""
+        """The target forward -> (hidden [T, H], logits [T, V] when the graph computed them, else None); fused:
+        the draft loop in the same graph launch."""
         if table.graph_size:
-            return self.runner.replay_target(inp, table.graph_size, self.greedy.src(sched))
+            return self.runner.replay_target(inp, table.graph_size, self.greedy.src(sched), fused)
         self.stats.count_eager(inp.num_tokens)
         return self.runner.forward(inp), None
 

@@ -1,17 +1,16 @@
 """Graph steps whose rows are all plain greedy: acceptance on the device, one small device -> host copy per step.
 
-The target graph leaves each row's argmax and log-prob (and with k the accepted count) in a greedy block; the
-draft-loop graph follows straight away and appends the next drafts. Async scheduling (k = 0; k > 0 with
-scheduler.async_verify): the copy is started and the step is committed by the next one, after the next one is
-launched, so the host's work for step N + 1 (schedule, DPMeta gather, inputs) overlaps the device's step N. A row of
-step N + 1 whose inputs depend on step N names its row of step N (`src`): k = 0 reads its token from there; k > 0
-moves its whole verify by that row's accepted count (engine/graph_ops.py).
+The target graph leaves each row's argmax and log-prob (and with k the accepted count) in a greedy block; with k the
+draft loop follows in the same launch (the fused graph: engine/graphs.py) and appends the next drafts. Async
+scheduling (k = 0; k > 0 with scheduler.async_verify): the copy is started and the step is committed by the next one,
+after the next one is launched, so the host's work for step N + 1 (schedule, DPMeta gather, inputs) overlaps the
+device's step N. A row of step N + 1 whose inputs depend on step N names its row of step N (`src`): k = 0 reads its
+token from there; k > 0 moves its whole verify by that row's accepted count (engine/graph_ops.py).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from mtp_ray.engine.graphs import Fetched
@@ -41,14 +40,14 @@ class DeviceGreedy:
         self.async_steps = async_steps and (self.k == 0 or async_verify)
         self.inflight: InFlight | None = None
 
-    def can_follow(self, graph_size: int, graph_drafts: bool, fast: Iterable[bool]) -> bool:
+    def can_follow(self, graph_size: int, plain: bool) -> bool:
         """Whether a step may launch on top of the one in flight. k = 0: any graph step (its rows take their token
         from the device; the host path reads the argmax like the device path). k > 0: only a device-greedy step
-        (graphs for the target and the draft loop, every row plain greedy: `fast`, read only then): the host path
-        would need the drafts and the acceptance of the step in flight."""
+        (graphs for the target and the draft loop, every row plain greedy: `plain`): the host path would need the
+        drafts and the acceptance of the step in flight."""
         if not graph_size:
             return False
-        return self.k == 0 or (graph_drafts and all(fast))
+        return self.k == 0 or plain
 
     def src(self, sched: list[Scheduled]) -> list[int] | None:
         """For a graph step launched while another is in flight: per row, the in-flight step's row holding its
@@ -58,12 +57,13 @@ class DeviceGreedy:
         rows = self.inflight.rows
         return [rows[id(s.req)] if s.req.num_inflight else -1 for s in sched]
 
-    def step(self, sched: list[Scheduled], table: Gathered) -> list[StepOutput]:
-        """After the target graph's replay: the draft-loop graph, then the results (or, async, leave them in
-        flight). A row whose request already finished (it stopped at the step that was in flight) is dropped."""
+    def step(self, sched: list[Scheduled], table: Gathered, fused: bool = False) -> list[StepOutput]:
+        """After the target graph's replay: the draft-loop graph (unless `fused`: it ran in the same launch), then
+        the results (or, async, leave them in flight). A row whose request already finished (it stopped at the
+        step that was in flight) is dropped."""
         size = table.graph_size
         if self.k:
-            self.proposer.replay_graph(table)
+            self.proposer.replay_graph(table, fused=fused)
         fetched = self.runner.fetch_greedy(size, with_drafts=self.k > 0)
         if self.async_steps:
             assert self.inflight is None, "the step before is committed before this one is left in flight"
@@ -75,9 +75,9 @@ class DeviceGreedy:
                     req.drafts, req.draft_probs = [0] * self.k, None
             if live:
                 self.inflight = InFlight(live, {id(s.req): i for i, s in enumerate(sched)}, fetched)
-            self.stats.count_device_greedy(left_in_flight=True)
+            self.stats.count_device_greedy(left_in_flight=True, fused=fused)
             return []
-        self.stats.count_device_greedy(left_in_flight=False)
+        self.stats.count_device_greedy(left_in_flight=False, fused=fused)
         res = self._wait(fetched)
         return [self._commit(s.req, res[i], counted=0) for i, s in enumerate(sched) if not s.req.finished]
 

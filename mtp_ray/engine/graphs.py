@@ -1,15 +1,18 @@
 """CUDA graphs for uniform decode / verify steps: the target forward (B x q_len tokens -> hidden, logits) and the
-greedy MTP draft loop (k chained MTP forwards with the argmax on the device), one pair of graphs per batch size.
+greedy MTP draft loop (k chained MTP forwards with the argmax on the device), and (k > 0) both in one fused graph,
+per batch size.
 
 Inputs live in one static int64 buffer: the graph of size b reads it in `uniform_layout(b)` order, the order in which
 `build_uniform` packs a step's inputs on the host, so a replay copies them in with one transfer and runs the graph
 of the step's padded size (the DP-wide size from the gathered DPMeta). The graphs also end with what a greedy step
 needs on the host: the target graph with the device acceptance (accepted count, the draft loop's inputs) and the
 argmax / log-prob per row, the draft-loop graph with the drafts, all packed into one float64 block per graph, so a
-plain-greedy step is two replays and one device -> host copy, with no eager kernels in between. A size without a
-graph is captured when first used: every size at engine warmup, and again on first use after `reset()` (sleep frees
-the tensors the graphs point at). In a DP group every rank reaches a capture at the same step (the size is a function
-of the gathered table) and captures behind a barrier, so captures happen in the same order everywhere.
+plain-greedy step is one replay (k > 0: the fused graph, whose draft loop reads the device acceptance) and one
+device -> host copy, with no eager kernels in between; a step with a sampled row replays the target graph, then
+the draft-loop graph from the host's acceptance. A size without graphs is captured when first used (all three
+together): every size at engine warmup, and again on first use after `reset()` (sleep frees the tensors the graphs
+point at). In a DP group every rank reaches a capture at the same step (the size is a function of the gathered
+table) and captures behind a barrier, so captures happen in the same order everywhere.
 
 Async scheduling: inputs go through pinned staging buffers and results come back into pinned ones, both
 non-blocking and fenced by events, so the host can build step N + 1 while step N runs. A row of step N + 1 whose
@@ -92,6 +95,10 @@ class CudaGraphs:
         self.target: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # size -> (graph, drafts [b, k], greedy block [b, 2q + 1 + k])
         self.draft: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # size -> (graph, hidden [n, H], greedy block [b, 2q + 1 + k]): the target forward and the draft loop in one
+        # graph, for steps whose every row is plain greedy (k > 0): one launch a step instead of two
+        self.fused: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.block: torch.Tensor | None = None  # the greedy block the last replay wrote (what fetch copies)
         self.pool = None
 
     def layout(self, b: int) -> UniformLayout:
@@ -105,6 +112,8 @@ class CudaGraphs:
     def reset(self) -> None:
         self.target.clear()
         self.draft.clear()
+        self.fused.clear()
+        self.block = None
         self.pool = None
 
     # ---- the captured functions ----
@@ -112,11 +121,12 @@ class CudaGraphs:
         u = UniformDecode(self.q, v["ctx"], v["state"], v["spec"] if self.k else None)
         return ForwardBatch.decode(u, v["tables"], v["slots"])
 
-    def _target_fn(self, b: int) -> tuple[torch.Tensor, ...]:
+    def _target_fn(self, b: int, logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """-> hidden [n, H], logits [n, V], greedy block [b, 2q (+ 1)]: argmax and its log-prob per row (first
         max on ties), and with k the accepted drafts: a sequence accepts while draft j (input j + 1 of its verify
         rows) equals the argmax of row j. The draft loop's inputs are set on the device too (the token after every
-        row = its argmax; the last committed row = the accepted count); a host-path step overwrites them."""
+        row = its argmax; the last committed row = the accepted count); a host-path step overwrites them.
+        logits_out: [n, V] fp32 to write the logits into (the fused graph: the target graph's, not a second one)."""
         v = self.views(b)
         inp = v["ids"]  # [n]
         if not self.k:  # rows whose token is the previous replay's argmax, still on the device (async scheduling)
@@ -125,7 +135,7 @@ class CudaGraphs:
         elif self.feed:  # rows following a verify still in flight move by its accepted count
             feed_in_flight(v, self.src[:b], self.last, self.next_ids, self.drafts, self.q, self.k, self.block_size)
         hidden = self.model(inp, v["pos"], self._batch(v))  # [n, H]
-        logits = self.model.compute_logits(hidden)  # [n, V] fp32
+        logits = self.model.compute_logits(hidden, out=logits_out)  # [n, V] fp32
         return hidden, logits, greedy_block(logits, v["ids"], self.q, self.k, self.last, self.next_ids)
 
     def _draft_fn(self, b: int, hidden: torch.Tensor, greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,6 +159,12 @@ class CudaGraphs:
             self.drafts[:b].copy_(out)  # what the next verify of these sequences feeds if this step is left in flight
         return out, torch.cat([greedy, out.double()], 1)
 
+    def _fused_fn(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target forward, then the draft loop from its device acceptance -> hidden [n, H], greedy block with
+        the drafts [b, 2q + 1 + k]."""
+        hidden, _, greedy = self._target_fn(b, logits_out=self.target[b][2])
+        return hidden, self._draft_fn(b, hidden, greedy)[1]
+
     def _capture(self, fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
         self.barrier()
         fn()  # eager run first: kernel compilation and library handles stay out of the capture
@@ -161,25 +177,47 @@ class CudaGraphs:
             self.pool = g.pool()
         return g, out
 
+    def _capture_size(self, b: int) -> None:
+        """The graphs of size b, on padded rows only (as build_uniform pads: positions 0..q-1, everything else 0:
+        block 0, state slot 0), so the eager runs inside the captures advance no real sequence's GDN state. k > 0:
+        the target graph is replayed first, so that the draft-loop capture reads real numbers (a capture only
+        records; its outputs hold whatever the memory held, and a NaN hidden row drafts an id out of range), from
+        the rows a warmup draft loop starts from (next ids and last rows 0)."""
+        self.inputs.zero_()
+        self.views(b)["pos"].copy_(torch.arange(self.q, device=self.device).repeat(b))
+        self.src.fill_(-1)
+        log.info("capturing the target graph for batch %d (%d tokens)", b, b * self.q)
+        g, outs = self._capture(lambda: self._target_fn(b))
+        self.target[b] = (g, *outs)
+        if not self.k:
+            return
+        # the draft loop's graphs with it: every rank captures all three at this same step, in this order
+        log.info("capturing the MTP draft-loop graphs for batch %d (k=%d)", b, self.k)
+        g.replay()
+        self.next_ids.zero_()
+        self.last.zero_()
+        hidden, greedy = self.target[b][1], self.target[b][3]
+        g, outs = self._capture(lambda: self._draft_fn(b, hidden, greedy))
+        self.draft[b] = (g, *outs)
+        g, outs = self._capture(lambda: self._fused_fn(b))
+        self.fused[b] = (g, *outs)
+
     # ---- replay ----
-    def run_target(self, inp: StepInputs, b: int, src: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_target(self, inp: StepInputs, b: int, src: list[int] | None = None, drafts: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the target graph of size b on inp (built with size b and this width) -> hidden, logits.
         src: per live row, its sequence's row in the previous replay when that step is still in flight, or -1 (inp
-        is exact); k = 0 takes the token from there, k > 0 everything that step's acceptance moves (graph_ops.py)."""
+        is exact); k = 0 takes the token from there, k > 0 everything that step's acceptance moves (graph_ops.py).
+        drafts (k > 0): the fused graph, the draft loop from the device acceptance in the same launch (the step's
+        rows are all plain greedy, so nothing on the host comes between the two)."""
         u = inp.batch.uniform
         assert u is not None and u.context_lens.shape[0] == b and inp.batch.block_tables.shape[1] == self.width
-        n, total = b * self.q, self.layout(b).total
+        total = self.layout(b).total
         if b not in self.target:
             # a capture rewrites next_ids, which rows of the next step may still read: never with a step in flight
             # (every size is captured at warmup, and again only after a reset, which a drained group command does)
             assert not src or max(src) < 0, "a graph capture while a step is in flight"
-            # capture on padded rows only (zeros: block 0, state slot 0): the eager run inside the capture must not
-            # advance a real sequence's GDN state before the replay does
-            self.inputs.zero_()
-            self.src.fill_(-1)
-            log.info("capturing the target graph for batch %d (%d tokens)", b, n)
-            g, outs = self._capture(lambda: self._target_fn(b))
-            self.target[b] = (g, *outs)
+            self._capture_size(b)
         assert inp.packed is not None and inp.packed.numel() == total, "graph inputs come packed (build_uniform)"
         assert src is None or (len(src) <= b and (not self.k or self.feed or max(src, default=-1) < 0))
         stage, ev = self.in_stage.next()
@@ -191,7 +229,11 @@ class CudaGraphs:
         self.src[:b].copy_(stage[total : total + b], non_blocking=True)
         if ev is not None:
             ev.record()
-        g, hidden, logits = self.target[b][:3]
+        if drafts:
+            assert self.k, "the fused graph runs the draft loop"
+            (g, hidden, self.block), logits = self.fused[b], self.target[b][2]
+        else:
+            g, hidden, logits, self.block = self.target[b]
         g.replay()
         return hidden, logits
 
@@ -199,7 +241,9 @@ class CudaGraphs:
         """Start the one device -> host copy of the last replays' greedy block: per sequence [argmax of each row (q),
         log-prob of each (q), accepted drafts (1, with k), next drafts (k, when the draft loop ran)] as floats (ids
         are exact below 2**53). `wait()` on the result blocks until it has landed."""
-        block = self.draft[b][2] if with_drafts else self.target[b][3]
+        block = self.block
+        assert block is not None and block.shape[0] == b and (block.shape[1] > 2 * self.q + 1) == with_drafts, \
+            "fetch follows the replay whose block it copies"
         stage, ev = self.out_stage.next()
         host = stage[: block.numel()].view(block.shape)
         host.copy_(block, non_blocking=True)
@@ -227,13 +271,7 @@ class CudaGraphs:
         if next_ids is not None and last is not None:
             self.next_ids[: b * self.q].copy_(next_ids, non_blocking=True)
             self.last[:b].copy_(last, non_blocking=True)
-        if b not in self.draft:
-            # the eager run inside the capture repeats this step's MTP forwards exactly (no recurrent state in the
-            # MTP layer): its KV writes equal the replay's
-            log.info("capturing the MTP draft-loop graph for batch %d (k=%d)", b, self.k)
-            hidden, greedy = self.target[b][1], self.target[b][3]
-            g, outs = self._capture(lambda: self._draft_fn(b, hidden, greedy))
-            self.draft[b] = (g, *outs)
-        g, drafts = self.draft[b][:2]
+        assert b in self.draft, "the draft-loop graph is captured with the target graph of its size"
+        g, drafts, self.block = self.draft[b]
         g.replay()
         return drafts

@@ -116,7 +116,9 @@ class MTPProposer:
         for it in items:
             next_ids[it.index * q : it.index * q + it.n] = torch.tensor(it.next_tokens())
             last[it.index] = it.n - 1  # the last committed row
-        drafts = self.replay_graph(table, next_ids, last).cpu()  # [size, k]
+        drafts = self.replay_graph(table, next_ids, last)
+        assert drafts is not None
+        drafts = drafts.cpu()  # [size, k]
         for it in items:
             it.req.drafts = drafts[it.index].tolist()
             it.req.draft_probs = None
@@ -165,12 +167,13 @@ class MTPProposer:
         self.stats.count_draft_graph_after_eager()
         return True
 
-    def replay_graph(self, table: Gathered, next_ids: torch.Tensor | None = None, last: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+    def replay_graph(self, table: Gathered, next_ids: torch.Tensor | None = None, last: torch.Tensor | None = None,
+                     fused: bool = False) -> torch.Tensor | None:
         """The draft-loop graph of the step's padded size, in lock-step with the group -> drafts [size, k] on the
-        device. next_ids / last None: the target graph already put them on the device."""
+        device. next_ids / last None: the target graph already put them on the device. fused: the loop already ran
+        in the target's launch (the fused graph); counted as a draft loop all the same, as on every other rank."""
         with self.sync.draft_graph(table):
-            return self.runner.replay_drafts(next_ids, last, table.graph_size)
+            return None if fused else self.runner.replay_drafts(next_ids, last, table.graph_size)
 
     def _dummy_hidden(self) -> torch.Tensor:
         r = self.runner

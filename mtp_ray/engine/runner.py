@@ -245,12 +245,13 @@ class ModelRunner:
         return full
 
     @torch.inference_mode()
-    def replay_target(self, inp: StepInputs, size: int, src: list[int] | None = None
+    def replay_target(self, inp: StepInputs, size: int, src: list[int] | None = None, drafts: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Uniform batch padded to a graph size -> hidden [size * q, H], logits [size * q, V] (device, static).
-        src (k = 0): per row, the previous replay's row whose argmax is its input token, or -1."""
+        src: per row, the in-flight step's row it follows, or -1. drafts: the draft loop in the same launch (the
+        fused graph, for a step whose rows are all plain greedy)."""
         assert self.graphs is not None
-        return self.graphs.run_target(inp, size, src)
+        return self.graphs.run_target(inp, size, src, drafts)
 
     @torch.inference_mode()
     def replay_drafts(self, next_ids: torch.Tensor | None, last: torch.Tensor | None, size: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ class EngineStats:
     eager_tokens: int = 0  # tokens fed to eager target forwards
     device_greedy_steps: int = 0  # graph steps decided on the device (argmax + acceptance in the graph)
     async_steps: int = 0  # ... left in flight while the host scheduled the next one
+    fused_steps: int = 0  # ... whose draft loop ran in the target graph's launch (k > 0: one launch a step)
     draft_graphs_after_eager: int = 0  # draft-loop graphs run after an eager (prefill) target forward
     verify_steps: int = 0  # per sequence: verify rows committed
     drafted: int = 0  # drafts verified
@@ -59,9 +60,10 @@ class EngineStats:
         self.drafted += drafted
         self.accepted += accepted
 
-    def count_device_greedy(self, left_in_flight: bool) -> None:
+    def count_device_greedy(self, left_in_flight: bool, fused: bool) -> None:
         self.device_greedy_steps += 1
         self.async_steps += int(left_in_flight)
+        self.fused_steps += int(fused)
 
     def count_graph_wait(self, seconds: float) -> None:
         self.graph_wait_s += seconds

@@ -50,9 +50,10 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         """input_ids, positions: [T] -> final-normed hidden states [T, H]."""
         return self.model(input_ids, positions, batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, H] -> [N, V] fp32
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        # hidden: [N, H] -> [N, V] fp32 (into out when given: an exact cast either way)
+        logits = self.lm_head(hidden)
+        return logits.float() if out is None else out.copy_(logits)
 
     def draft_logits(self, hidden: torch.Tensor, vocab: int = 0) -> torch.Tensor:
         """hidden: [N, H] MTP hidden -> [N, vocab or V] logits in the model dtype over token ids [0, vocab): a
