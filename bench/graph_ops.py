@@ -40,26 +40,18 @@ def engines(n: int) -> dict[str, LLM]:
     return out
 
 
-def launch_us(graph: torch.cuda.CUDAGraph) -> float:
-    """Host time of the replay call alone (the launch; the device then runs on), median of 200."""
+def replay_us(graph: torch.cuda.CUDAGraph, launch_only: bool = False) -> float:
+    """Median time of one replay: launch + run, synchronised (20 runs), or the host's replay call alone, the device
+    then running on (launch_only, 200 runs)."""
     ts = []
-    for _ in range(200):
+    for _ in range(200 if launch_only else 20):
         torch.cuda.synchronize()
         t = time.perf_counter()
         graph.replay()
+        if not launch_only:
+            torch.cuda.synchronize()
         ts.append(time.perf_counter() - t)
     torch.cuda.synchronize()
-    return round(1e6 * statistics.median(ts), 1)
-
-
-def replay_us(graph: torch.cuda.CUDAGraph) -> float:
-    ts = []
-    for _ in range(20):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        graph.replay()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t)
     return round(1e6 * statistics.median(ts), 1)
 
 
@@ -96,12 +88,13 @@ def main() -> None:
              "mean_acceptance_length": round(1 + st["accepted"] / max(st["verify_steps"], 1), 3),
              "graph_step_host_us": round(1e6 * st["graph_step_s"] / st["graph_steps"], 1),
              "graph_wait_us": round(1e6 * st["graph_wait_s"] / st["graph_steps"], 1),
-             "target_graph_b1_us": replay_us(g.target[1][0]), "target_launch_b1_host_us": launch_us(g.target[1][0])}
+             "target_graph_b1_us": replay_us(g.target[1][0]),
+             "target_launch_b1_host_us": replay_us(g.target[1][0], launch_only=True)}
         if 1 in g.draft:  # the host path's second launch, and the fused graph a plain-greedy step replays instead
             e["draft_graph_b1_us"] = replay_us(g.draft[1][0])
-            e["draft_launch_b1_host_us"] = launch_us(g.draft[1][0])
+            e["draft_launch_b1_host_us"] = replay_us(g.draft[1][0], launch_only=True)
             e["fused_graph_b1_us"] = replay_us(g.fused[1][0])
-            e["fused_launch_b1_host_us"] = launch_us(g.fused[1][0])
+            e["fused_launch_b1_host_us"] = replay_us(g.fused[1][0], launch_only=True)
         res["engines"][n] = e
     for tag in ("torch", "fused"):
         a, b = res["engines"][f"k0_{tag}"], res["engines"][f"k3_{tag}"]
