@@ -65,9 +65,10 @@ def greedy_continuation(graphs: CudaGraphs, make_inputs, bsz: int, context: int,
 
 def verify_loop(graphs: CudaGraphs, make_inputs, bsz: int, context: int, first: torch.Tensor, steps: int,
                 set_drafts=None) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """`steps` MTP steps (verify + draft-loop graphs, async verify) from first [B, q] (the token at `context` and k
-    drafts, host) -> greedy blocks [S, B, 2q + 1], each verify's first position [S, B], and the wall seconds of
-    steps 2 .. S. set_drafts(s, ctx, last) replaces the draft loop's drafts before step s (None: the MTP's own)."""
+    """`steps` MTP steps (async verify; from step 2 the fused graph, verify + draft loop in one launch, as the engine
+    replays a plain-greedy step) from first [B, q] (the token at `context` and k drafts, host) -> greedy blocks [S, B,
+    2q + 1], each verify's first position [S, B], and the wall seconds of steps 2 .. S. set_drafts(s, ctx, last)
+    replaces the draft loop's drafts before step s (None: the MTP's own)."""
     k, q, dev = graphs.k, graphs.q, graphs.device
     assert k > 0 and graphs.feed, "the loop rides the async verify path (device-side acceptance, nothing on the host)"
     inp = make_inputs(context, q)
@@ -75,7 +76,8 @@ def verify_loop(graphs: CudaGraphs, make_inputs, bsz: int, context: int, first: 
     graphs.run_target(inp, bsz)  # step 1: exact inputs from the host
     graphs.run_drafts(None, None, bsz)
     v = graphs.views(bsz)
-    target, draft, block = graphs.target[bsz][0], graphs.draft[bsz][0], graphs.target[bsz][3]
+    block = graphs.target[bsz][3]  # [B, 2q + 1]
+    fused, fused_block = graphs.fused[bsz][0], graphs.fused[bsz][2][:, : block.shape[1]]  # the same columns first
     hist = torch.empty(steps, bsz, block.shape[1], dtype=block.dtype, device=dev)  # [S, B, 2q + 1]
     ctx_hist = torch.empty(steps, bsz, dtype=torch.long, device=dev)
     hist[0], ctx_hist[0] = block, v["ctx"]
@@ -86,9 +88,8 @@ def verify_loop(graphs: CudaGraphs, make_inputs, bsz: int, context: int, first: 
         if set_drafts is not None:
             graphs.drafts[:bsz].copy_(set_drafts(s, v["ctx"], graphs.last[:bsz]))
         v["ctx"].add_(1)  # what the host writes for a row whose verify is in flight: as if it accepted nothing
-        target.replay()  # moves each row by the accepted count, verifies, accepts on the device
-        draft.replay()
-        hist[s].copy_(block)
+        fused.replay()  # moves each row by the accepted count, verifies, accepts on the device, drafts
+        hist[s].copy_(fused_block)
         ctx_hist[s].copy_(v["ctx"])
     sync(dev)
     return hist.cpu(), ctx_hist.cpu(), time.perf_counter() - t0
