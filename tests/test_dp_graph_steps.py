@@ -29,14 +29,9 @@ def _rank(rank: int, world: int, port: int, queue) -> None:
         from mtp_ray.parallel.context import DistContext
         from mtp_ray.parallel.ep import make_dispatcher
         from mtp_ray.parallel.sync import DPSync
-        from tests.test_graph_steps import ReplayByRerun
+        from tests.test_graph_steps import emulated_capture
 
-        def capture(self, fn):
-            self.barrier()
-            out = fn()
-            return ReplayByRerun(fn, out), out
-
-        CudaGraphs._capture = capture
+        CudaGraphs._capture = emulated_capture  # this spawned process only
         torch.set_num_threads(1)
         cfg = engine_config(num_speculative_tokens=K, max_num_seqs=8, device="cpu", dtype="float32")
         mc = ModelConfig.from_pretrained(cfg.model)

@@ -27,14 +27,17 @@ class ReplayByRerun:
             o.copy_(n)
 
 
+def emulated_capture(self: CudaGraphs, fn):
+    """Stands in for CudaGraphs._capture: the function runs once (as on the GPU the eager warm-up run executes, the
+    capture does not), and replays run it again."""
+    self.barrier()
+    out = fn()
+    return ReplayByRerun(fn, out), out
+
+
 @pytest.fixture
 def emulated_graphs(monkeypatch):
-    def capture(self, fn):
-        self.barrier()
-        out = fn()  # as on the GPU: the eager warm-up run executes, the capture does not
-        return ReplayByRerun(fn, out), out
-
-    monkeypatch.setattr(CudaGraphs, "_capture", capture)
+    monkeypatch.setattr(CudaGraphs, "_capture", emulated_capture)
 
 
 def with_graphs(llm: LLM, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> LLM:

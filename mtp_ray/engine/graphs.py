@@ -203,12 +203,12 @@ class CudaGraphs:
         self.fused[b] = (g, *outs)
 
     # ---- replay ----
-    def run_target(self, inp: StepInputs, b: int, src: list[int] | None = None, drafts: bool = False
+    def run_target(self, inp: StepInputs, b: int, src: list[int] | None = None, fused: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the target graph of size b on inp (built with size b and this width) -> hidden, logits.
         src: per live row, its sequence's row in the previous replay when that step is still in flight, or -1 (inp
         is exact); k = 0 takes the token from there, k > 0 everything that step's acceptance moves (graph_ops.py).
-        drafts (k > 0): the fused graph, the draft loop from the device acceptance in the same launch (the step's
+        fused (k > 0): the fused graph, the draft loop from the device acceptance in the same launch (the step's
         rows are all plain greedy, so nothing on the host comes between the two)."""
         u = inp.batch.uniform
         assert u is not None and u.context_lens.shape[0] == b and inp.batch.block_tables.shape[1] == self.width
@@ -229,7 +229,7 @@ class CudaGraphs:
         self.src[:b].copy_(stage[total : total + b], non_blocking=True)
         if ev is not None:
             ev.record()
-        if drafts:
+        if fused:
             assert self.k, "the fused graph runs the draft loop"
             (g, hidden, self.block), logits = self.fused[b], self.target[b][2]
         else:

@@ -245,13 +245,13 @@ class ModelRunner:
         return full
 
     @torch.inference_mode()
-    def replay_target(self, inp: StepInputs, size: int, src: list[int] | None = None, drafts: bool = False
+    def replay_target(self, inp: StepInputs, size: int, src: list[int] | None = None, fused: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Uniform batch padded to a graph size -> hidden [size * q, H], logits [size * q, V] (device, static).
-        src: per row, the in-flight step's row it follows, or -1. drafts: the draft loop in the same launch (the
+        src: per row, the in-flight step's row it follows, or -1. fused: the draft loop in the same launch (the
         fused graph, for a step whose rows are all plain greedy)."""
         assert self.graphs is not None
-        return self.graphs.run_target(inp, size, src, drafts)
+        return self.graphs.run_target(inp, size, src, fused)
 
     @torch.inference_mode()
     def replay_drafts(self, next_ids: torch.Tensor | None, last: torch.Tensor | None, size: int) -> torch.Tensor:
