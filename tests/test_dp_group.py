@@ -217,11 +217,17 @@ def stress(handle, n: int = 300) -> None:
     mts = [rng.randint(1, 24) for _ in range(n)]
     ref = reference(prompts, mts)
     pending, results = [], {}
-    i = 0
+    start = min(r["waves"] for r in ray.get(handle.get_stats.remote())["ranks"])  # a shared group has run before
+    i, edges, ended = 0, 0, start
     while i < n:
         if rng.random() < 0.15 and pending:
-            # let everything finish so the wave ends, then land a burst right on the wave edge
+            # let everything finish, then land a burst on the wave edge. A burst sent as the last result arrives may
+            # reach the group before it agrees it is idle (the race this aims at), so only every other edge waits
+            # until the wave has ended: those edges are certain, the others race.
             ray.wait(pending, num_returns=len(pending), timeout=300)
+            edges += 1
+            if edges % 2 == 0:
+                ended = wait_for_wave_end(handle, ended)
             burst = rng.randint(5, 25)
         else:
             burst = 1
@@ -240,7 +246,20 @@ def stress(handle, n: int = 300) -> None:
     st = settled_stats(handle)
     assert st["health"]["restarts"] == 0
     assert len({r["collectives"] for r in st["ranks"]}) == 1
-    assert min(r["waves"] for r in st["ranks"]) > 5
+    assert edges >= 2 and min(r["waves"] for r in st["ranks"]) - start >= edges // 2, (start, edges, st["ranks"])
+
+
+def wait_for_wave_end(handle, seen: int, timeout: float = 30.0) -> int:
+    """Poll until every rank has finished more than `seen` waves; returns the new count (the same on every rank)."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while True:
+        waves = [r["waves"] for r in ray.get(handle.get_stats.remote())["ranks"]]
+        if min(waves) > seen:
+            return min(waves)
+        assert time.monotonic() < deadline, f"no wave ended within {timeout} s of an idle group: {waves}"
+        time.sleep(0.005)
 
 
 def test_burst_of_1000_short_requests(ray_cluster):
