@@ -136,6 +136,43 @@ def test_completions_streaming_equals_non_streaming(client):
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
+def sse(path: str, body: dict) -> list[dict]:
+    r = requests.post(f"{BASE}{path}", json={**body, "stream": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+@pytest.mark.parametrize("extra", [{"stop": ["\n\n"]}, {"echo": True}, {"echo": True, "stop": [")\n"]}])
+def test_streamed_logprobs_and_token_ids_add_up_to_the_whole_response(server, extra):
+    """Concatenated over the chunks, a stream's log-prob sections and token ids equal the whole response's. With a
+    stop string the stream holds text back (it may be the start of the stop), but text_offset still counts every
+    token's string (it once counted the text sent so far); echo's offsets run on after the prompt's."""
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 20, "temperature": 0, "logprobs": 2,
+            "return_token_ids": True, **extra}
+    whole = post("/v1/completions", body).json()["choices"][0]
+    parts = [c["choices"][0] for c in sse("/v1/completions", body) if c["choices"]]
+    lp = {k: [x for p in parts if p["logprobs"] for x in p["logprobs"][k]] for k in whole["logprobs"]}
+    assert lp == whole["logprobs"]
+    assert "".join(p["text"] for p in parts) == whole["text"]
+    assert [t for p in parts for t in p["token_ids"]] == whole["token_ids"]
+    assert parts[0]["prompt_token_ids"] == whole["prompt_token_ids"] and "prompt_token_ids" not in parts[1]
+
+
+def test_streamed_chat_names_the_prompt_ids_in_its_first_chunk(server):
+    """return_token_ids in a chat stream (vLLM): the prompt's ids at the top of the first chunk, none after it;
+    the generated ids per chunk."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "def add(a, b):"}], "max_tokens": 8,
+            "temperature": 0, "return_token_ids": True}
+    whole = post("/v1/chat/completions", body).json()
+    chunks = sse("/v1/chat/completions", body)
+    assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"] and len(whole["prompt_token_ids"]) > 4
+    assert not any("prompt_token_ids" in c for c in chunks[1:])
+    assert [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids") or []] == \
+        whole["choices"][0]["token_ids"]
+
+
 def test_chat_greedy_equals_offline_and_streams(client, offline):
     msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
     text = offline.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
@@ -313,6 +350,14 @@ def test_64_concurrent_streams_complete(server):
 def test_models_health_metrics_tokenize(server):
     models = requests.get(f"{BASE}/v1/models").json()
     assert models["data"][0]["id"] == MODEL
+    assert requests.get(f"{BASE}/version").json()["version"]
+    # a body sent as a form or text (what a web page can POST cross-site without a preflight) is not read as JSON
+    for kind in ("application/x-www-form-urlencoded", "text/plain;charset=UTF-8", "multipart/form-data"):
+        r = requests.post(f"{BASE}/v1/completions", data=json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}),
+                          headers={"Content-Type": kind}, timeout=60)
+        assert r.status_code == 415 and "application/json" in r.json()["error"]["message"], (kind, r.text)
+    assert requests.post(f"{BASE}/v1/completions", data=json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}),
+                         headers={"Content-Type": "application/json; charset=utf-8"}, timeout=60).status_code == 200
     h = requests.get(f"{BASE}/health")
     assert h.status_code == 200 and h.json()["healthy"]
     text = "def f(x):\n    return x"

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mtp_ray import __version__
 from mtp_ray.config.server import ServerConfig
 from mtp_ray.llm import tokenizer_or_none
 from mtp_ray.runtime.batcher import detached
@@ -222,6 +223,10 @@ class Ingress:
         except ApiError as e:
             return error_response(e)
         return self._model_card((await self.info())["max_model_len"])
+
+    @app.get("/version")
+    async def version(self):
+        return {"version": __version__}
 
     @app.get("/health")
     async def health(self):

@@ -56,8 +56,22 @@ async def off_loop(fn: Callable[[], T], size: int) -> T:
     return fn() if size <= INLINE_BYTES else await asyncio.to_thread(fn)
 
 
+def check_content_type(request: Request) -> None:
+    """A body declared as anything but JSON is refused (415, as vLLM), not parsed anyway: a web page can POST a form
+    or text/plain to a local server without asking first (no CORS preflight), but not application/json. A body
+    without a Content-Type is read as JSON (raw HTTP clients)."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media = declared.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise ApiError(415, f"Unsupported Media Type: the body must be JSON (Content-Type: application/json), got "
+                            f"{declared[:80]!r}", None, "invalid_request_error", "unsupported_media_type")
+
+
 async def read_json_object(request: Request, max_bytes: int) -> tuple[dict, int]:
     """The body as a JSON object, and its size in bytes (what later work on it is sized by: `off_loop`)."""
+    check_content_type(request)
     raw = await read_body(request, max_bytes)
     try:
         body = await off_loop(lambda: json.loads(raw), len(raw))

@@ -30,6 +30,7 @@ class Choice:
     spec: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)  # the engine's queue / prefill / decode / inference seconds
     sent_lp: int = 0  # logprob entries already streamed
+    lp_offset: int = 0  # text_offset of the next streamed logprob entry: the streamed tokens' strings so far
     sent_ids: int = 0  # token ids already streamed (return_token_ids)
     sent_finish: bool = False
     echo: str = ""  # the prompt's text, sent before the completion's (completions with echo)
@@ -71,9 +72,11 @@ class Render:
     def s(self, t: int) -> str:
         return f"token_id:{t}" if self.req.tokens_as_ids else self.tok.decode([t])
 
-    def completion_logprobs(self, c: Choice, start: int, offset0: int, with_prompt: bool) -> dict:
-        """OpenAI legacy logprobs; with the prompt (echo): its tokens first, the first one without a log-prob. The
-        top_logprobs map holds the chosen token as well (vLLM: logprobs 0 still names it)."""
+    def completion_logprobs(self, c: Choice, start: int, offset0: int, with_prompt: bool) -> tuple[dict, int]:
+        """OpenAI legacy logprobs, and the text_offset after them; with the prompt (echo): its tokens first, the
+        first one without a log-prob. The top_logprobs map holds the chosen token as well (vLLM: logprobs 0 still
+        names it). Offsets run over the tokens' strings from offset0, not over the text sent so far: a stop
+        string's look-ahead holds text back while its tokens' log-probs go out."""
         top_n = self.req.top_logprobs or 0
         ids, lps, tops = c.token_ids[start : len(c.logprobs)], c.logprobs[start:], c.top[start:]
         entries: list[tuple[int, float | None, list | None]] = []
@@ -91,7 +94,7 @@ class Render:
                 s: lp, **{self.s(a): b for a, b in top[:top_n] if self.s(a) != s}})
             out["text_offset"].append(off)
             off += len(s)
-        return out
+        return out, off
 
     def chat_logprobs(self, c: Choice, start: int) -> dict:
         top_n = self.req.top_logprobs or 0
@@ -165,13 +168,16 @@ def _finish(c: Choice, has_calls: bool) -> str | None:
 
 
 def chunk(rid: str, model: str, created: int, c: Choice, r: Render, text: str = "", role: bool = False,
-          delta: ChatDelta | None = None) -> dict:
-    """A stream chunk of one choice: its new text (or, for chat, the parsed delta) and log-probs."""
+          delta: ChatDelta | None = None, logprobs: bool = True) -> dict:
+    """A stream chunk of one choice: its new text (or, for chat, the parsed delta) and the log-probs not yet sent
+    (logprobs=False: they wait for the next chunk)."""
     req, chat = r.req, delta is not None or role
     lp = None
-    if req.top_logprobs is not None and c.pending_logprobs:
-        lp = r.chat_logprobs(c, c.sent_lp) if chat else r.completion_logprobs(
-            c, c.sent_lp, len(c.detok.text) - len(text), False)
+    if logprobs and req.top_logprobs is not None and c.pending_logprobs:
+        if chat:
+            lp = r.chat_logprobs(c, c.sent_lp)
+        else:
+            lp, c.lp_offset = r.completion_logprobs(c, c.sent_lp, c.lp_offset, False)
         c.sent_lp = len(c.logprobs)
     finish = None
     if c.finish_reason is not None and not c.sent_finish and not role:
@@ -194,13 +200,16 @@ def chunk(rid: str, model: str, created: int, c: Choice, r: Render, text: str = 
         body.update(text=text, logprobs=lp, finish_reason=finish)
     if finish is not None:
         body["stop_reason"] = c.stop_reason
-    if req.return_token_ids and not role:
+    top: dict = {}
+    if req.return_token_ids and role:  # chat: the prompt's ids at the top of a choice's first (role) chunk (vLLM)
+        top["prompt_token_ids"] = c.prompt
+    elif req.return_token_ids:
         if c.sent_ids == 0 and not chat:
             body["prompt_token_ids"] = c.prompt  # the first chunk of a choice (vLLM)
         body["token_ids"] = c.token_ids[max(c.sent_ids, 0) :]
         c.sent_ids = len(c.token_ids) or -1  # -1: the prompt ids went out
     kind = "chat.completion.chunk" if chat else "text_completion"
-    return {"id": rid, "object": kind, "created": created, "model": model, "choices": [body]}
+    return {"id": rid, "object": kind, "created": created, "model": model, "choices": [body], **top}
 
 
 def final_response(rid: str, model: str, chat: bool, choices: list[Choice], req: ParsedRequest, tok) -> dict:
@@ -227,7 +236,7 @@ def final_response(rid: str, model: str, chat: bool, choices: list[Choice], req:
             if req.top_logprobs is not None:
                 if req.drop_output:
                     c = dataclasses.replace(c, token_ids=[], logprobs=[], top=[])
-                lp = r.completion_logprobs(c, 0, 0, req.echo)
+                lp = r.completion_logprobs(c, 0, 0, req.echo)[0]
             body = {"index": c.index, "text": c.echo + text, "logprobs": lp, "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason, "prompt_logprobs": r.prompt_logprobs(c)}
             body["prompt_token_ids"] = c.prompt if req.return_token_ids else None

@@ -39,8 +39,8 @@ class SSEWriter:
         """A choice advanced (or ended): its chunk, if there is anything to say."""
         out, req = [], self.req
         if self.echo_lp and c.echo:
-            body = self._chunk(c, text=c.echo)
-            body["choices"][0]["logprobs"] = self.r.completion_logprobs(
+            body = self._chunk(c, text=c.echo, logprobs=False)  # the prompt's; the output's follow
+            body["choices"][0]["logprobs"], c.lp_offset = self.r.completion_logprobs(
                 dataclasses.replace(c, token_ids=[], logprobs=[], top=[]), 0, 0, True)
             c.echo = ""
             out.append(self._event(body))
