@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mtp_ray.serve.reasoning import REASONING_PARSERS, Qwen3ReasoningParser, opens_reasoning
+from mtp_ray.serve.reasoning import REASONING_PARSERS, Qwen3ReasoningParser, opens_reasoning, reasoning_token_count
 from mtp_ray.serve.tool_parsers import TOOL_PARSERS, ToolCall
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "mtp_ray" / "assets" / "tiny-qwen35-mtp"
@@ -64,6 +64,20 @@ def test_reasoning_streaming_equals_split(in_r, text, reasoning, content):
             assert "<think" not in c or "<think" in (content or "")  # no partial tag leaks
         r, c = p.flush()
         assert ("".join(rs) + r, "".join(cs) + c) == (reasoning or "", content or ""), chunks
+
+
+@pytest.mark.parametrize("opens,tokens,want", [
+    (True, ["a", "b", "</think>", "c"], 2), (True, ["a", "b"], 2), (False, ["a", "</think>", "b"], 0),
+    (False, ["<think>", "a", "b", "</think>", "c"], 2), (True, ["<think>", "a", "</think>"], 1), (False, [], 0),
+])
+def test_reasoning_token_count_by_id_and_by_text(opens, tokens, want):
+    """Tokens before the first </think> once the output is inside a think block, the <think> tag not counted:
+    the same by token id (tags of one token) and from the text of token prefixes, where each tag spans tokens."""
+    vocab = {"<think>": 0, "</think>": 1, "a": 2, "b": 3, "c": 4}
+    by_id = reasoning_token_count([vocab[t] for t in tokens], opens, (0, 1), lambda n: "")
+    spread = [piece for t in tokens for piece in ([t[:3], t[3:]] if t.startswith("<") else [t])]  # tags: 2 tokens
+    by_text = reasoning_token_count(list(range(len(spread))), opens, None, lambda n: "".join(spread[:n]))
+    assert by_id == want and by_text == want
 
 
 def test_reasoning_never_emits_partial_close_tag():

@@ -169,18 +169,25 @@ def test_auto_tool_call_and_reasoning_are_parsed(client, stream):
               "<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
               "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>")
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS, max_tokens=200,
-              temperature=0, extra_body={"guided_regex": script})
+              temperature=0, extra_body={"guided_regex": script, "return_token_ids": True})
     if not stream:
-        m = client.chat.completions.create(**kw).choices[0]
+        whole = client.chat.completions.create(**kw)
+        m = whole.choices[0]
         assert m.finish_reason == "tool_calls"
+        # usage counts the reasoning's tokens: those after <think>, up to </think> (the tags are no single token
+        # in the bundled vocabulary: counted from the tokens' text)
+        ids, n = m.model_extra["token_ids"], whole.usage.completion_tokens_details.reasoning_tokens
+        text = [detok(ids[:j]) for j in range(len(ids) + 1)]
+        assert text[text.index("<think>") + n] == "<think>\nOslo is a city.\n"
         msg = m.message
         assert msg.model_extra["reasoning_content"] == "Oslo is a city."
         assert msg.content.strip() == "Let me check."
         call = msg.tool_calls[0]
     else:
         reasoning = content = args = name = ""
-        for ch in client.chat.completions.create(stream=True, **kw):
+        for ch in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
             if not ch.choices:
+                assert ch.usage.completion_tokens_details.reasoning_tokens > 3
                 continue
             d = ch.choices[0].delta
             reasoning += (d.model_extra or {}).get("reasoning_content") or ""
@@ -192,6 +199,10 @@ def test_auto_tool_call_and_reasoning_are_parsed(client, stream):
         call = type("C", (), {"function": type("F", (), {"name": name, "arguments": args})})
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Oslo", "days": 3, "unit": "celsius"}
+
+
+def detok(ids: list[int]) -> str:
+    return requests.post(f"{BASE}/detokenize", json={"model": MODEL, "tokens": ids}, timeout=30).json()["prompt"]
 
 
 def test_enable_thinking_reaches_the_template_and_tool_history_renders(client):
@@ -208,6 +219,8 @@ def test_enable_thinking_reaches_the_template_and_tool_history_renders(client):
                                         extra_body={"chat_template_kwargs": {"enable_thinking": True}})
     assert off.usage.prompt_tokens > on.usage.prompt_tokens
     assert on.choices[0].message.model_extra["reasoning_content"]  # never closed: all of it is reasoning
+    assert on.usage.completion_tokens_details.reasoning_tokens == on.usage.completion_tokens == 8
+    assert off.usage.completion_tokens_details.reasoning_tokens == 0
     history = USER + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]

@@ -42,8 +42,11 @@ class Detokenizer:
     def __post_init__(self) -> None:
         self._dec = decoder(self.tokenizer) if self.tokenizer is not None else None
 
-    def _decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int]) -> str:
+        """ids as text, decoded as this request's output is (skip_special_tokens)."""
         return self._dec(ids, self.skip_special_tokens)
+
+    _decode = decode
 
     def _after(self, split: int, ctx_text: str, end: int | None = None) -> str | None:
         """The text token_ids[split:end] add after the text of token_ids[:split]: decoded together with the CTX

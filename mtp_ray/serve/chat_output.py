@@ -40,8 +40,11 @@ def forced_calls(text: str, opts: ChatOptions) -> list[ToolCall] | None:
 
 
 class ChatOutput:
-    def __init__(self, opts: ChatOptions, reasoning_parser: str | None, tool_call_parser: str | None):
+    def __init__(self, opts: ChatOptions, reasoning_parser: str | None, tool_call_parser: str | None,
+                 think_ids: tuple[int, int] | None = None):
         self.opts = opts
+        self.parses_reasoning = reasoning_parser is not None  # the server's: usage counts reasoning tokens
+        self.think_ids = think_ids  # <think> / </think> as token ids (ChatServing.think_ids)
         self.reasoning = (REASONING_PARSERS[reasoning_parser](opts.opens_reasoning)
                           if opts.reasoning and reasoning_parser else None)
         self.tools = (TOOL_PARSERS[tool_call_parser](opts.tools)

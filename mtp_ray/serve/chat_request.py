@@ -20,7 +20,7 @@ from mtp_ray.serve.openai_protocol import (
     parse_common,
     prompt_text,
 )
-from mtp_ray.serve.reasoning import THINK_CLOSE, opens_reasoning
+from mtp_ray.serve.reasoning import THINK_CLOSE, THINK_OPEN, opens_reasoning
 from mtp_ray.serve.structured import tool_call_schema
 
 # template arguments a request may not set through chat_template_kwargs: the server sets them
@@ -47,6 +47,17 @@ class ChatServing:
 
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    # the <think> / </think> token ids where each is one token of the vocabulary: usage counts reasoning tokens
+    think_ids: tuple[int, int] | None = None
+
+
+def think_ids(tok) -> tuple[int, int] | None:
+    """The ids of <think> and </think> where the tokenizer has each as one token (None: it has not, or no
+    tokenizer)."""
+    if tok is None:
+        return None
+    ids = [tok.encode(tag, add_special_tokens=False) for tag in (THINK_OPEN, THINK_CLOSE)]
+    return (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else None
 
 
 def _content(c: Any, i: int, limits: Limits) -> str:

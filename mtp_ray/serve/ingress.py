@@ -17,7 +17,7 @@ from mtp_ray import __version__
 from mtp_ray.config.server import ServerConfig
 from mtp_ray.llm import tokenizer_or_none
 from mtp_ray.runtime.batcher import detached
-from mtp_ray.serve.chat_request import ChatServing, parse_chat, render_chat
+from mtp_ray.serve.chat_request import ChatServing, parse_chat, render_chat, think_ids
 from mtp_ray.serve.choices import ChoiceRunner
 from mtp_ray.serve.errors import ApiError, bad
 from mtp_ray.serve.fields import CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
@@ -60,7 +60,7 @@ class Ingress:
         self.tok = tokenizer_or_none(tokenizer)
         if self.tok is not None and self.server.template() is not None:
             self.tok.chat_template = self.server.template()
-        self.serving = ChatServing(self.server.reasoning_parser, self.server.tool_call_parser)
+        self.serving = ChatServing(self.server.reasoning_parser, self.server.tool_call_parser, think_ids(self.tok))
         self.runner = ChoiceRunner(self.metrics, self.classify)
         # the longest token's text, once here: over a 248k vocabulary it takes ~0.1 s, and a cold server's first
         # burst used to compute it per request, on the event loop (a 64-request burst waited ~7 s for it)

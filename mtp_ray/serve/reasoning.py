@@ -9,6 +9,7 @@ part of a tag and yields exactly what ``split`` gives for the whole text.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -26,6 +27,36 @@ def _held(buf: str, tag: str) -> int:
         if tag.startswith(buf[-n:]):
             return n
     return 0
+
+
+def reasoning_token_count(ids: list[int], opens: bool, think_ids: tuple[int, int] | None,
+                          text_of: Callable[[int], str]) -> int:
+    """How many output tokens are reasoning (usage.completion_tokens_details.reasoning_tokens, as OpenAI and vLLM):
+    those before the first </think> when the output starts inside a think block (the prompt opened it, or the
+    output starts with <think>), the <think> tag's own tokens not counted. By id where each tag is one token of
+    the vocabulary (think_ids); else from the text of token prefixes (text_of(n): the text of ids[:n]), found by
+    binary search."""
+    if think_ids is not None:
+        start, end = think_ids
+        if not ids or not (opens or ids[0] == start):
+            return 0
+        region = ids[: ids.index(end)] if end in ids else ids
+        return sum(t != start for t in region)
+    text = text_of(len(ids))
+    opened = text.startswith(THINK_OPEN)
+    if not (opens or opened):
+        return 0
+
+    def tokens_within(chars: int) -> int:  # the most leading tokens whose text fits in `chars` characters
+        lo, hi = 0, len(ids)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if len(text_of(mid)) <= chars else (lo, mid - 1)
+        return lo
+
+    close = text.find(THINK_CLOSE, len(THINK_OPEN) if opened else 0)
+    end = len(ids) if close < 0 else tokens_within(close)
+    return max(0, end - (tokens_within(len(THINK_OPEN)) if opened else 0))
 
 
 class ReasoningParser(ABC):

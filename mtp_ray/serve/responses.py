@@ -15,6 +15,7 @@ from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.serve.chat_output import ChatDelta, ChatOutput, call_id
 from mtp_ray.serve.errors import ApiError
 from mtp_ray.serve.openai_protocol import ParsedRequest
+from mtp_ray.serve.reasoning import reasoning_token_count
 
 
 @dataclass
@@ -57,6 +58,14 @@ class Choice:
             self.stop_reason = stopped if stopped is not None else out.stop_reason
             self.spec = out.spec or {}
             self.timings = out.timings or {}
+
+    def reasoning_tokens(self) -> int:
+        """This chat choice's reasoning tokens so far (0 where its reasoning is not split off)."""
+        assert self.chat is not None
+        if self.chat.reasoning is None or self.detok.tokenizer is None:
+            return 0
+        return reasoning_token_count(self.token_ids, self.chat.opts.opens_reasoning, self.chat.think_ids,
+                                     lambda n: self.detok.decode(self.token_ids[:n]))
 
     @property
     def pending_logprobs(self) -> bool:
@@ -139,7 +148,7 @@ def new_choices(req: ParsedRequest, tok, serving) -> list[Choice]:
 
     return [Choice(i * sp.n + j, p, Detokenizer(tok, sp.stop, sp.skip_special_tokens, sp.include_stop_str_in_output,
                                                 stop_regex=req.stop_regex), echo=echo(i),
-                   chat=ChatOutput(req.chat, serving.reasoning_parser, serving.tool_call_parser)
+                   chat=ChatOutput(req.chat, serving.reasoning_parser, serving.tool_call_parser, serving.think_ids)
                    if req.chat is not None else None)
             for i, p in enumerate(req.prompts) for j in range(sp.n)]
 
@@ -153,6 +162,9 @@ def usage(req: ParsedRequest, choices: list[Choice]) -> dict:
         n = req.params.n  # choices i * n .. i * n + n - 1 are prompt i's (new_choices)
         per_prompt = [max((c.cached_tokens or 0) for c in choices[i : i + n]) for i in range(0, len(choices), n)]
         out["prompt_tokens_details"] = {"cached_tokens": sum(per_prompt)}
+    if choices and choices[0].chat is not None and choices[0].chat.parses_reasoning:  # as OpenAI and vLLM
+        thought = 0 if req.drop_output else sum(c.reasoning_tokens() for c in choices)
+        out["completion_tokens_details"] = {"reasoning_tokens": thought}
     return out
 
 
