@@ -160,11 +160,12 @@ def test_forced_tool_calls_validate(client, stream):
         jsonschema.validate(json.loads(args), schemas[name])
 
 
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stream", [False, True, "whole reasoning"])
 def test_auto_tool_call_and_reasoning_are_parsed(client, stream):
     """A scripted output (a regex constraint on tool_choice auto) in Qwen3.5's XML call format, after a reasoning
     block the output opens itself (with enable_thinking on, the prompt opens it and a constraint applies after
-    </think> only): reasoning_content, content and the call come back split."""
+    </think> only): reasoning_content, content and the call come back split. SGLang's stream_reasoning false:
+    the reasoning in one delta, once it has ended."""
     script = ("<think>\nOslo is a city\\.\n</think>\n\nLet me check\\.\n<tool_call>\n<function=get_weather>\n"
               "<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
               "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>")
@@ -185,17 +186,23 @@ def test_auto_tool_call_and_reasoning_are_parsed(client, stream):
         call = msg.tool_calls[0]
     else:
         reasoning = content = args = name = ""
+        pieces = []
+        if stream == "whole reasoning":
+            kw["extra_body"]["stream_reasoning"] = False
         for ch in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
             if not ch.choices:
                 assert ch.usage.completion_tokens_details.reasoning_tokens > 3
                 continue
             d = ch.choices[0].delta
+            pieces += [(d.model_extra or {}).get("reasoning_content")] if (d.model_extra or {}).get(
+                "reasoning_content") else []
             reasoning += (d.model_extra or {}).get("reasoning_content") or ""
             content += d.content or ""
             for tc in d.tool_calls or []:
                 name += tc.function.name or ""
                 args += tc.function.arguments or ""
         assert reasoning == "Oslo is a city." and content.strip() == "Let me check."
+        assert len(pieces) == 1 if stream == "whole reasoning" else len(pieces) > 1, pieces
         call = type("C", (), {"function": type("F", (), {"name": name, "arguments": args})})
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Oslo", "days": 3, "unit": "celsius"}

@@ -51,6 +51,7 @@ class ChatOutput:
                       if opts.tool_choice == "auto" and tool_call_parser else None)
         self.forced = opts.tool_choice in ("required", "named")
         self.buffer = ""  # a forced call's JSON, read whole at the end
+        self.held_reasoning = ""  # stream_reasoning false: the reasoning so far, sent once it has ended
         self.ended = False
 
     def whole(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
@@ -77,6 +78,10 @@ class ChatOutput:
                 r2, c2 = self.reasoning.flush()
                 r, c = r + r2, c + c2
             out.reasoning = r if self.opts.include_reasoning else ""
+            if not self.opts.stream_reasoning:  # held until the answer starts (or the choice ends)
+                self.held_reasoning, out.reasoning = self.held_reasoning + out.reasoning, ""
+                if final or self.reasoning.in_content:
+                    out.reasoning, self.held_reasoning = self.held_reasoning, ""
         else:
             c = delta
         if self.forced:

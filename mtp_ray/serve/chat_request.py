@@ -39,6 +39,7 @@ class ChatOptions:
     reasoning: bool = False  # split reasoning_content off the text (a reasoning parser is configured)
     include_reasoning: bool = True  # vLLM's include_reasoning: false drops it from the response
     echo: str = ""  # echo: the final assistant message's content, which the reply continues (vLLM)
+    stream_reasoning: bool = True  # SGLang's: false streams the reasoning as one delta once it has ended
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,6 @@ def parse_chat(body: dict, tokenizer, limits: Limits = NO_LIMITS, serving: ChatS
     echo = _content(last.get("content"), 0, limits) if flag(body, "echo", False) and last["role"] == "assistant" \
         else ""
     req.chat = ChatOptions(tools, choice, name, opens_reasoning(text), reasoning,
-                           flag(body, "include_reasoning", True), echo)
+                           flag(body, "include_reasoning", True), echo, flag(body, "stream_reasoning", True))
     req.echo = bool(echo)
     return req

@@ -31,7 +31,7 @@ COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "chat_template_kwargs",
     "add_generation_prompt", "continue_final_message", "include_reasoning", "reasoning_effort",
-    "separate_reasoning", "chat_template", "documents", "functions", "function_call", "audio",
+    "separate_reasoning", "stream_reasoning", "chat_template", "documents", "functions", "function_call", "audio",
     "web_search_options", "mm_processor_kwargs",
 }
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",

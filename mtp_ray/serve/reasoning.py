@@ -74,6 +74,11 @@ class ReasoningParser(ABC):
     @abstractmethod
     def flush(self) -> tuple[str, str]: ...
 
+    @property
+    @abstractmethod
+    def in_content(self) -> bool:
+        """Streaming: the reasoning has ended (what follows is the answer)."""
+
 
 class Qwen3ReasoningParser(ReasoningParser):
     """``<think>`` reasoning ``</think>`` content: reasoning loses the newlines around it, content its leading ones."""
@@ -138,6 +143,10 @@ class Qwen3ReasoningParser(ReasoningParser):
                 self._buf = ""
                 break
         return "".join(r), "".join(c)
+
+    @property
+    def in_content(self) -> bool:
+        return self._state == "content"
 
     def feed(self, delta: str) -> tuple[str, str]:
         self._buf += delta
