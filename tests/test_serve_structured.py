@@ -274,6 +274,24 @@ def test_usage_counts_only_returned_tokens_and_stop_reason(client):
     assert c.finish_reason == "stop" and c.model_extra["stop_reason"] == stop
     assert cut.usage.completion_tokens == len(c.model_extra["token_ids"]) < len(ids)
     assert c.model_extra["token_ids"] == ids[: cut.usage.completion_tokens]
+    # SGLang's matched_stop: the stop string, the stop_regex pattern, the token that stopped it, or null
+    assert c.model_extra["matched_stop"] == stop and full.choices[0].model_extra["matched_stop"] is None
+    pattern = "[" + re.escape(stop[0]) + "]"
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": "def f(x):\n", "max_tokens": 30, "temperature": 0, "stream": stream}
+        by_regex = requests.post(f"{BASE}/v1/completions", json={**body, "stop_regex": pattern}, timeout=60)
+        by_token = requests.post(f"{BASE}/v1/completions", json={**body, "stop_token_ids": [ids[3]]}, timeout=60)
+        by_end = requests.post(f"{BASE}/v1/completions", json={**body, "logit_bias": {"2": 100}}, timeout=60)
+        got = [last_choice(r, stream)["matched_stop"] for r in (by_regex, by_token, by_end)]
+        assert got == [pattern, ids[3], 2], (stream, got)  # 2: the bundled model's end token, <|im_end|>
+
+
+def last_choice(r: requests.Response, stream: bool) -> dict:
+    assert r.status_code == 200, r.text
+    if not stream:
+        return r.json()["choices"][0]
+    chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    return [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]][-1]
 
 
 EXTRA_FIELDS = {  # every extra the issue lists -> a value; each is honoured (200) or a 400 naming it

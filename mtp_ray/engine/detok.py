@@ -31,6 +31,7 @@ class Detokenizer:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""  # output text so far, cut at the stop string once one matched
     stopped_by: str | None = None
+    stopped_on: str | None = None  # what matched: the stop string, or the stop_regex pattern (SGLang's matched_stop)
     stop_regex: list[str] = field(default_factory=list)  # SGLang's stop_regex: a match ends the text like a stop
     stop_tokens: int | None = None  # tokens up to the one that completed the stop (the rest are not output)
     emitted: int = 0  # characters already handed out by delta()
@@ -85,21 +86,21 @@ class Detokenizer:
         full = self.committed_text + tail
         hit = self._find_stop(full)
         if hit is not None:
-            i, j, self.stopped_by = hit
+            i, j, self.stopped_by, self.stopped_on = hit
             self.stop_tokens = self._tokens_through(j, len(self.token_ids) - len(new_ids))
             full = full[: j if self.include_stop_str_in_output else i]
         self.text = full
 
-    def _find_stop(self, full: str) -> tuple[int, int, str] | None:
-        """The first stop in the new text -> (start, end, what matched)."""
+    def _find_stop(self, full: str) -> tuple[int, int, str, str] | None:
+        """The first stop in the new text -> (start, end, the text matched, the stop string or pattern)."""
         hits = []
         if self.stop:
             start = max(0, len(self.text) - max(len(s) for s in self.stop))
-            hits = [(i, i + len(s), s) for s in self.stop if (i := full.find(s, start)) >= 0]
+            hits = [(i, i + len(s), s, s) for s in self.stop if (i := full.find(s, start)) >= 0]
         for pattern in self.stop_regex:
             m = re.compile(pattern).search(full, max(0, len(self.text) - 256))
             if m is not None and m.end() > m.start():
-                hits.append((m.start(), m.end(), m.group()))
+                hits.append((m.start(), m.end(), m.group(), pattern))
         return min(hits) if hits else None
 
     def _tokens_through(self, end: int, before: int) -> int:

@@ -68,6 +68,18 @@ class Choice:
                                      lambda n: self.detok.decode(self.token_ids[:n]))
 
     @property
+    def matched_stop(self) -> int | str | None:
+        """SGLang's matched_stop: the stop string or stop_regex pattern that ended the text, else the token that
+        ended it (a stop token id, or the end-of-sequence token); None when it did not stop (length, abort)."""
+        if self.finish_reason != "stop":
+            return None
+        if self.detok.stopped_on is not None:
+            return self.detok.stopped_on
+        if isinstance(self.stop_reason, int):
+            return self.stop_reason
+        return self.token_ids[-1] if self.token_ids else None
+
+    @property
     def pending_logprobs(self) -> bool:
         return len(self.logprobs) > self.sent_lp
 
@@ -211,7 +223,7 @@ def chunk(rid: str, model: str, created: int, c: Choice, r: Render, text: str = 
     else:
         body.update(text=text, logprobs=lp, finish_reason=finish)
     if finish is not None:
-        body["stop_reason"] = c.stop_reason
+        body["stop_reason"], body["matched_stop"] = c.stop_reason, c.matched_stop
     top: dict = {}
     if req.return_token_ids and role:  # chat: the prompt's ids at the top of a choice's first (role) chunk (vLLM)
         top["prompt_token_ids"] = c.prompt
@@ -242,7 +254,7 @@ def final_response(rid: str, model: str, chat: bool, choices: list[Choice], req:
             if c.chat is not None and c.chat.reasoning is not None:
                 msg["reasoning"] = msg["reasoning_content"] = reasoning  # vLLM's name, and the older one
             body = {"index": c.index, "message": msg, "logprobs": lp, "finish_reason": _finish(c, bool(calls)),
-                    "stop_reason": c.stop_reason}
+                    "stop_reason": c.stop_reason, "matched_stop": c.matched_stop}
         else:
             lp = None
             if req.top_logprobs is not None:
@@ -250,7 +262,8 @@ def final_response(rid: str, model: str, chat: bool, choices: list[Choice], req:
                     c = dataclasses.replace(c, token_ids=[], logprobs=[], top=[])
                 lp = r.completion_logprobs(c, 0, 0, req.echo)[0]
             body = {"index": c.index, "text": c.echo + text, "logprobs": lp, "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason, "prompt_logprobs": r.prompt_logprobs(c)}
+                    "stop_reason": c.stop_reason, "matched_stop": c.matched_stop,
+                    "prompt_logprobs": r.prompt_logprobs(c)}
             body["prompt_token_ids"] = c.prompt if req.return_token_ids else None
         body["token_ids"] = ([] if req.drop_output else c.token_ids) if req.return_token_ids else None
         out.append(body)
