@@ -173,6 +173,57 @@ def test_streamed_chat_names_the_prompt_ids_in_its_first_chunk(server):
         whole["choices"][0]["token_ids"]
 
 
+def test_responses_api_equals_chat_streamed_or_not(client):
+    """POST /v1/responses (OpenAI's Responses API, through the official client): the same greedy text and usage as
+    the chat completion of the same messages; streamed, the events in order (each item added, its deltas, done)
+    add up to the same output, ending in response.incomplete at max_output_tokens."""
+    msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0)
+    kw = dict(model=MODEL, instructions="You write Python.", max_output_tokens=10, temperature=0,
+              input=[{"role": "user", "content": [{"type": "input_text", "text": "def add(a, b):"}]}])
+    r = client.responses.create(**kw)
+    assert r.output_text == chat.choices[0].message.content and r.status == "incomplete"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert r.incomplete_details.reason == "max_output_tokens" and [o.type for o in r.output] == ["message"]
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"] and kinds[-1] == "response.incomplete"
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].response.output_text == r.output_text and events[-1].response.usage.output_tokens == 10
+
+
+def test_responses_api_function_calls_formats_and_refusals(client):
+    """Forced function calls come back as function_call items, and a conversation carrying a call and its output
+    continues; a JSON schema format holds; what a stateless server cannot do is a 400 naming the field."""
+    import openai
+
+    tools = [{"type": "function", "name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}]
+    r = client.responses.create(model=MODEL, input="time?", tools=tools, tool_choice="required", temperature=0,
+                                max_output_tokens=40)
+    call = next(o for o in r.output if o.type == "function_call")
+    assert call.name == "get_time" and json.loads(call.arguments)["zone"] in ("UTC", "CET")
+    turn = [{"role": "user", "content": "time?"}, {"type": "function_call", "call_id": call.call_id,
+                                                   "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "12:00"}]
+    assert client.responses.create(model=MODEL, input=turn, tools=tools, max_output_tokens=3).usage.output_tokens
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    r = client.responses.create(model=MODEL, input="x", max_output_tokens=20, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "p", "schema": schema}})
+    assert set(json.loads(r.output_text)) == {"a"}
+    for extra, param in [({"previous_response_id": "resp_1"}, "previous_response_id"),
+                         ({"tools": [{"type": "web_search"}]}, "tools"),
+                         ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
+                         ({"extra_body": {"top_k": 5}}, "top_k")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(**{"model": MODEL, "input": "x", "max_output_tokens": 2, **extra})
+        assert e.value.body["param"] == param, e.value.body
+
+
 def test_chat_greedy_equals_offline_and_streams(client, offline):
     msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
     text = offline.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)

@@ -27,6 +27,7 @@ from mtp_ray.serve.metrics import Metrics, render
 from mtp_ray.serve.metrics_hub import HubReporter
 from mtp_ray.serve.openai_protocol import NO_TOKENIZER, Limits, check_length, parse_completion
 from mtp_ray.serve.responses import choice_params, error_response, final_response, new_choices
+from mtp_ray.serve.responses_api import Events, Shell, chat_body
 from mtp_ray.serve.streaming import SSEWriter
 
 # no /docs, /redoc or /openapi.json: the API is OpenAI's, and an open schema browser is one more thing to expose
@@ -118,11 +119,12 @@ class Ingress:
             for i in range(k):
                 self.metrics.totals.setdefault(f'spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}', 0.0)
 
-    async def _body(self, request: Request, known: set[str]) -> tuple[dict, int]:
-        """The request's JSON object (checked: API key, known fields, model) and its size in bytes."""
+    async def _body(self, request: Request, known: set[str] | None) -> tuple[dict, int]:
+        """The request's JSON object (checked: API key, known fields unless None, model) and its size in bytes."""
         check_api_key(request, self.server.api_key)
         body, size = await read_json_object(request, self.server.max_body_bytes)
-        check_fields(body, known)
+        if known is not None:
+            check_fields(body, known)
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise ApiError(404, f"The model `{model}` does not exist.", "model", "NotFoundError", "model_not_found")
@@ -151,11 +153,21 @@ class Ingress:
             chat = False  # generate() answers the malformed body
         return await self.generate(request, chat=chat)
 
-    async def generate(self, request: Request, chat: bool):
+    @app.post("/v1/responses")
+    async def responses(self, request: Request):
+        """OpenAI's Responses API, through the chat path (serve/responses_api.py)."""
+        return await self.generate(request, chat=True, responses=True)
+
+    async def generate(self, request: Request, chat: bool, responses: bool = False):
+        """A completion or chat completion; responses: a Responses request, answered as a Response."""
         self.reporter.start()
         t_in = time.monotonic()
+        shell: Shell | None = None
         try:
-            body, size = await self._body(request, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+            body, size = await self._body(request, None if responses else CHAT_FIELDS if chat else COMPLETION_FIELDS)
+            if responses:
+                shell, body = Shell(body, self.model_name), chat_body(body)
+                check_fields(body, CHAT_FIELDS)
             # tokenising / templating a large prompt off the event loop (a small one: here, see INLINE_BYTES)
             limits = await self.limits()
             req = await off_loop(lambda: parse_chat(body, self.tok, limits, self.serving) if chat
@@ -194,12 +206,14 @@ class Ingress:
         streams = dict(zip((c.index for c in choices), opened, strict=True))
         if req.stream:
             w = SSEWriter(rid, self.model_name, req, choices, chat, self.tok)
-            return StreamingResponse(self.runner.events(w, choices, streams, t0), media_type="text/event-stream")
+            events = self.runner.events(w, choices, streams, t0)
+            return StreamingResponse(Events(shell).convert(events) if shell else events, media_type="text/event-stream")
         try:
             await asyncio.gather(*[self.runner.drive(c, streams[c.index], None, t0) for c in choices])
         except Exception as e:
             return self.refused(e if isinstance(e, ApiError) else self.classify(e))
-        return JSONResponse(final_response(rid, self.model_name, chat, choices, req, self.tok))
+        out = final_response(rid, self.model_name, chat, choices, req, self.tok)
+        return JSONResponse(shell.whole(out) if shell else out)
 
     def _model_card(self, max_len: int) -> dict:
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "mtp-ray", "root": self.model_name,
