@@ -215,10 +215,16 @@ def test_responses_api_function_calls_formats_and_refusals(client):
     r = client.responses.create(model=MODEL, input="x", max_output_tokens=20, temperature=0,
                                 text={"format": {"type": "json_schema", "name": "p", "schema": schema}})
     assert set(json.loads(r.output_text)) == {"a"}
+    # the sampling extras the chat route honours (vLLM and SGLang take them here too)
+    pen = dict(model=MODEL, input="x x x", max_output_tokens=8, temperature=0)
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x x x"}],
+                                           max_tokens=8, temperature=0, frequency_penalty=2.0)
+    assert client.responses.create(**pen, extra_body={"frequency_penalty": 2.0}).output_text == \
+        plain.choices[0].message.content
     for extra, param in [({"previous_response_id": "resp_1"}, "previous_response_id"),
                          ({"tools": [{"type": "web_search"}]}, "tools"),
                          ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
-                         ({"extra_body": {"top_k": 5}}, "top_k")]:
+                         ({"extra_body": {"n": 2}}, "n"), ({"extra_body": {"top_k": -5}}, "top_k")]:
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(**{"model": MODEL, "input": "x", "max_output_tokens": 2, **extra})
         assert e.value.body["param"] == param, e.value.body

@@ -18,7 +18,10 @@ from mtp_ray.serve.errors import bad
 
 # accepted and ignored, as on the chat route (serve/fields.py IGNORED), plus the Responses API's own bookkeeping
 _IGNORED = {"metadata", "store", "user", "service_tier", "prompt_cache_key", "safety_identifier", "truncation"}
-_PASSED = {"model", "temperature", "top_p", "parallel_tool_calls", "stream"}
+# passed to the chat body as they are: the Responses API's own, and the sampling extras vLLM and SGLang take here too
+_PASSED = {"model", "temperature", "top_p", "parallel_tool_calls", "stream", "seed", "top_k", "min_p", "stop",
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "stop_token_ids", "ignore_eos",
+           "min_tokens", "logit_bias"}
 _MAPPED = {"input", "instructions", "max_output_tokens", "text", "tools", "tool_choice", "reasoning", "include"}
 _REFUSED = {
     "previous_response_id": "this server stores no responses: send the whole conversation in 'input'",
