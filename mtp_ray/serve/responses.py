@@ -165,7 +165,9 @@ def new_choices(req: ParsedRequest, tok, serving) -> list[Choice]:
             for i, p in enumerate(req.prompts) for j in range(sp.n)]
 
 
-def usage(req: ParsedRequest, choices: list[Choice]) -> dict:
+def usage(req: ParsedRequest, choices: list[Choice], reasoning: bool = True) -> dict:
+    """The usage section; reasoning: with the reasoning token count (its count scans the output: not in every
+    chunk of a stream with continuous usage stats, only in the last)."""
     n_prompt = sum(len(p) for p in req.prompts)
     n_gen = 0 if req.drop_output else sum(len(c.token_ids) for c in choices)
     out = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
@@ -174,7 +176,7 @@ def usage(req: ParsedRequest, choices: list[Choice]) -> dict:
         n = req.params.n  # choices i * n .. i * n + n - 1 are prompt i's (new_choices)
         per_prompt = [max((c.cached_tokens or 0) for c in choices[i : i + n]) for i in range(0, len(choices), n)]
         out["prompt_tokens_details"] = {"cached_tokens": sum(per_prompt)}
-    if choices and choices[0].chat is not None and choices[0].chat.parses_reasoning:  # as OpenAI and vLLM
+    if reasoning and choices and choices[0].chat is not None and choices[0].chat.parses_reasoning:  # as OpenAI
         thought = 0 if req.drop_output else sum(c.reasoning_tokens() for c in choices)
         out["completion_tokens_details"] = {"reasoning_tokens": thought}
     return out

@@ -21,7 +21,7 @@ class SSEWriter:
 
     def _event(self, body: dict) -> str:
         if self.req.continuous_usage:  # vLLM's continuous_usage_stats: usage so far in every chunk
-            body["usage"] = usage(self.req, self.choices)
+            body["usage"] = usage(self.req, self.choices, reasoning=False)
         return sse_event(body)
 
     def _chunk(self, c: Choice, **kw) -> dict:
