@@ -47,14 +47,12 @@ class Detokenizer:
         """ids as text, decoded as this request's output is (skip_special_tokens)."""
         return self._dec(ids, self.skip_special_tokens)
 
-    _decode = decode
-
     def _after(self, split: int, ctx_text: str, end: int | None = None) -> str | None:
         """The text token_ids[split:end] add after the text of token_ids[:split]: decoded together with the CTX
         tokens before `split` (whose text alone is `ctx_text`) and that prefix cut off. The context matters for
         decoders that join or strip across tokens (WordPiece adds the space between words, Metaspace drops the
         first word's); decoding token_ids[split:] alone loses it. None where the context's text is no prefix."""
-        whole = self._decode(self.token_ids[max(0, split - CTX) : end])
+        whole = self.decode(self.token_ids[max(0, split - CTX) : end])
         return whole[len(ctx_text):] if whole.startswith(ctx_text) else None
 
     def _commit(self, tail: str) -> str:
@@ -63,7 +61,7 @@ class Detokenizer:
         the text of the tokens after the boundary."""
         split = len(self.token_ids) - KEEP
         head = self._after(self.committed, self.ctx_text, split)
-        ctx_text = self._decode(self.token_ids[max(0, split - CTX) : split])
+        ctx_text = self.decode(self.token_ids[max(0, split - CTX) : split])
         rest = self._after(split, ctx_text)
         if head is None or rest is None or head + rest != tail or "\ufffd" in head[-1:] + ctx_text[-1:]:
             return tail  # (a boundary inside a multi-byte character decodes as U+FFFD on one side)
@@ -80,7 +78,7 @@ class Detokenizer:
         tail = self._after(self.committed, self.ctx_text)
         if tail is None:  # (not seen: the boundary's context decodes differently now) start over from the top
             self.committed, self.committed_text, self.ctx_text = 0, "", ""
-            tail = self._decode(self.token_ids)
+            tail = self.decode(self.token_ids)
         if len(self.token_ids) - self.committed > WINDOW:
             tail = self._commit(tail)
         full = self.committed_text + tail
@@ -106,7 +104,7 @@ class Detokenizer:
     def _tokens_through(self, end: int, before: int) -> int:
         """The fewest tokens whose text reaches `end` (they hold the whole stop): usage counts only these."""
         for m in range(before + 1, len(self.token_ids)):
-            if len(self._decode(self.token_ids[:m])) >= end:
+            if len(self.decode(self.token_ids[:m])) >= end:
                 return m
         return len(self.token_ids)
 

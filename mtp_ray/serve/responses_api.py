@@ -48,7 +48,7 @@ def chat_body(body: dict) -> dict:
                        if body.get("instructions") is not None else []) + _messages(body.get("input"))
     if body.get("max_output_tokens") is not None:
         out["max_completion_tokens"] = body["max_output_tokens"]
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else body.get("text")
+    fmt = _text_format(body)
     if fmt is not None:
         out["response_format"] = _format(fmt)
     if body.get("tools") is not None:
@@ -122,6 +122,12 @@ def _messages(items) -> list[dict]:
     return msgs
 
 
+def _text_format(body: dict):
+    """text.format (a non-object `text` is returned as it is, for _format to refuse)."""
+    text = body.get("text")
+    return text.get("format") if isinstance(text, dict) else text
+
+
 def _format(fmt) -> dict:
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind == "text":
@@ -155,17 +161,31 @@ def _usage(u: dict) -> dict:
                 "reasoning_tokens": (u.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)}}
 
 
+def _status(finish: str | None) -> str:
+    return "incomplete" if finish == "length" else "completed"
+
+
+def _reasoning_item(item_id: str, text: str) -> dict:
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict:
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [_text_part(text)]}
+
+
+def _call_item(call: dict) -> dict:
+    """A chat tool call -> a function_call item."""
+    return {"id": _id("fc"), "type": "function_call", "call_id": call["id"], "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"], "status": "completed"}
+
+
 def _items(reasoning: str | None, content: str | None, calls: list[dict], status: str) -> list[dict]:
-    out: list[dict] = []
-    if reasoning:
-        out.append({"id": _id("rs"), "type": "reasoning", "summary": [],
-                    "content": [{"type": "reasoning_text", "text": reasoning}]})
-    if content:
-        out.append({"id": _id("msg"), "type": "message", "role": "assistant", "status": status,
-                    "content": [{"type": "output_text", "text": content, "annotations": [], "logprobs": []}]})
-    out += [{"id": _id("fc"), "type": "function_call", "call_id": c["id"], "name": c["function"]["name"],
-             "arguments": c["function"]["arguments"], "status": "completed"} for c in calls]
-    return out
+    return (([_reasoning_item(_id("rs"), reasoning)] if reasoning else [])
+            + ([_message_item(_id("msg"), content, status)] if content else []) + [_call_item(c) for c in calls])
 
 
 class Shell:
@@ -177,7 +197,7 @@ class Shell:
 
     def response(self, status: str, output: list[dict], usage: dict | None, finish: str | None = None) -> dict:
         b = self.body
-        fmt = (b.get("text") or {}).get("format") if isinstance(b.get("text"), dict) else None
+        fmt = _text_format(b)  # (chat_body refused a text that is no object)
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
                 "model": self.model, "output": output, "usage": usage,
@@ -192,9 +212,8 @@ class Shell:
         """A chat completion -> the Response."""
         c = chat["choices"][0]
         msg, finish = c["message"], c["finish_reason"]
-        status = "incomplete" if finish == "length" else "completed"
-        output = _items(msg.get("reasoning"), msg.get("content"), msg.get("tool_calls") or [], status)
-        return self.response(status, output, _usage(chat["usage"]), finish)
+        output = _items(msg.get("reasoning"), msg.get("content"), msg.get("tool_calls") or [], _status(finish))
+        return self.response(_status(finish), output, _usage(chat["usage"]), finish)
 
 
 class Events:
@@ -229,7 +248,7 @@ class Events:
             self._event("response.output_item.added", output_index=i, item={
                 "id": item_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []}),
             self._event("response.content_part.added", item_id=item_id, output_index=i, content_index=0,
-                        part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+                        part=_text_part(""))]
 
     def _delta(self, kind: str, text: str) -> list[str]:
         out = self._start(kind)
@@ -246,26 +265,22 @@ class Events:
             return []
         i, text = len(self.output), o["text"]
         if o["kind"] == "reasoning":
-            item = {"id": o["id"], "type": "reasoning", "summary": [],
-                    "content": [{"type": "reasoning_text", "text": text}]}
+            item = _reasoning_item(o["id"], text)
             out = [self._event("response.reasoning_text.done", item_id=o["id"], output_index=i, content_index=0,
                                text=text)]
         else:
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            status = "incomplete" if self.finish == "length" else "completed"
-            item = {"id": o["id"], "type": "message", "role": "assistant", "status": status, "content": [part]}
+            item = _message_item(o["id"], text, _status(self.finish))
             out = [self._event("response.output_text.done", item_id=o["id"], output_index=i, content_index=0,
                                text=text, logprobs=[]),
                    self._event("response.content_part.done", item_id=o["id"], output_index=i, content_index=0,
-                               part=part)]
+                               part=item["content"][0])]
         self.output.append(item)
         return out + [self._event("response.output_item.done", output_index=i, item=item)]
 
     def _call(self, call: dict) -> list[str]:
         out = self._close()
         i = len(self.output)
-        item = {"id": _id("fc"), "type": "function_call", "call_id": call["id"], "name": call["function"]["name"],
-                "arguments": call["function"]["arguments"], "status": "completed"}
+        item = _call_item(call)
         self.output.append(item)
         return out + [
             self._event("response.output_item.added", output_index=i, item={**item, "arguments": "",
@@ -294,7 +309,7 @@ class Events:
             self.finish = c.get("finish_reason") or self.finish
         if chunk.get("usage") is not None and not chunk.get("choices"):
             out += self._close()
-            status = "incomplete" if self.finish == "length" else "completed"
+            status = _status(self.finish)
             out.append(self._event(f"response.{status}", response=self.shell.response(
                 status, self.output, _usage(chunk["usage"]), self.finish)))
         return out
