@@ -213,6 +213,21 @@ def test_async_verify_equals_sync(emulated_graphs, k):
 
 
 @pytest.mark.parametrize("k", [1, 3])
+def test_async_verify_launches_nothing_after_a_last_verify(emulated_graphs, k):
+    """A lone request whose verify in flight may reach max_tokens: no step is launched on top of it (its row would
+    be dropped, and at batch 1 such a launch is a whole step of host work); the tokens are the synchronous
+    engine's whatever the count of tokens left (every verify length ends some request)."""
+    kw = {"num_speculative_tokens": k, "max_num_seqs": 8}
+    llm, ref = with_graphs(LLM(**kw, async_verify=True)), with_graphs(LLM(**kw, async_scheduling=False))
+    for n in range(2, 18):
+        sp = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)]
+        assert same(outputs(llm, PROMPTS[1:2], sp), outputs(ref, PROMPTS[1:2], sp)), n
+    st = llm.engine.stats
+    assert st.async_steps > 0 and st.accepted == ref.engine.stats.accepted > 0
+    assert st.device_greedy_steps == st.verify_steps  # every launched verify was committed
+
+
+@pytest.mark.parametrize("k", [1, 3])
 def test_drafts_after_prefill_run_as_graph(emulated_graphs, k):
     """One rank with graphs: the drafts after a prefill come from the draft-loop graph (MTP step 1 eager up to the
     last k + 1 rows, the graph from there), chunked prompts too. Same tokens and the same accepted drafts as the

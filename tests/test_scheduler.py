@@ -330,7 +330,7 @@ def test_append_equals_a_per_token_reference():
         sched = make()
         sched.add(req)
         proc = OutputProcessor(sched, {req.request_id: req}, eos, max_len, {})
-        kept = proc._append(req, toks, [(-float(t), {t: -1.0}) for t in toks])
+        kept = proc._append(req, toks, [-float(t) for t in toks], [{t: -1.0} for t in toks])
         want, reason, stop_reason = reference(prompt, out, toks, eos, stop_ids, ignore_eos, max_tokens, max_len)
         assert kept == want, case
         assert req.output_ids == out + toks[:want]

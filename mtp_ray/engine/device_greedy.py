@@ -101,12 +101,12 @@ class DeviceGreedy:
         in flight (with async verify, the device has already rotated the GDN slots of the step after it)."""
         if not self.k:
             req.num_computed += 1 - counted
-            return self.out.emit_one(req, int(row[0]), row[1])
+            return self.out.emit_greedy(req, [int(row[0])], [row[1]])
         q = 1 + self.k
         a = int(row[2 * q])  # accepted drafts
         self.out.commit_spec(req, a, self.k)
         req.num_computed += a + 1 - counted
-        out = self.out.emit(req, [int(t) for t in row[: a + 1]], [(lp, {}) for lp in row[q : q + a + 1]])
+        out = self.out.emit_greedy(req, [int(t) for t in row[: a + 1]], row[q : q + a + 1])
         if not req.finished:
             req.drafts = [int(t) for t in row[2 * q + 1 :]]
         return out

@@ -57,19 +57,22 @@ class OutputProcessor:
         req.drafts, req.draft_probs = [], None
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        n = self._append(req, emitted, info)
+        n = self._append(req, emitted, [lp for lp, _ in info], [top for _, top in info])
         return self.output(req, emitted[:n], n)
 
-    def emit_one(self, req: Request, token: int, logprob: float) -> StepOutput:
-        """emit() of one plain-greedy token (no top log-probs): every async decode step, for every sequence."""
+    def emit_greedy(self, req: Request, tokens: list[int], logprobs: list[float]) -> StepOutput:
+        """emit() of plain-greedy tokens (no top log-probs) read from the device's greedy block: every sequence of
+        every device-greedy step (k = 0: one token; k > 0: the accepted drafts and the target's token)."""
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         req.drafts = []
-        self._append(req, [token], [(logprob, {})])
+        n = self._append(req, tokens, logprobs, None)
+        if n < len(tokens):
+            tokens, logprobs = tokens[:n], logprobs[:n]
         done = req.finished
-        return StepOutput(req.request_id, [token], [logprob], [{}], done, req.finish_reason, req.stop_reason,
-                          len(req.prompt_ids), req.spec_stats() if done else {}, None, req.timings() if done else {},
-                          None, self._cached(req))
+        return StepOutput(req.request_id, tokens, logprobs, [{} for _ in tokens], done, req.finish_reason,
+                          req.stop_reason, len(req.prompt_ids), req.spec_stats() if done else {}, None,
+                          req.timings() if done else {}, None, self._cached(req))
 
     def commit_spec(self, req: Request, accepted: int, k: int) -> None:
         """GDN rollback: the state after token `accepted` of the verify becomes the sequence's state."""
@@ -84,15 +87,15 @@ class OutputProcessor:
         slots = req.state_slots
         slots[0], slots[1 + accepted] = slots[1 + accepted], slots[0]
 
-    def _append(self, req: Request, tokens: list[int], info: list[tuple[float, dict[int, float]]]) -> int:
-        """Append emitted tokens (with their (logprob, top logprobs)) until a stop condition; returns how many
-        were kept."""
+    def _append(self, req: Request, tokens: list[int], logprobs: list[float],
+                tops: list[dict[int, float]] | None) -> int:
+        """Append emitted tokens (with their log-probs and top log-probs: None, none asked) until a stop condition;
+        returns how many were kept."""
         p = req.params
         for i, t in enumerate(tokens):
             req.output_ids.append(t)
-            lp, top = info[i]
-            req.output_logprobs.append(lp)
-            req.top_logprobs.append(top)
+            req.output_logprobs.append(logprobs[i])
+            req.top_logprobs.append({} if tops is None else tops[i])
             reason = None
             if t in p.stop_token_ids:
                 reason, req.stop_reason = "stop", t  # vLLM: the stop token id; None for the end-of-sequence token
