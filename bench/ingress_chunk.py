@@ -1,7 +1,8 @@
 """The ingress's own Python per streamed chunk, without Ray or Serve (CPU): a rank's step messages for N streams
 (packed by runtime/outboxes.py as a rank packs them) go through an ingress replica's code path as in serving:
 Deliveries' dispatch, each stream's GroupStream / ChoiceRunner (metrics, detokenisation, stop checks) and its
-SSEWriter events. One step per pull (every stream gets a chunk per step: the most chunks the path can see).
+ChunkWriter chunks serialized as server-sent events. One step per pull (every stream gets a chunk per step: the most
+chunks the path can see).
 What is left of a chunk's cost in serving is Starlette's and Serve's (bench/serve.py --profile-s shows both).
 
     python bench/ingress_chunk.py [--streams 1 16 64 128] [--steps 200] [--out bench/results/ingress_chunk.json]
@@ -29,8 +30,8 @@ from mtp_ray.serve.delivery import Deliveries  # noqa: E402
 from mtp_ray.serve.groups import Admitted, GroupStream  # noqa: E402
 from mtp_ray.serve.metrics import Metrics  # noqa: E402
 from mtp_ray.serve.openai_protocol import Limits, parse_completion  # noqa: E402
-from mtp_ray.serve.responses import new_choices  # noqa: E402
-from mtp_ray.serve.streaming import SSEWriter  # noqa: E402
+from mtp_ray.serve.responses import new_choices, sse_stream  # noqa: E402
+from mtp_ray.serve.streaming import ChunkWriter  # noqa: E402
 
 MODEL = str(Path(__file__).resolve().parent.parent / "mtp_ray/assets/tiny-qwen35-mtp")
 
@@ -68,8 +69,8 @@ async def run(tok, streams: int, steps: int) -> dict:
         c = new_choices(req, tok, ChatServing(None, None))[0]
         q = client.deliveries.expect(f"r{i}")
         stream = GroupStream(client, [5, 6, 7], req.params, Admitted(Admission(f"r{i}", "g", 1, 0, None), q))
-        async for _ in runner.events(SSEWriter(f"cmpl-{i}", "m", req, [c], False, tok), [c], {0: stream},
-                                     time.monotonic()):
+        w = ChunkWriter(f"cmpl-{i}", "m", req, [c], False, tok)
+        async for _ in sse_stream(runner.events(w, [c], {0: stream}, time.monotonic())):
             events += 1
 
     tasks = [asyncio.create_task(consume(i)) for i in range(streams)]

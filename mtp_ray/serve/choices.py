@@ -1,6 +1,6 @@
 """ChoiceRunner: drives each choice of a response through its deltas (metrics, detokenisation, stop strings,
 early aborts) and turns a streamed response's progress into its server-sent events. One choice (most requests)
-goes from its deltas to events in the response's own task; n > 1 choices run as tasks feeding one queue."""
+goes from its deltas to chunks in the response's own task; n > 1 choices run as tasks feeding one queue."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator, Callable
 from mtp_ray.serve.errors import ApiError
 from mtp_ray.serve.groups import GroupStream
 from mtp_ray.serve.metrics import Metrics
-from mtp_ray.serve.responses import Choice, sse_event
-from mtp_ray.serve.streaming import SSEWriter
+from mtp_ray.serve.responses import Choice
+from mtp_ray.serve.streaming import ChunkWriter
 
 
 class ChoiceRunner:
@@ -56,10 +56,10 @@ class ChoiceRunner:
             if queue is not None:
                 queue.put_nowait(c)
 
-    async def events(self, w: SSEWriter, choices: list[Choice], streams: dict[int, GroupStream], t0: float
-                     ) -> AsyncIterator[str]:
-        """A streamed response's server-sent events, to `data: [DONE]`; an error after the response started is an
-        error event (its status in the body)."""
+    async def events(self, w: ChunkWriter, choices: list[Choice], streams: dict[int, GroupStream], t0: float
+                     ) -> AsyncIterator[dict]:
+        """A streamed response's chunks (dicts, serialized by the caller); an error after the response started is an
+        error chunk (its status in the body)."""
         try:
             for event in w.opening():
                 yield event
@@ -80,10 +80,9 @@ class ChoiceRunner:
         except Exception as e:
             err = e if isinstance(e, ApiError) else self.classify(e)
             self.metrics.count(f'request_failed_total{{status="{err.status}"}}')
-            yield sse_event(err.body())
-        yield "data: [DONE]\n\n"
+            yield err.body()
 
-    async def _interleaved(self, w: SSEWriter, choices: list[Choice], streams: dict[int, GroupStream], t0: float):
+    async def _interleaved(self, w: ChunkWriter, choices: list[Choice], streams: dict[int, GroupStream], t0: float):
         """n > 1: every choice driven by a task of its own, their events in the order the deltas arrive."""
         queue: asyncio.Queue = asyncio.Queue()
 

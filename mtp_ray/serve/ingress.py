@@ -26,9 +26,9 @@ from mtp_ray.serve.intake import check_api_key, off_loop, read_body, read_json_o
 from mtp_ray.serve.metrics import Metrics, render
 from mtp_ray.serve.metrics_hub import HubReporter
 from mtp_ray.serve.openai_protocol import NO_TOKENIZER, Limits, check_length, parse_completion
-from mtp_ray.serve.responses import choice_params, error_response, final_response, new_choices
+from mtp_ray.serve.responses import choice_params, error_response, final_response, new_choices, sse_stream
 from mtp_ray.serve.responses_api import Events, Shell, chat_body
-from mtp_ray.serve.streaming import SSEWriter
+from mtp_ray.serve.streaming import ChunkWriter
 
 # no /docs, /redoc or /openapi.json: the API is OpenAI's, and an open schema browser is one more thing to expose
 app = FastAPI(title="mtp-ray", docs_url=None, redoc_url=None, openapi_url=None)
@@ -205,9 +205,10 @@ class Ingress:
         self.metrics.hist["ingress_admit_seconds"].observe(time.monotonic() - t0)
         streams = dict(zip((c.index for c in choices), opened, strict=True))
         if req.stream:
-            w = SSEWriter(rid, self.model_name, req, choices, chat, self.tok)
-            events = self.runner.events(w, choices, streams, t0)
-            return StreamingResponse(Events(shell).convert(events) if shell else events, media_type="text/event-stream")
+            w = ChunkWriter(rid, self.model_name, req, choices, chat, self.tok)
+            chunks = self.runner.events(w, choices, streams, t0)
+            return StreamingResponse(Events(shell).convert(chunks) if shell else sse_stream(chunks),
+                                     media_type="text/event-stream")
         try:
             await asyncio.gather(*[self.runner.drive(c, streams[c.index], None, t0) for c in choices])
         except Exception as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse
@@ -280,6 +281,13 @@ def final_response(rid: str, model: str, chat: bool, choices: list[Choice], req:
 
 def sse_event(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+async def sse_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """A streamed completion's chunks as the route's server-sent events, to `data: [DONE]`."""
+    async for body in chunks:
+        yield sse_event(body)
+    yield "data: [DONE]\n\n"
 
 
 def error_response(e: ApiError) -> JSONResponse:

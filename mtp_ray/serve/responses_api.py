@@ -314,12 +314,11 @@ class Events:
                 status, self.output, _usage(chunk["usage"]), self.finish)))
         return out
 
-    async def convert(self, sse: AsyncIterator[str]) -> AsyncIterator[str]:
-        """The chat route's server-sent events -> the Responses events (no [DONE]: the Responses stream ends with
-        its last event)."""
+    async def convert(self, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+        """The chat route's chunks -> the Responses events (no [DONE]: the Responses stream ends with its last
+        event)."""
         for e in self.opening():
             yield e
-        async for event in sse:
-            if event.startswith("data: {"):
-                for e in self.chunk(json.loads(event[6:])):
-                    yield e
+        async for body in chunks:
+            for e in self.chunk(body):
+                yield e

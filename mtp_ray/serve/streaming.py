@@ -1,5 +1,7 @@
-"""The server-sent events of one streamed response: the opening chunks (chat roles, echoed prompts), a chunk per
-choice's progress (text or parsed chat delta, log-probs, token ids, the finish), the closing usage chunk."""
+"""The chunks of one streamed response, as dicts: the opening chunks (chat roles, echoed prompts), a chunk per
+choice's progress (text or parsed chat delta, log-probs, token ids, the finish), the closing usage chunk. They are
+serialized once, at the edge: as server-sent events of the route (responses.sse_stream), or turned into another
+stream's events first (the Responses API: responses_api.Events)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,10 @@ import time
 
 from mtp_ray.serve.chat_output import ChatDelta
 from mtp_ray.serve.openai_protocol import ParsedRequest
-from mtp_ray.serve.responses import Choice, Render, chunk, sse_event, usage
+from mtp_ray.serve.responses import Choice, Render, chunk, usage
 
 
-class SSEWriter:
+class ChunkWriter:
     def __init__(self, rid: str, model: str, req: ParsedRequest, choices: list[Choice], chat: bool, tok):
         self.rid, self.model, self.req, self.choices, self.chat = rid, model, req, choices, chat
         self.created = int(time.time())
@@ -19,15 +21,15 @@ class SSEWriter:
         # echo with logprobs: the prompt's log-probs arrive with the first output, so its echo chunk waits for it
         self.echo_lp = req.echo and req.top_logprobs is not None
 
-    def _event(self, body: dict) -> str:
+    def _event(self, body: dict) -> dict:
         if self.req.continuous_usage:  # vLLM's continuous_usage_stats: usage so far in every chunk
             body["usage"] = usage(self.req, self.choices, reasoning=False)
-        return sse_event(body)
+        return body
 
     def _chunk(self, c: Choice, **kw) -> dict:
         return chunk(self.rid, self.model, self.created, c, self.r, **kw)
 
-    def opening(self) -> list[str]:
+    def opening(self) -> list[dict]:
         out = [self._event(self._chunk(c, role=True)) for c in self.choices] if self.chat else []
         for c in self.choices:  # echo: the prompt's text (chat: the continued message) first
             if c.echo and not self.echo_lp:
@@ -35,7 +37,7 @@ class SSEWriter:
                                                    delta=ChatDelta(content=c.echo) if self.chat else None)))
         return out
 
-    def progress(self, c: Choice) -> list[str]:
+    def progress(self, c: Choice) -> list[dict]:
         """A choice advanced (or ended): its chunk, if there is anything to say."""
         out, req = [], self.req
         if self.echo_lp and c.echo:
@@ -53,9 +55,8 @@ class SSEWriter:
             out.append(self._event(self._chunk(c, text=text, delta=delta)))
         return out
 
-    def closing(self) -> list[str]:
+    def closing(self) -> list[dict]:
         if not self.req.include_usage:
             return []
-        return [sse_event({"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                           "created": self.created, "model": self.model, "choices": [],
-                           "usage": usage(self.req, self.choices)})]
+        return [{"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                 "created": self.created, "model": self.model, "choices": [], "usage": usage(self.req, self.choices)}]
