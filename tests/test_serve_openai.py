@@ -420,6 +420,12 @@ def test_models_health_metrics_tokenize(server):
     text = "def f(x):\n    return x"
     toks = post("/tokenize", {"model": MODEL, "prompt": text}).json()
     assert post("/detokenize", {"model": MODEL, "tokens": toks["tokens"]}).json()["prompt"] == text
+    assert toks["count"] == len(toks["tokens"]) and toks["max_model_len"] > 0
+    strs = post("/tokenize", {"model": MODEL, "prompt": text, "return_token_strs": True}).json()["token_strs"]
+    assert len(strs) == toks["count"]
+    for bad_ids in ([True], [-1], [10**9], "12"):  # a boolean is not a token id
+        r = requests.post(f"{BASE}/detokenize", json={"model": MODEL, "tokens": bad_ids}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", (bad_ids, r.text)
     m = requests.get(f"{BASE}/metrics").text
     for name in ("num_requests_running", "generation_tokens_total", "time_to_first_token_seconds_bucket",
                  "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",

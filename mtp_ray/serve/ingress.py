@@ -17,7 +17,7 @@ from mtp_ray import __version__
 from mtp_ray.config.server import ServerConfig
 from mtp_ray.llm import tokenizer_or_none
 from mtp_ray.runtime.batcher import detached
-from mtp_ray.serve.chat_request import ChatServing, parse_chat, render_chat, think_ids
+from mtp_ray.serve.chat_request import ChatServing, parse_chat, think_ids
 from mtp_ray.serve.choices import ChoiceRunner
 from mtp_ray.serve.errors import ApiError, bad
 from mtp_ray.serve.fields import CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
@@ -25,10 +25,11 @@ from mtp_ray.serve.groups import GroupClient, GroupStream, cause_of, first_line,
 from mtp_ray.serve.intake import check_api_key, off_loop, read_body, read_json_object
 from mtp_ray.serve.metrics import Metrics, render
 from mtp_ray.serve.metrics_hub import HubReporter
-from mtp_ray.serve.openai_protocol import NO_TOKENIZER, Limits, check_length, parse_completion
+from mtp_ray.serve.openai_protocol import Limits, check_length, parse_completion
 from mtp_ray.serve.responses import choice_params, error_response, final_response, new_choices, sse_stream
 from mtp_ray.serve.responses_api import Events, Shell, chat_body
 from mtp_ray.serve.streaming import ChunkWriter
+from mtp_ray.serve.tokenize_api import detokenize, tokenize
 
 # no /docs, /redoc or /openapi.json: the API is OpenAI's, and an open schema browser is one more thing to expose
 app = FastAPI(title="mtp-ray", docs_url=None, redoc_url=None, openapi_url=None)
@@ -285,37 +286,18 @@ class Ingress:
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request):
-        """vLLM's /tokenize: a prompt, or chat messages through the chat template (with tools and its options)."""
+        """vLLM's /tokenize (serve/tokenize_api.py)."""
         try:
             body, _ = await self._body(request, TOKENIZE_FIELDS)
-            if self.tok is None:
-                raise bad(NO_TOKENIZER, "prompt")
-            special = body.get("add_special_tokens", "messages" not in body)
-            if not isinstance(special, bool):
-                raise bad("'add_special_tokens' must be a boolean", "add_special_tokens")
-            if "messages" in body:
-                ids = self.tok.encode(render_chat(body, self.tok)[0], add_special_tokens=special)
-            elif isinstance(body.get("prompt"), str):
-                ids = self.tok.encode(body["prompt"], add_special_tokens=special)
-            else:
-                raise bad("'prompt' (a string) or 'messages' is required", "prompt")
+            return tokenize(body, self.tok, (await self.info())["max_model_len"])
         except ApiError as e:
             return error_response(e)
-        out = {"tokens": ids, "count": len(ids), "max_model_len": (await self.info())["max_model_len"]}
-        if body.get("return_token_strs"):
-            out["token_strs"] = self.tok.convert_ids_to_tokens(ids)
-        return out
 
     @app.post("/detokenize")
     async def detokenize(self, request: Request):
+        """vLLM's /detokenize (serve/tokenize_api.py)."""
         try:
             body, _ = await self._body(request, DETOKENIZE_FIELDS)
-            toks = body.get("tokens")
-            vocab = (await self.info())["vocab_size"]
-            if not isinstance(toks, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in toks):
-                raise bad(f"'tokens' must be a list of token ids in [0, {vocab})", "tokens")
-            if self.tok is None:
-                raise bad(NO_TOKENIZER, "tokens")
+            return detokenize(body, self.tok, (await self.info())["vocab_size"])
         except ApiError as e:
             return error_response(e)
-        return {"prompt": self.tok.decode(toks)}
