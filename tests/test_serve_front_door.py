@@ -90,6 +90,10 @@ BAD = [  # (body, status, param)
     ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"model": "tiny", "prompt": ["x"] * 300, "max_tokens": 1}, 400, "prompt"),
     ({"model": "tiny", "prompt": "x" * 200_000, "max_tokens": 1}, 400, "prompt"),
+    # a lone surrogate anywhere (a field a response or an error message would echo), or too large for a float
+    ({"model": "tiny\ud800", "prompt": "x", "max_tokens": 1}, 400, "model"),
+    ({"model": "tiny", "prompt": "x", "user": "\udc00", "max_tokens": 1}, 400, "user"),
+    ({"model": "tiny", "prompt": "x", "temperature": 2**1100, "max_tokens": 1}, 400, "temperature"),
 ]
 
 
@@ -116,6 +120,16 @@ def test_hostile_bodies(server):
     # a seed near 2**64 with n > 1: each choice's seed stays valid
     r = post({"model": "tiny", "prompt": "x", "n": 2, "seed": 2**64 - 1, "max_tokens": 3})
     assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+    # integers past 2**63 where a float is meant: served (they failed the group's tensor arithmetic)
+    for field in ("temperature", "repetition_penalty"):
+        r = post({"model": "tiny", "prompt": "x", field: 2**70, "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", (field, r.text)
+    # a Responses request echoes metadata and tools: a lone surrogate there is a 400, not a 500
+    tool = {"type": "function", "name": "f\ud800", "parameters": {}}
+    for extra in ({"metadata": {"k": "\ud800"}}, {"tools": [tool]}):
+        r = post({"model": "tiny", "input": "x", "max_output_tokens": 2, **extra}, "/v1/responses")
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), r.text
+    assert requests.get(f"{BASE}/health").json()["healthy"]
 
 
 def test_a_10_mb_body_does_not_stall_a_normal_request(server):

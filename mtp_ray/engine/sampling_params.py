@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -62,6 +63,9 @@ class StructuredOutputs:
         return cls(**v)
 
 
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -91,6 +95,12 @@ class SamplingParams:
             self.stop = [self.stop]
         self.structured_outputs = StructuredOutputs.coerce(self.structured_outputs)
         self.validate()
+        # as floats from here on: an integer past 2**63 (JSON allows any) fails the tensor arithmetic it meets on a
+        # rank ("int too big to convert"), which would fail the whole group
+        for name in FLOAT_FIELDS:
+            setattr(self, name, float(getattr(self, name)))
+        if self.logit_bias:
+            self.logit_bias = {t: float(v) for t, v in self.logit_bias.items()}
 
     @property
     def greedy(self) -> bool:
@@ -132,12 +142,12 @@ class SamplingParams:
         def is_int(x: Any) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
-        def is_num(x: Any) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool)
+        def is_num(x: Any) -> bool:  # a number a float can hold
+            return isinstance(x, float) or (is_int(x) and abs(x) <= sys.float_info.max)
 
         need(is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
         need(is_num(self.temperature) and self.temperature >= 0, "temperature",
-             f"must be >= 0, got {self.temperature!r}")
+             f"must be a number >= 0, got {self.temperature!r:.80}")
         need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
         need(is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k",
              f"must be -1 or >= 0, got {self.top_k!r}")
@@ -156,7 +166,7 @@ class SamplingParams:
         need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
              f"must be an integer in 0..20, got {self.logprobs!r}")
         need(is_num(self.repetition_penalty) and 0 < self.repetition_penalty < float("inf"), "repetition_penalty",
-             f"must be > 0, got {self.repetition_penalty!r}")
+             f"must be a number > 0, got {self.repetition_penalty!r:.80}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             need(is_num(v) and -2 <= v <= 2, name, f"must be in [-2, 2], got {v!r}")

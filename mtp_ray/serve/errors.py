@@ -6,6 +6,7 @@ from __future__ import annotations
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
                  code: str | int | None = None, headers: dict[str, str] | None = None):
+        message, param = encodable(message), encodable(param)
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
         self.type = type_ or {400: "invalid_request_error", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
@@ -14,6 +15,12 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def encodable(s: str | None) -> str | None:
+    """User text a message quotes may hold lone surrogates (JSON carries them, UTF-8 cannot): escaped, so that the
+    error body always encodes (Starlette's JSONResponse would fail with a 500 instead)."""
+    return s.encode("utf-8", "backslashreplace").decode("utf-8") if s is not None else None
 
 
 def bad(message: str, param: str | None = None) -> ApiError:

@@ -11,7 +11,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from mtp_ray.serve.errors import ApiError, bad
+from mtp_ray.serve.errors import ApiError, bad, encodable
 
 T = TypeVar("T")
 
@@ -81,4 +81,24 @@ async def read_json_object(request: Request, max_bytes: int) -> tuple[dict, int]
         raise bad("malformed JSON body: nested too deeply") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
+    if b"\\ud" in raw or b"\\uD" in raw:  # an escaped surrogate: a pair (an emoji) or a lone one
+        check_unicode(body)
     return body, len(raw)
+
+
+def check_unicode(body: dict) -> None:
+    """Every string of the body, keys included, is valid Unicode text: JSON can carry a lone surrogate, UTF-8 cannot,
+    so a tokenizer, a template or a response echoing it would fail later (a 500). 400 naming the top-level field."""
+    stack: list[tuple[object, str]] = [(v, k) for k, v in body.items()] + [(k, k) for k in body]
+    while stack:
+        v, field = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise bad(f"'{encodable(field)}' is not valid Unicode text (a lone surrogate at position {e.start})",
+                          field) from None
+        elif isinstance(v, dict):
+            stack += [(x, field) for x in v.values()] + [(x, field) for x in v]
+        elif isinstance(v, list):
+            stack += [(x, field) for x in v]
