@@ -1,5 +1,5 @@
 """ChoiceRunner: drives each choice of a response through its deltas (metrics, detokenisation, stop strings,
-early aborts) and turns a streamed response's progress into its server-sent events. One choice (most requests)
+early aborts) and turns a streamed response's progress into its chunks. One choice (most requests)
 goes from its deltas to chunks in the response's own task; n > 1 choices run as tasks feeding one queue."""
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class ChoiceRunner:
             yield err.body()
 
     async def _interleaved(self, w: ChunkWriter, choices: list[Choice], streams: dict[int, GroupStream], t0: float):
-        """n > 1: every choice driven by a task of its own, their events in the order the deltas arrive."""
+        """n > 1: every choice driven by a task of its own, their chunks in the order the deltas arrive."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def drive(c: Choice) -> None:
