@@ -94,6 +94,12 @@ BAD = [  # (body, status, param)
     ({"model": "tiny\ud800", "prompt": "x", "max_tokens": 1}, 400, "model"),
     ({"model": "tiny", "prompt": "x", "user": "\udc00", "max_tokens": 1}, 400, "user"),
     ({"model": "tiny", "prompt": "x", "temperature": 2**1100, "max_tokens": 1}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "x", "temperature": float("nan"), "max_tokens": 1}, 400, None),  # not JSON
+    # an echoed prompt is decoded before admission: its ids are checked first
+    ({"model": "tiny", "prompt": ["a b", [5, 10**12]], "echo": True, "max_tokens": 2}, 400, "prompt"),
+    # a schema llguidance panics on (a Rust panic is a BaseException): refused, never a failed rank
+    ({"model": "tiny", "prompt": "x", "max_tokens": 2,
+      "structured_outputs": {"json": {"type": "object", "required": "\U0001F642" * 50}}}, 400, "structured_outputs"),
 ]
 
 
@@ -129,6 +135,13 @@ def test_hostile_bodies(server):
     for extra in ({"metadata": {"k": "\ud800"}}, {"tools": [tool]}):
         r = post({"model": "tiny", "input": "x", "max_output_tokens": 2, **extra}, "/v1/responses")
         assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), r.text
+    # numbers JSON has not (a Response would echo them in its tools, and could not be written): 400
+    for raw in (b'{"model": "tiny", "prompt": "x", "top_p": 1e999}', b'{"model": "tiny", "input": "x", "tools": '
+                b'[{"type": "function", "name": "f", "parameters": {"type": "object", "maximum": Infinity}}]}'):
+        r = post(raw, "/v1/responses" if b"input" in raw else "/v1/completions")
+        assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"], r.text
+    r = post({"model": "tiny", "input": [{"role": ["user"], "content": "x"}], "max_output_tokens": 2}, "/v1/responses")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
     assert requests.get(f"{BASE}/health").json()["healthy"]
 
 

@@ -13,7 +13,9 @@ import functools
 import json
 import logging
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 
@@ -60,10 +62,26 @@ def grammar_text(spec: StructuredOutputs) -> str:
     return json.dumps({"grammars": [{"lark_grammar": top}, *grammars]})
 
 
+@contextmanager
+def refused_as_param_error() -> Iterator[None]:
+    """llguidance's errors on a constraint -> ParamError naming structured_outputs. Its Rust panics too: they arrive
+    as pyo3's PanicException, a BaseException, which no `except Exception` catches (a rank's loop would die of it)."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        raise ParamError(f"structured_outputs: {e}", "structured_outputs") from None
+    except BaseException as e:
+        if type(e).__name__ != "PanicException":
+            raise
+        first = (str(e).strip().splitlines() or ["no detail"])[0][:200]
+        raise ParamError(f"structured_outputs: the constraint could not be compiled ({first})",
+                         "structured_outputs") from None
+
+
 def _body_text(spec: StructuredOutputs) -> str:
     import llguidance as lg
 
-    try:
+    with refused_as_param_error():
         if spec.json is not None or spec.json_object:
             schema = {"type": "object"} if spec.json_object else spec.json
             if isinstance(schema, str):
@@ -77,8 +95,6 @@ def _body_text(spec: StructuredOutputs) -> str:
         if spec.choice is not None:
             return lg.grammar_from("choice", json.dumps(spec.choice))
         return lg.grammar_from("grammar", spec.grammar or "")
-    except (ValueError, TypeError) as e:
-        raise ParamError(f"structured_outputs: {e}", "structured_outputs") from None
 
 
 @functools.lru_cache(maxsize=256)
@@ -87,7 +103,8 @@ def _checked(key: str) -> str:
 
     spec = StructuredOutputs.coerce(json.loads(key))
     text = grammar_text(spec)
-    err = lg.LLMatcher.validate_grammar(text)
+    with refused_as_param_error():
+        err = lg.LLMatcher.validate_grammar(text)
     if err:
         raise ParamError(f"structured_outputs: invalid constraint: {err.strip().splitlines()[0]}",
                          "structured_outputs")
@@ -183,7 +200,9 @@ class GrammarCompiler:
     def grammar(self, spec: StructuredOutputs, stop_ids: tuple[int, ...]) -> Grammar:
         import llguidance as lg
 
-        m = lg.LLMatcher(self._tokenizer(), check_grammar(spec), log_level=0)
+        tok, text = self._tokenizer(), check_grammar(spec)
+        with refused_as_param_error():
+            m = lg.LLMatcher(tok, text, log_level=0)
         if m.is_error():
             raise ParamError(f"structured_outputs: {m.get_error()}", "structured_outputs")
         return Grammar(m, self.vocab_size, stop_ids)

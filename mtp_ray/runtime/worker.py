@@ -256,7 +256,9 @@ class RankWorker:
                     # wave: requests in the inbox, and group commands (a command queued then would wait forever)
                     if not self.inbox.empty() or core.has_unfinished() or self.cmds:
                         self.start_wanted = max(self.start_wanted, self.wave)
-        except Exception as e:  # a collective failed or timed out, or a lock-step check fired
+        # a collective failed or timed out, a lock-step check fired, or a native library panicked (pyo3's
+        # PanicException is a BaseException): the rank reports it and the group restarts, never a silent hang
+        except BaseException as e:
             last = sync.last.describe() if sync.last is not None else "  (none)"
             self.error = (f"rank {self.rank} failed at wave {self.wave} step {sync.step}: {type(e).__name__}: {e}\n"
                           f"rank {self.rank} last DPMeta: {self.ctx.local.describe()}\n"

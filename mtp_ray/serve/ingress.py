@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mtp_ray import __version__
 from mtp_ray.config.server import ServerConfig
+from mtp_ray.engine.request import check_request
 from mtp_ray.llm import tokenizer_or_none
 from mtp_ray.runtime.batcher import detached
 from mtp_ray.serve.chat_request import ChatServing, parse_chat, think_ids
@@ -173,9 +174,10 @@ class Ingress:
             limits = await self.limits()
             req = await off_loop(lambda: parse_chat(body, self.tok, limits, self.serving) if chat
                                  else parse_completion(body, self.tok, limits), size)
-            max_len = (await self.info())["max_model_len"]
-            for ids in req.prompts:
-                check_length(ids, req.params, max_len)
+            info = await self.info()
+            for ids in req.prompts:  # here, not only at the group: an echo decodes the prompt before admission
+                check_length(ids, req.params, info["max_model_len"])
+                check_request(ids, req.params, info["vocab_size"], info["max_model_len"])
         except ApiError as e:
             return self.refused(e)
         except Exception as e:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import math
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -87,11 +88,24 @@ async def read_json_object(request: Request, max_bytes: int) -> tuple[dict, int]
 def _parse(raw: bytes) -> object:
     """json.loads, and where the text may escape a surrogate (a pair: an emoji; or a lone one) the Unicode check: both
     off the event loop for a large body. (A UTF-16 / 32 body is always checked: its escapes are not these bytes.)"""
-    body = json.loads(raw)
+    body = json.loads(raw, parse_constant=_not_json, parse_float=_finite)
     escapes = b"\\ud" in raw or b"\\uD" in raw or not json.detect_encoding(raw).startswith("utf-8")
     if isinstance(body, dict) and escapes:
         check_unicode(body)
     return body
+
+
+def _not_json(name: str) -> float:
+    """NaN / Infinity: Python's json reads them, JSON has no such numbers, and an answer echoing one (a Response's
+    tools, metadata) could not be written as JSON."""
+    raise bad(f"malformed JSON body: {name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    x = float(text)
+    if x in (math.inf, -math.inf):  # 1e999: past the largest double
+        raise bad(f"malformed JSON body: the number {text[:40]} is out of range")
+    return x
 
 
 def check_unicode(body: dict) -> None:

@@ -101,7 +101,7 @@ def _messages(items) -> list[dict]:
     msgs: list[dict] = []
     for i, it in enumerate(items):
         kind = it.get("type", "message") if isinstance(it, dict) else None
-        if kind == "message" and it.get("role") in ROLES:
+        if kind == "message" and isinstance(it.get("role"), str) and it["role"] in ROLES:
             msgs.append({"role": ROLES[it["role"]], "content": _content(it.get("content"), i)})
         elif kind == "function_call" and all(isinstance(it.get(k), str) for k in ("call_id", "name", "arguments")):
             call = {"id": it["call_id"], "type": "function", "function": {"name": it["name"],
