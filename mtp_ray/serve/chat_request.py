@@ -9,12 +9,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from mtp_ray.serve.intake import unicode_text
 from mtp_ray.serve.openai_protocol import (
     NO_LIMITS,
     NO_TOKENIZER,
     Limits,
     ParsedRequest,
-    _text,
     bad,
     flag,
     parse_common,
@@ -91,7 +91,7 @@ def _tool_calls(calls: Any, i: int) -> list[dict]:
                 pass  # not JSON: the template renders the string as it is
         elif not isinstance(args, dict):
             raise bad(f"messages[{i}].tool_calls: arguments must be a JSON string or an object", "messages")
-        out.append({"id": c.get("id"), "type": "function", "function": {"name": _text(f["name"], "messages"),
+        out.append({"id": c.get("id"), "type": "function", "function": {"name": unicode_text(f["name"], "messages"),
                                                                         "arguments": args}})
     return out
 
@@ -103,7 +103,7 @@ def messages(msgs: Any, limits: Limits) -> list[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
-        role = _text(m["role"], "messages")  # any role goes to the template, which may refuse it (vLLM)
+        role = unicode_text(m["role"], "messages")  # any role goes to the template, which may refuse it (vLLM)
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
                                "content": _content(m.get("content"), i, limits)}
         if m.get("tool_calls") is not None:
@@ -112,10 +112,10 @@ def messages(msgs: Any, limits: Limits) -> list[dict]:
             msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
         for key in ("tool_call_id", "name"):
             if isinstance(m.get(key), str):
-                msg[key] = _text(m[key], "messages")
+                msg[key] = unicode_text(m[key], "messages")
         reasoning = m.get("reasoning_content", m.get("reasoning"))
         if isinstance(reasoning, str) and role == "assistant":
-            msg["reasoning_content"] = _text(reasoning, "messages")
+            msg["reasoning_content"] = unicode_text(reasoning, "messages")
         clean.append(msg)
     return clean
 

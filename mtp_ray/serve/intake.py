@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from mtp_ray.serve.errors import ApiError, bad, encodable
+from mtp_ray.serve.errors import ApiError, bad
 
 T = TypeVar("T")
 
@@ -103,7 +103,7 @@ def _not_json(name: str) -> float:
 
 def _finite(text: str) -> float:
     x = float(text)
-    if x in (math.inf, -math.inf):  # 1e999: past the largest double
+    if math.isinf(x):  # 1e999: past the largest double
         raise bad(f"malformed JSON body: the number {text[:40]} is out of range")
     return x
 
@@ -115,12 +115,18 @@ def check_unicode(body: dict) -> None:
     while stack:
         v, field = stack.pop()
         if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise bad(f"'{encodable(field)}' is not valid Unicode text (a lone surrogate at position {e.start})",
-                          field) from None
+            unicode_text(v, field)
         elif isinstance(v, dict):
             stack += [(x, field) for x in v.values()] + [(x, field) for x in v]
         elif isinstance(v, list):
             stack += [(x, field) for x in v]
+
+
+def unicode_text(s: str, field: str) -> str:
+    """A string a tokenizer can take and a response can echo: UTF-8 encodable (JSON can carry lone surrogates, which
+    UTF-8 cannot); 400 naming the field."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(f"'{field}' is not valid Unicode text (a lone surrogate at position {e.start})", field) from None
+    return s

@@ -9,6 +9,7 @@ from typing import Any
 
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.serve.errors import bad
+from mtp_ray.serve.intake import unicode_text
 from mtp_ray.serve.structured import constraint
 
 _DIGITS = re.compile(r"[0-9]+")  # str.isdigit() also takes "²", which int() refuses
@@ -72,15 +73,6 @@ class Limits:
 NO_LIMITS = Limits()
 
 
-def _text(s: str, field: str) -> str:
-    """A string the tokenizer can take: UTF-8 encodable (JSON can carry lone surrogates, which it cannot)."""
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise bad(f"'{field}' is not valid Unicode text (a lone surrogate at position {e.start})", field) from None
-    return s
-
-
 def _check_type(body: dict, key: str, types: tuple) -> Any:
     v = body[key]
     ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in types)
@@ -107,7 +99,7 @@ def sampling_params(body: dict, max_tokens_key: str, logprobs: int | None, limit
             raise bad("'stop' must be a string or a list of strings", "stop")
         if len(stop) > limits.max_stop:
             raise bad(f"'stop' may hold at most {limits.max_stop} strings, got {len(stop)}", "stop")
-        kw["stop"] = [_text(s, "stop") for s in stop if s]
+        kw["stop"] = [unicode_text(s, "stop") for s in stop if s]
     n = kw.get("n")
     if n is not None and n > limits.max_n:
         raise bad(f"'n' must be at most {limits.max_n}, got {n}", "n")
@@ -254,7 +246,7 @@ def prompt_text(s: str, field: str, limits: Limits) -> str:
     if limits.max_prompt_chars is not None and len(s) > limits.max_prompt_chars:
         raise bad(f"'{field}' is too long: {len(s)} characters are more tokens than the model's context holds",
                   field)
-    return _text(s, field)
+    return unicode_text(s, field)
 
 
 def check_length(ids: list[int], params: SamplingParams, max_model_len: int) -> None:
