@@ -313,6 +313,32 @@ def test_injected_local_ep_decision_is_named_not_hung(ray_cluster):
     assert time.monotonic() - t0 < 60
 
 
+def _cpus_return_to(ray, before: float) -> bool:
+    deadline = time.monotonic() + 15  # the resource view catches up asynchronously
+    while ray.available_resources().get("CPU") != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return ray.available_resources().get("CPU") == before
+
+
+def test_failed_start_gives_back_its_ranks_resources(ray_cluster):
+    """A group whose ranks fail at start (here a cache too small for one sequence) or whose placement group never
+    becomes ready gives its bundles back; each failed launch used to keep dp CPUs (GPUs) reserved until the job
+    ended, so the next launch on a full cluster waited for resources."""
+    before = ray_cluster.available_resources().get("CPU")
+    for _ in range(2):
+        with pytest.raises(Exception, match="cache.num_blocks=3 cannot hold one sequence"):
+            launch_engine(cfg(2, 0, cache={"num_blocks": 3}))
+    assert _cpus_return_to(ray_cluster, before)
+    with pytest.raises(Exception, match="placement group of 2 rank bundles .* was not ready after timeouts.start_s"):
+        launch_engine(cfg(2, 0, parallel={"cpus_per_rank": 64}, timeouts={"start_s": 2}))
+    assert _cpus_return_to(ray_cluster, before)
+    assert not [a for a in ray_cluster.util.list_named_actors() if "mtp_ray_rank" in a]
+    # more DP ranks than experts (EP shards them): named before any rank starts
+    with pytest.raises(Exception, match="parallel.dp=9 exceeds the model's num_experts=8"):
+        launch_engine(cfg(9, 0))
+    assert _cpus_return_to(ray_cluster, before)
+
+
 def test_command_queued_during_a_waves_last_step_still_runs():
     """A group command that arrives after the wave's last DPMeta was gathered (so the table shows no command and
     the wave ends) starts the next wave; it used to wait forever (seen as a rare hang of sleep / wake_up)."""

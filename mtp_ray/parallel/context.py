@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 def expert_ranges(num_experts: int, ep: int) -> list[tuple[int, int]]:
     """Contiguous expert shards; the first num_experts % ep ranks get one extra expert."""
     if ep > num_experts:
-        raise ValueError(f"ep size {ep} exceeds num_experts {num_experts}")
+        raise ValueError(f"EP size {ep} (parallel.dp) exceeds num_experts {num_experts}: each rank holds at least one")
     base, extra = divmod(num_experts, ep)
     out, start = [], 0
     for r in range(ep):

@@ -127,5 +127,9 @@ def launch_engine(config: EngineConfig | dict, placement_group=None, bundle_offs
     """Create the engine actor inside the current Ray job and wait until its group serves; returns the handle."""
     actor = ray.remote(RolloutEngine).options(num_cpus=0, max_concurrency=1000, name=name)
     handle = actor.remote(config, placement_group, bundle_offset)
-    ray.get(handle.start.remote())
+    try:
+        ray.get(handle.start.remote())
+    except BaseException:
+        ray.kill(handle, no_restart=True)  # its group released what it held; the actor would serve nothing
+        raise
     return handle

@@ -57,6 +57,9 @@ class EngineGroup:
         self.group_id = uuid.uuid4().hex[:8]
         self.dp = cfg.parallel.dp
         self.model_config = ModelConfig.from_pretrained(cfg.model)
+        if self.dp > self.model_config.num_experts:  # before any actor starts: the ranks would each raise it
+            raise ValueError(f"parallel.dp={self.dp} exceeds the model's num_experts={self.model_config.num_experts}: "
+                             "experts are sharded over the DP ranks (EP), and each rank holds at least one")
         self.pg, self.own_pg, self.bundle_offset = pg, pg is None, bundle_offset
         self.workers: list = []
         self.reqs: dict[str, tuple[int, Sink]] = {}
@@ -77,10 +80,26 @@ class EngineGroup:
 
     # ---- life cycle ----
     async def start(self) -> None:
-        if self.pg is None:
-            self.pg = placement_group(rank_bundles(self.cfg), strategy=self.cfg.parallel.placement_strategy)
-        await asyncio.wait_for(self.pg.ready(), self.cfg.timeouts.start_s)
-        await self.spawn()
+        bundles = rank_bundles(self.cfg)
+        try:
+            if self.pg is None:
+                self.pg = placement_group(bundles, strategy=self.cfg.parallel.placement_strategy)
+            try:
+                await asyncio.wait_for(self.pg.ready(), self.cfg.timeouts.start_s)
+            except TimeoutError:
+                self.state = "failed"
+                self.monitor.last_failure = (
+                    f"group start failed: the placement group of {self.dp} rank bundles {bundles[0]} was not ready "
+                    f"after timeouts.start_s={self.cfg.timeouts.start_s} s (the cluster lacks the resources?)")
+                raise GroupFailed(self.monitor.last_failure) from None
+            await self.spawn()
+        except BaseException:
+            # a group that never served holds nothing: its own placement group goes (kept, every failed start of a
+            # rollout engine left its ranks' CPUs / GPUs reserved until the job ended)
+            if self.own_pg and self.pg is not None:
+                remove_placement_group(self.pg)
+                self.pg = None
+            raise
         self._tasks.append(detached(self.monitor.watchdog()))
 
     async def wait_ready(self) -> None:
