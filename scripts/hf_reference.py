@@ -23,18 +23,19 @@ class HFMTPHead(nn.Module):
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.pre_fc_norm_embedding = Qwen3_5MoeRMSNorm(h, eps)
         self.pre_fc_norm_hidden = Qwen3_5MoeRMSNorm(h, eps)
-        self.layers = nn.ModuleList([Qwen3_5MoeDecoderLayer(lcfg, 0)])
+        n = max(1, getattr(cfg, "mtp_num_hidden_layers", 1) or 1)  # draft step j runs layer j mod n
+        self.layers = nn.ModuleList([Qwen3_5MoeDecoderLayer(lcfg, 0) for _ in range(n)])
         self.norm = Qwen3_5MoeRMSNorm(h, eps)
         self.rotary = Qwen3_5MoeTextRotaryEmbedding(lcfg)
         for _name, p in self.named_parameters():
             if p.dim() >= 2:
                 nn.init.normal_(p, std=cfg.initializer_range)
 
-    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, step: int = 0) -> torch.Tensor:
         # emb, hidden: [B, T, H]; positions: [B, T]
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
         cos_sin = self.rotary(x, positions[None].expand(3, -1, -1))
         t = x.shape[1]
         mask = torch.full((t, t), float("-inf"), device=x.device).triu(1)[None, None]
-        x = self.layers[0](x, position_embeddings=cos_sin, attention_mask=mask)
+        x = self.layers[step % len(self.layers)](x, position_embeddings=cos_sin, attention_mask=mask)
         return self.norm(x)

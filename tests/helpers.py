@@ -31,6 +31,14 @@ CONFIGS = {
                       linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
                       linear_value_head_dim=32, num_experts=8, num_experts_per_tok=1, moe_intermediate_size=32,
                       shared_expert_intermediate_size=32, rope_theta=1000.0),
+    # shapes no power of two covers: head dims of 12, full rotary, H_v = 3 H_k, a 2-tap conv, 5 experts (top 3),
+    # two MTP layers (draft step j runs layer j mod 2)
+    "odd_mtp2": dict(hidden_size=40, num_hidden_layers=3, layer_types=["linear_attention", "full_attention",
+                                                                       "linear_attention"],
+                     num_attention_heads=3, num_key_value_heads=1, head_dim=12, linear_num_key_heads=1,
+                     linear_num_value_heads=3, linear_key_head_dim=12, linear_value_head_dim=4,
+                     linear_conv_kernel_dim=2, num_experts=5, num_experts_per_tok=3, moe_intermediate_size=12,
+                     shared_expert_intermediate_size=20, partial_rotary_factor=1.0, mtp_num_hidden_layers=2),
 }
 
 

@@ -83,12 +83,14 @@ def test_mtp_head_matches_transformers_modules(pair):
     hidden = torch.randn(n, h, generator=g)
     nxt = torch.randint(0, ours.config.vocab_size, (n,), generator=g)
     pos = torch.arange(n)
-    ref = head(hf.model.embed_tokens(nxt)[None], hidden[None], pos[None])[0]
-    cache = PagedSeqs(ours, 1, 16)
-    pre = 9
-    out = [ours.mtp_forward(nxt[:pre], hidden[:pre], pos[:pre], cache.batch([(0, 0, pre)]))]
-    for t in range(pre, n):
-        out.append(ours.mtp_forward(nxt[t : t + 1], hidden[t : t + 1], pos[t : t + 1], cache.batch([(0, t, 1)])))
-    got = torch.cat(out)
-    assert (got - ref).abs().max().item() < TOL
-    assert (ours.compute_logits(got) - hf.lm_head(ref)).abs().max().item() < TOL
+    for step in range(len(head.layers)):  # with several MTP layers, draft step j runs layer j
+        ref = head(hf.model.embed_tokens(nxt)[None], hidden[None], pos[None], step)[0]
+        cache = PagedSeqs(ours, 1, 16)
+        pre = 9
+        out = [ours.mtp_forward(nxt[:pre], hidden[:pre], pos[:pre], cache.batch([(0, 0, pre)]), step)]
+        for t in range(pre, n):
+            out.append(ours.mtp_forward(nxt[t : t + 1], hidden[t : t + 1], pos[t : t + 1],
+                                        cache.batch([(0, t, 1)]), step))
+        got = torch.cat(out)
+        assert (got - ref).abs().max().item() < TOL, f"MTP step {step}"
+        assert (ours.compute_logits(got) - hf.lm_head(ref)).abs().max().item() < TOL
