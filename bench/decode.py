@@ -10,8 +10,10 @@ With --mtp-k k (default 3) the model also has its MTP layer, and the MTP step (t
 tokens + the k-step greedy draft loop, both graphs) is timed next to the plain step: plain / MTP step is the bound
 on (MTP speedup / mean acceptance length) from device time alone. The kernels of the batch-1 step (or those of
 --kernel-batches) are listed, from a capture without PDL (each kernel's own time).
-With --fp8 the plain steps run again on the same shapes with FP8-resident weights (Qwen's FP8 format: e4m3, 128 x
-128 block scales, router / shared-expert gate / embedding / lm_head left in bf16): FP8 step / bf16 step per batch.
+With --pdl-ab / --pairs-ab each step is timed again, right after, as it ran before that switch (launches without
+PDL; per-pair expert GEMVs up to one pair a local expert). With --fp8 the plain steps run again on the same shapes
+with FP8-resident weights (Qwen's FP8 format: e4m3, 128 x 128 block scales, router / shared-expert gate / embedding /
+lm_head left in bf16): FP8 step / bf16 step per batch.
 
 Roofline: the bytes a step must move at least (every dense weight once, the routed experts actually selected,
 the embedding rows, KV read for every context token, GDN state read and written, fp32 logits written) over the
@@ -21,7 +23,9 @@ device bandwidth measured in the same run (device-to-device copy, bytes read + w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -34,6 +38,7 @@ from mtp_ray.config.model import ModelConfig
 from mtp_ray.engine.cache import CacheShape, bind_caches
 from mtp_ray.engine.graphs import CudaGraphs
 from mtp_ray.engine.inputs import StepInputs, uniform_layout
+from mtp_ray.layers import moe
 from mtp_ray.layers.context import ForwardBatch, UniformDecode
 from mtp_ray.layers.linear import fuse_projections
 from mtp_ray.layers.moe import SparseMoE
@@ -239,6 +244,27 @@ def mtp_step(model: Qwen3_5MoeForCausalLM, cfg: ModelConfig, bsz: int, context: 
             **({"verify_kernels": kernels[0], "draft_kernels": kernels[1]} if kernels else {})}
 
 
+@contextlib.contextmanager
+def switched_off(name: str) -> Iterator[None]:
+    """Steps captured inside run as before a switch: "pdl" (every kernel launched without programmatic dependent
+    launch), "pairs" (per-pair expert GEMVs up to one pair a local expert, as before PAIRS_PER_EXPERT)."""
+    if name == "pdl":
+        from mtp_ray.layers.triton import pdl  # (Triton: GPU machines only)
+
+        prev = pdl.set_enabled(False)
+        try:
+            yield
+        finally:
+            pdl.set_enabled(prev)
+        return
+    prev_share = moe.PAIRS_PER_EXPERT, moe.PAIRS_PER_EXPERT_FP8
+    moe.PAIRS_PER_EXPERT = moe.PAIRS_PER_EXPERT_FP8 = 1.0
+    try:
+        yield
+    finally:
+        moe.PAIRS_PER_EXPERT, moe.PAIRS_PER_EXPERT_FP8 = prev_share
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=40)
@@ -254,6 +280,9 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="also time the plain steps with FP8-resident weights")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="also time each plain step with programmatic dependent launch off (layers/triton/pdl.py)")
+    ap.add_argument("--pairs-ab", action="store_true",
+                    help="also time each step with per-pair expert GEMVs up to one pair a local expert (the rule "
+                         "before layers/moe.py PAIRS_PER_EXPERT)")
     ap.add_argument("--kernel-batches", type=int, nargs="*", default=[1], help="list these plain steps' kernels")
     ap.add_argument("--out", default="bench/results/decode.json")
     args = ap.parse_args()
@@ -266,6 +295,14 @@ def main() -> None:
     max_b = max(args.batches + args.mtp_batches)
     slots = 1 + max(args.batches) + max(args.mtp_batches) * (k + 1)  # main slots + MTP verify snapshots
     prepare(model, max_b, width, slots, torch.bfloat16, dev)
+
+    def steps(b: int) -> dict:  # a batch's plain step, and its verify and draft loop where MTP is timed (A/B)
+        row = plain_step(model, cfg, b, args.context, width, dev, bw, kernels=b in args.kernel_batches)
+        if k and b in args.mtp_batches:  # a switch may pay differently in the verify and the draft loop
+            row["mtp"] = [mtp_step(model, cfg, b, args.context, width, k, row["graph_step_ms"] / 1e3, bw, dev, dv)
+                          for dv in args.draft_vocab]
+        return row
+
     rows = []
     for bsz in args.batches:
         rows.append(plain_step(model, cfg, bsz, args.context, width, dev, bw, kernels=bsz in args.kernel_batches))
@@ -278,16 +315,15 @@ def main() -> None:
                     rows[-1]["mtp"][-1]["oracle"] = oracle_rows(model, bsz, args.context, width, k,
                                                                 args.oracle_accept, args.oracle_steps, make, dev,
                                                                 BLOCK, dv)
-        if args.pdl_ab:  # the same step captured with every kernel launched without PDL, right after
-            from mtp_ray.layers.triton import pdl  # (Triton: GPU machines only)
-
-            prev = pdl.set_enabled(False)
-            off = plain_step(model, cfg, bsz, args.context, width, dev, bw, kernels=bsz in args.kernel_batches)
-            if k and bsz in args.mtp_batches:  # verify and draft loop too: PDL may pay differently there
-                off["mtp"] = [mtp_step(model, cfg, bsz, args.context, width, k, off["graph_step_ms"] / 1e3, bw, dev,
-                                       dv) for dv in args.draft_vocab]
-            pdl.set_enabled(prev)
-            rows[-1]["pdl_off"] = {**off, "on_over_off": round(rows[-1]["graph_step_ms"] / off["graph_step_ms"], 3)}
+        for name in [n for n, on in (("pdl", args.pdl_ab), ("pairs", args.pairs_ab)) if on]:
+            # the same steps captured as they ran before that switch, then as they run now once more: a later
+            # capture of the very same step has timed up to 8 % slower in one run, so "on" is the mean of the
+            # captures before and after "off"
+            with switched_off(name):
+                off = steps(bsz)
+            again = steps(bsz)
+            on = (rows[-1]["graph_step_ms"] + again["graph_step_ms"]) / 2
+            rows[-1][f"{name}_off"] = {**off, "on_again": again, "on_over_off": round(on / off["graph_step_ms"], 3)}
         torch.cuda.empty_cache()
     if args.fp8:  # the same plain steps with FP8-resident weights, after the bf16 model is gone (memory)
         del model
@@ -330,21 +366,22 @@ def report(result: dict) -> None:
                 print(f"    accept {x['accept']}: {x['tokens_per_s']} tok/s = x{x['over_plain']} plain; acceptance "
                       f"length {x['mean_acceptance_length']} (expected {x['expected_acceptance_length']}), "
                       f"agreement with the continuation {x['agreement']}")
-    for r in rows:
-        if "pdl_off" in r:
-            o = r["pdl_off"]
-            print(f"batch {r['batch']}: graph step with PDL {r['graph_step_ms']} ms, without {o['graph_step_ms']} ms "
-                  f"(x{o['on_over_off']}); without PDL x{o['graph_over_roofline']} the roofline")
-            for on, off in zip(r.get("mtp", []), o.get("mtp", []), strict=False):
-                print(f"  MTP verify, draft vocab {on['draft_vocab']}: with PDL {on['verify_ms']} ms, without "
-                      f"{off['verify_ms']} ms (x{round(on['verify_ms'] / off['verify_ms'], 3)}); draft loop "
-                      f"{on['draft_loop_ms']} / {off['draft_loop_ms']} ms")
+    for r, name in ((r, n) for r in rows for n in ("pdl", "pairs") if f"{n}_off" in r):
+        o = r[f"{name}_off"]
+        print(f"batch {r['batch']}: graph step with {name} {r['graph_step_ms']} / {o['on_again']['graph_step_ms']} ms "
+              f"(before / after), without {o['graph_step_ms']} ms (x{o['on_over_off']}); without "
+              f"x{o['graph_over_roofline']} the roofline")
+        for on, on2, off in zip(r.get("mtp", []), o["on_again"].get("mtp", []), o.get("mtp", []), strict=False):
+            print(f"  MTP verify, draft vocab {on['draft_vocab']}: with {name} {on['verify_ms']} / {on2['verify_ms']}"
+                  f" ms (x{on['verify_over_roofline']} / x{on2['verify_over_roofline']} roofline), without "
+                  f"{off['verify_ms']} ms (x{round((on['verify_ms'] + on2['verify_ms']) / 2 / off['verify_ms'], 3)});"
+                  f" draft loop {on['draft_loop_ms']} / {on2['draft_loop_ms']} / {off['draft_loop_ms']} ms")
     for r in rows:
         if "fp8" in r:
             f = r["fp8"]
             print(f"FP8 batch {r['batch']}: graph step {f['graph_step_ms']} ms = x{f['over_bf16']} the bf16 step "
                   f"({r['graph_step_ms']} ms); x{f['graph_over_roofline']} its roofline ({f['roofline_ms']} ms)")
-    parts = (("", None), ("no-PDL ", "pdl_off"), ("FP8 ", "fp8"))
+    parts = (("", None), ("no-PDL ", "pdl_off"), ("old-pairs ", "pairs_off"), ("FP8 ", "fp8"))
     for name, step in ((f"{p}batch-{r['batch']}", r if key is None else r.get(key, {})) for r in rows
                        for p, key in parts):
         top = [(x["kernel"][:40], x["count"], x["us"]) for x in step.get("kernels", [])[:14]]

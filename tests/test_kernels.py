@@ -480,10 +480,24 @@ def test_shared_expert_add(dtype, tol, t, h, inter):
     assert _rel(out.cpu(), ref) < tol
 
 
+def test_moe_path_follows_pairs_per_local_expert():
+    """Per-pair GEMVs up to PAIRS_PER_EXPERT pairs a local expert (FP8: its own share), the grouped tiles past it;
+    never below 16 pairs (small expert counts). A pure function of the shape (graph-safe)."""
+    from mtp_ray.layers.fp8 import Fp8Block
+    from mtp_ray.layers.moe import Experts
+
+    ex = Experts(16, 8, 0, 256)
+    assert ex.pairs(torch.zeros(22, 8)) and not ex.pairs(torch.zeros(23, 8))  # 176 pairs of 256 experts: the last
+    assert not ex.pairs(torch.zeros(32, 8))  # a batch-8 verify of k = 3 (256 pairs): grouped
+    ex.make_fp8(Fp8Block(128, 128))
+    assert ex.pairs(torch.zeros(28, 8)) and not ex.pairs(torch.zeros(29, 8))
+    assert Experts(16, 8, 0, 8).pairs(torch.zeros(8, 2)) and not Experts(16, 8, 0, 8).pairs(torch.zeros(9, 2))
+
+
 @needs_device
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("t,e,topk,h,inter,inter_sh", [(1, 16, 4, 128, 64, 64), (3, 16, 2, 96, 48, 80),
-                                                        (8, 64, 8, 256, 128, 32), (40, 16, 4, 128, 64, 96),
+                                                        (4, 64, 8, 256, 128, 32), (40, 16, 4, 128, 64, 96),
                                                         (70, 64, 8, 256, 128, 128)])
 def test_moe_shared_in_expert_launches(dtype, tol, t, e, topk, h, inter, inter_sh, monkeypatch):
     """SparseMoE on the GPU with no EP runs routed + shared experts in the same launches: the per-pair GEMVs for

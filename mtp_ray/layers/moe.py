@@ -34,6 +34,15 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+# (token, slot) pairs a local expert up to which per-pair GEMVs beat the grouped tiles (plan + tile GEMMs, each
+# expert's weights read once): where the two cross at 256 experts on an H200 (bench/kernels.py --grouped, the MoE
+# layer with its shared expert, us per-pair / grouped: bf16 160 pairs 198.5 / 204.0, 192 pairs 237.7 / 227.6; e4m3
+# 224 pairs 190.2 / 189.4, 256 pairs 216.7 / 199.3; bench/results/kernels_h200_grouped_pairs.json). Up to one pair an
+# expert before: a batch-8 verify of k = 3 (256 pairs) now takes 14.53 ms against 15.78 (bench/decode.py --pairs-ab).
+PAIRS_PER_EXPERT = 0.6875
+PAIRS_PER_EXPERT_FP8 = 0.875
+
+
 class Experts(nn.Module):
     """Routed experts [start, end) in the fused checkpoint layout; FP8 after make_fp8 (both tensors e4m3, with
     `gate_up_proj_scale_inv` and `down_proj_scale_inv`)."""
@@ -76,8 +85,9 @@ class Experts(nn.Module):
 
     def pairs(self, topk_ids: torch.Tensor) -> bool:
         """GPU: few (token, slot) pairs run as GEMVs per pair, which beat sorting them into tiles (a static
-        function of the shape: graph-safe)."""
-        return topk_ids.numel() <= max(self.end - self.start, 16)
+        function of the shape: graph-safe). Up to PAIRS_PER_EXPERT pairs a local expert (FP8: _FP8)."""
+        share = PAIRS_PER_EXPERT_FP8 if self.fp8_blocks is not None else PAIRS_PER_EXPERT
+        return topk_ids.numel() <= max(int((self.end - self.start) * share), 16)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """Sum of the local experts' weighted outputs. x: [N, H]; topk_ids / topk_w: [N, k] (global ids)."""
