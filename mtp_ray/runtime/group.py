@@ -94,8 +94,8 @@ class EngineGroup:
                 raise GroupFailed(self.monitor.last_failure) from None
             await self.spawn()
         except BaseException:
-            # a group that never served holds nothing: its own placement group goes (kept, every failed start of a
-            # rollout engine left its ranks' CPUs / GPUs reserved until the job ended)
+            # a group that never served holds nothing: its own placement group goes (when it stayed, every failed
+            # start of a rollout engine left its ranks' CPUs / GPUs reserved until the job ended)
             if self.own_pg and self.pg is not None:
                 remove_placement_group(self.pg)
                 self.pg = None
