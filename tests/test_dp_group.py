@@ -324,7 +324,10 @@ def test_failed_start_gives_back_its_ranks_resources(ray_cluster):
     """A group whose ranks fail at start (here a cache too small for one sequence) or whose placement group never
     becomes ready gives its bundles back; each failed launch used to keep dp CPUs (GPUs) reserved until the job
     ended, so the next launch on a full cluster waited for resources."""
-    before = ray_cluster.available_resources().get("CPU")
+    def ranks() -> set[str]:  # other tests' groups (module fixtures) may be alive beside this one
+        return {a for a in ray_cluster.util.list_named_actors() if "mtp_ray_rank" in a}
+
+    before, alive = ray_cluster.available_resources().get("CPU"), ranks()
     for _ in range(2):
         with pytest.raises(Exception, match="cache.num_blocks=3 cannot hold one sequence"):
             launch_engine(cfg(2, 0, cache={"num_blocks": 3}))
@@ -332,7 +335,7 @@ def test_failed_start_gives_back_its_ranks_resources(ray_cluster):
     with pytest.raises(Exception, match="placement group of 2 rank bundles .* was not ready after timeouts.start_s"):
         launch_engine(cfg(2, 0, parallel={"cpus_per_rank": 64}, timeouts={"start_s": 2}))
     assert _cpus_return_to(ray_cluster, before)
-    assert not [a for a in ray_cluster.util.list_named_actors() if "mtp_ray_rank" in a]
+    assert ranks() == alive
     # more DP ranks than experts (EP shards them): named before any rank starts
     with pytest.raises(Exception, match="parallel.dp=9 exceeds the model's num_experts=8"):
         launch_engine(cfg(9, 0))
