@@ -305,19 +305,15 @@ def main() -> None:
 
     rows = []
     for bsz in args.batches:
-        rows.append(plain_step(model, cfg, bsz, args.context, width, dev, bw, kernels=bsz in args.kernel_batches))
-        graph = rows[-1]["graph_step_ms"] / 1e3
-        for dv in args.draft_vocab if k and bsz in args.mtp_batches else ():
-            rows[-1].setdefault("mtp", []).append(mtp_step(model, cfg, bsz, args.context, width, k, graph, bw, dev, dv))
-            if args.oracle_accept:
-                make = lambda ctx, q, b=bsz: inputs(b, ctx, width, cfg.vocab_size, cpu, q)  # noqa: E731
-                with torch.inference_mode():
-                    rows[-1]["mtp"][-1]["oracle"] = oracle_rows(model, bsz, args.context, width, k,
-                                                                args.oracle_accept, args.oracle_steps, make, dev,
-                                                                BLOCK, dv)
+        rows.append(steps(bsz))
+        for m, dv in zip(rows[-1].get("mtp", []) if args.oracle_accept else [], args.draft_vocab, strict=False):
+            make = lambda ctx, q, b=bsz: inputs(b, ctx, width, cfg.vocab_size, cpu, q)  # noqa: E731
+            with torch.inference_mode():
+                m["oracle"] = oracle_rows(model, bsz, args.context, width, k, args.oracle_accept, args.oracle_steps,
+                                          make, dev, BLOCK, dv)
         for name in [n for n, on in (("pdl", args.pdl_ab), ("pairs", args.pairs_ab)) if on]:
             # the same steps captured as they ran before that switch, then as they run now once more: a later
-            # capture of the very same step has timed up to 8 % slower in one run, so "on" is the mean of the
+            # capture of the very same step has timed up to 9 % slower in one run, so "on" is the mean of the
             # captures before and after "off"
             with switched_off(name):
                 off = steps(bsz)

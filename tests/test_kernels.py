@@ -491,7 +491,8 @@ def test_moe_path_follows_pairs_per_local_expert():
     assert not ex.pairs(torch.zeros(32, 8))  # a batch-8 verify of k = 3 (256 pairs): grouped
     ex.make_fp8(Fp8Block(128, 128))
     assert ex.pairs(torch.zeros(28, 8)) and not ex.pairs(torch.zeros(29, 8))
-    assert Experts(16, 8, 0, 8).pairs(torch.zeros(8, 2)) and not Experts(16, 8, 0, 8).pairs(torch.zeros(9, 2))
+    few = Experts(16, 8, 0, 8)
+    assert few.pairs(torch.zeros(8, 2)) and not few.pairs(torch.zeros(9, 2))
 
 
 @needs_device
