@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -244,10 +245,19 @@ def mtp_step(model: Qwen3_5MoeForCausalLM, cfg: ModelConfig, bsz: int, context: 
             **({"verify_kernels": kernels[0], "draft_kernels": kernels[1]} if kernels else {})}
 
 
+def _tiles_before(now, m: int, n: int, k: int, fp32: bool, fp8: bool = False) -> tuple:
+    """layers/triton/linear.py's GEMV tiles before split-K (2-16 bf16 rows: no split, 128- or 512-wide K steps)."""
+    t = now(m, n, k, fp32, fp8)
+    if fp32 or fp8 or t[0] == "row":
+        return t
+    return ("dot", 32, 128, 4, 4, 1) if n > 4096 else ("dot", 16 if n <= 2048 else 32, 512, 4, 3, 1)
+
+
 @contextlib.contextmanager
 def switched_off(name: str) -> Iterator[None]:
     """Steps captured inside run as before a switch: "pdl" (every kernel launched without programmatic dependent
-    launch), "pairs" (per-pair expert GEMVs up to one pair a local expert, as before PAIRS_PER_EXPERT)."""
+    launch), "pairs" (per-pair expert GEMVs up to one pair a local expert, as before PAIRS_PER_EXPERT), "tiles"
+    (the skinny GEMMs' tiles before split-K)."""
     if name == "pdl":
         from mtp_ray.layers.triton import pdl  # (Triton: GPU machines only)
 
@@ -256,6 +266,16 @@ def switched_off(name: str) -> Iterator[None]:
             yield
         finally:
             pdl.set_enabled(prev)
+        return
+    if name == "tiles":
+        from mtp_ray.layers.triton import linear
+
+        now = linear.tiles
+        linear.tiles = functools.partial(_tiles_before, now)
+        try:
+            yield
+        finally:
+            linear.tiles = now
         return
     prev_share = moe.PAIRS_PER_EXPERT, moe.PAIRS_PER_EXPERT_FP8
     moe.PAIRS_PER_EXPERT = moe.PAIRS_PER_EXPERT_FP8 = 1.0
@@ -283,6 +303,8 @@ def main() -> None:
     ap.add_argument("--pairs-ab", action="store_true",
                     help="also time each step with per-pair expert GEMVs up to one pair a local expert (the rule "
                          "before layers/moe.py PAIRS_PER_EXPERT)")
+    ap.add_argument("--tiles-ab", action="store_true",
+                    help="also time each step with the GEMV tiles before split-K (layers/triton/linear.py tiles)")
     ap.add_argument("--kernel-batches", type=int, nargs="*", default=[1], help="list these plain steps' kernels")
     ap.add_argument("--out", default="bench/results/decode.json")
     args = ap.parse_args()
@@ -311,7 +333,7 @@ def main() -> None:
             with torch.inference_mode():
                 m["oracle"] = oracle_rows(model, bsz, args.context, width, k, args.oracle_accept, args.oracle_steps,
                                           make, dev, BLOCK, dv)
-        for name in [n for n, on in (("pdl", args.pdl_ab), ("pairs", args.pairs_ab)) if on]:
+        for name in [n for n, on in (("pdl", args.pdl_ab), ("pairs", args.pairs_ab), ("tiles", args.tiles_ab)) if on]:
             # the same steps captured as they ran before that switch, then as they run now once more: a later
             # capture of the very same step has timed up to 9 % slower in one run, so "on" is the mean of the
             # captures before and after "off"
@@ -362,7 +384,7 @@ def report(result: dict) -> None:
                 print(f"    accept {x['accept']}: {x['tokens_per_s']} tok/s = x{x['over_plain']} plain; acceptance "
                       f"length {x['mean_acceptance_length']} (expected {x['expected_acceptance_length']}), "
                       f"agreement with the continuation {x['agreement']}")
-    for r, name in ((r, n) for r in rows for n in ("pdl", "pairs") if f"{n}_off" in r):
+    for r, name in ((r, n) for r in rows for n in ("pdl", "pairs", "tiles") if f"{n}_off" in r):
         o = r[f"{name}_off"]
         print(f"batch {r['batch']}: graph step with {name} {r['graph_step_ms']} / {o['on_again']['graph_step_ms']} ms "
               f"(before / after), without {o['graph_step_ms']} ms (x{o['on_over_off']}); without "
@@ -377,7 +399,8 @@ def report(result: dict) -> None:
             f = r["fp8"]
             print(f"FP8 batch {r['batch']}: graph step {f['graph_step_ms']} ms = x{f['over_bf16']} the bf16 step "
                   f"({r['graph_step_ms']} ms); x{f['graph_over_roofline']} its roofline ({f['roofline_ms']} ms)")
-    parts = (("", None), ("no-PDL ", "pdl_off"), ("old-pairs ", "pairs_off"), ("FP8 ", "fp8"))
+    parts = (("", None), ("no-PDL ", "pdl_off"), ("old-pairs ", "pairs_off"), ("old-tiles ", "tiles_off"),
+             ("FP8 ", "fp8"))
     for name, step in ((f"{p}batch-{r['batch']}", r if key is None else r.get(key, {})) for r in rows
                        for p, key in parts):
         top = [(x["kernel"][:40], x["count"], x["us"]) for x in step.get("kernels", [])[:14]]

@@ -72,9 +72,9 @@ def _gemv(x, ws, y, bn, bk, warps, stages, i) -> None:
     w = ws[i]
     m, k = x.shape
     n = w.shape[0]
-    _gemv_kernel[(1, triton.cdiv(n, bn))](x, w, x, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), 0, BM=16,
-                                          BN=bn, BK=bk, SUB=1, IEEE=False, FP8=False, TILE_SCALE=False, SN=1, SK=1,
-                                          KP=1, PDL=False, num_warps=warps, num_stages=stages)
+    _gemv_kernel[(1, triton.cdiv(n, bn), 1)](x, w, x, y, y, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), 0,
+                                             BM=16, BN=bn, BK=bk, SUB=1, IEEE=False, FP8=False, TILE_SCALE=False,
+                                             SN=1, SK=1, KP=1, SPLIT=1, PDL=False, num_warps=warps, num_stages=stages)
 
 
 def _row(x, ws, y, bn, bk, warps, stages, i) -> None:
@@ -111,13 +111,14 @@ def sweep_gemv(rows: int, dev: torch.device) -> list[dict]:
         res = {"shape": name, "rows": rows, "N": n, "K": k, "weight_copies": len(ws),
                "cublas_us": round(timed(lambda i, x=x, ws=ws: F.linear(x, ws[i])) * 1e6, 2)}
         kind, *cur = tiles(rows, n, k, fp32=False)
-        res["current"] = {"kernel": kind, "BN": cur[0], "BK": cur[1], "warps": cur[2], "stages": cur[3]}
+        res["current"] = {"kernel": kind, "BN": cur[0], "BK": cur[1], "warps": cur[2], "stages": cur[3],
+                          "split": cur[4]}
         cfgs = []
         space = [("dot", *c) for c in itertools.product((16, 32, 64), (128, 512), (4,), (3, 4))]
         if rows == 1:  # the one-row kernel: small BN, no tensor cores
             space += [("row", *c) for c in itertools.product((2, 4, 8, 16), (256, 512, 1024), (4, 8), (1, 3))]
         for kind, bn, bk, warps, stages in space:
-            cfg = {"kernel": kind, "BN": bn, "BK": bk, "warps": warps, "stages": stages}
+            cfg = {"kernel": kind, "BN": bn, "BK": bk, "warps": warps, "stages": stages, "split": 1}
             fn = _gemv if kind == "dot" else _row
             try:
                 t = timed(functools.partial(fn, x, ws, y, bn, bk, warps, stages))
@@ -132,6 +133,41 @@ def sweep_gemv(rows: int, dev: torch.device) -> list[dict]:
         res["configs"] = cfgs
         out.append(res)
         print(f"gemv {name} rows={rows}: cuBLAS {res['cublas_us']} us, current {res['current']}, best {res['best']}")
+    return out
+
+
+def sweep_split(rows: int, dev: torch.device) -> list[dict]:
+    """The dot GEMV of `rows` rows with split-K (SPLIT programs a tile, each over K / SPLIT, the tile's last one
+    summing the fp32 partials in split order) over (BN, BK, stages, SPLIT), launched as the engine launches it
+    (`gemv`, PDL where supported); then the current tile, the tile before split-K and the five best again without
+    PDL (launched back to back, a PDL GEMV prefetches its weight while the one before still streams its own)."""
+    from mtp_ray.layers.triton import pdl
+
+    out = []
+    for name, n, k in DENSE:
+        x = torch.randn(rows, k, dtype=torch.bfloat16, device=dev)
+        nbytes = n * k * 2
+        ws = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) * k**-0.5 for _ in range(_copies(nbytes))]
+
+        def us(tile, x=x, ws=ws):
+            return graph_time(lambda i: gemv(x, ws[i], tile), variants=len(ws)) * 1e6
+
+        cur = tiles(rows, n, k, fp32=False)
+        before = ("dot", 32, 128, 4, 4, 1) if n > 4096 else ("dot", 16 if n <= 2048 else 32, 512, 4, 3, 1)
+        res = {"shape": name, "rows": rows, "N": n, "K": k, "current": list(cur), "current_us": round(us(cur), 2),
+               "before": list(before), "before_us": round(us(before), 2)}
+        space = list(itertools.product(("dot",), (16, 32, 64), (128, 256, 512), (4,), (3, 4), (1, 2, 4, 8)))
+        res.update(_tile_sweep(space, lambda t: us(t) / 1e6))
+        top = sorted((c for c in res["configs"] if "us" in c), key=lambda c: c["us"])[:5]
+        prev = pdl.set_enabled(False)
+        try:
+            res["without_pdl"] = [{"tile": list(t), "us": round(us(t), 2)}
+                                  for t in dict.fromkeys([cur, before, *(tuple(c["tile"]) for c in top)])]
+        finally:
+            pdl.set_enabled(prev)
+        out.append(res)
+        print(f"split {name} rows={rows}: current {cur} {res['current_us']} us, before {res['before_us']} us, "
+              f"best {res['best']}; without PDL {[(w['tile'][1:], w['us']) for w in res['without_pdl']]}")
     return out
 
 
@@ -187,8 +223,8 @@ def sweep_gemv_fp8(shapes: list[str], dev: torch.device) -> list[dict]:
                "bf16_us": round(graph_time(lambda i, x=x, ws=ws, cur=cur: gemv(x, ws[i], cur), variants=len(ws))
                                 * 1e6, 2)}
         cfgs = []
-        space = [("row", *c, 1) for c in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8))]
-        space += [("dot", bn, bk, 4, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for st in (3, 4)]
+        space = [("row", *c, 1, 1) for c in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8))]
+        space += [("dot", bn, bk, 4, st, 1) for bn in (16, 32, 64) for bk in (128, 256, 512) for st in (3, 4)]
         for tile in space:
             try:
                 t = graph_time(lambda i, x=x, fs=fs, tile=tile: gemv(x, fs[i][0], tile, fp8=fs[i][1]),
@@ -273,7 +309,7 @@ def _gemm_shape(name: str, n: int, k: int, rows: int, dev: torch.device) -> dict
     res = {"shape": name, "rows": rows, "N": n, "K": k, "default": list(tiles(rows, n, k, False, True)),
            "cublas_bf16_us": round(graph_time(lambda i: F.linear(x, ws[i]), variants=len(ws)) * 1e6, 2),
            "at_default": round(graph_time(lambda i: gemv(x, fs[i][0], fp8=fs[i][1]), variants=len(fs)) * 1e6, 2)}
-    space = [("dot", *c) for c in itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4))]
+    space = [("dot", *c, 1) for c in itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4))]
     res.update(_tile_sweep(space, lambda tile: graph_time(lambda i: gemv(x, fs[i][0], tile, fp8=fs[i][1]),
                                                           variants=len(fs))))
     print(f"fp8 gemm {name} rows={rows}: cuBLAS bf16 {res['cublas_bf16_us']} us, fp8 default {res['at_default']} "
@@ -371,6 +407,7 @@ def main() -> None:
                     help="only the FP8 sweeps: one-row GEMV on these DENSE shapes (default: all), experts, GEMM")
     ap.add_argument("--fp8-parts", nargs="+", default=["gemv", "experts", "gemm", "grouped"])
     ap.add_argument("--gemm-rows", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--split", action="store_true", help="only the dot GEMV with split-K at --rows rows")
     ap.add_argument("--recurrent", action="store_true",
                     help="only the GDN recurrence at --gemm-rows sequences, q_len 1 and 4: (BV, warps)")
     ap.add_argument("--grouped", action="store_true",
@@ -392,6 +429,12 @@ def main() -> None:
             result["grouped_fp8"] = [sweep_grouped(rows, dev, True) for rows in args.gemm_rows]
         if "gemv" in args.fp8_parts:
             result["gemv_fp8"] = sweep_gemv_fp8(shapes, dev)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        return
+    if args.split:
+        result = {"device": torch.cuda.get_device_name(), "split": [r for rows in args.rows for r in
+                                                                     sweep_split(rows, dev)]}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
         return

@@ -47,7 +47,8 @@ def test_gemv_fp8_equals_dequantized(dtype, m, n, k, block):
     q, f, deq = _fp8(torch.randn(n, k, generator=g) * k**-0.5, block, dtype)
     assert _same(gemv(x, q, fp8=f), gemv(x, deq))
     if m == 1 and dtype == torch.bfloat16:
-        for tile in [("row", 2, 256, 2, 1), ("row", 4, 1024, 4, 1), ("dot", 16, 128, 4, 3), ("dot", 32, 512, 4, 3)]:
+        for tile in [("row", 2, 256, 2, 1, 1), ("row", 4, 1024, 4, 1, 1), ("dot", 16, 128, 4, 3, 1),
+                     ("dot", 32, 512, 4, 3, 1), ("dot", 16, 128, 4, 3, 4), ("dot", 32, 256, 4, 3, 2)]:
             assert _same(gemv(x, q, tile, fp8=f), gemv(x, deq, tile))
     lin = Linear(k, n, bias=False)
     lin.make_fp8(block)

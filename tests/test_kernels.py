@@ -539,7 +539,7 @@ def test_moe_shared_in_expert_launches(dtype, tol, t, e, topk, h, inter, inter_s
 @needs_device
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("m,n,k", [(1, 32, 128), (4, 8192, 2048), (16, 2048, 4096), (3, 100, 96), (1, 1000, 600),
-                                   (1, 12352, 2048)])
+                                   (1, 12352, 2048), (8, 256, 2048)])  # the last: split-K by default (bf16)
 def test_gemv(dtype, tol, m, n, k):
     from mtp_ray.layers.linear import Linear
     from mtp_ray.layers.triton.linear import gemv
@@ -553,8 +553,28 @@ def test_gemv(dtype, tol, m, n, k):
         lin.weight.copy_(w)
         assert _rel(lin(x.to(DEVICE, dtype)).cpu(), x @ w.T) < tol
     if m == 1 and dtype == torch.bfloat16:  # the one-row kernel at other tiles (the sweep's space) agrees too
-        for tile in [("row", 2, 256, 2, 1), ("row", 16, 1024, 8, 3)]:
+        for tile in [("row", 2, 256, 2, 1, 1), ("row", 16, 1024, 8, 3, 1)]:
             assert _rel(gemv(x.to(DEVICE, dtype), w.to(DEVICE, dtype), tile).cpu(), x @ w.T) < tol
+
+
+@needs_device
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("m,n,k,split", [(4, 256, 2048, 8), (8, 2048, 4096, 2), (3, 100, 600, 4), (16, 48, 1030, 3),
+                                         (2, 40, 96, 4)])
+def test_gemv_split_k(dtype, tol, m, n, k, split):
+    """Split-K tiles: each K part's fp32 partial summed by the tile's last program in split order, so the result
+    is the product (any K, ragged or shorter than the split) and the same bits every launch; the arrival counters
+    are back at zero after each launch (the next launch, any shape, counts from zero)."""
+    from mtp_ray.layers.triton.linear import _counter_bufs, gemv
+
+    g = torch.Generator().manual_seed(m * n + k + split)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * k**-0.5
+    xd, wd = x.to(DEVICE, dtype), w.to(DEVICE, dtype)
+    tile = ("dot", 16 if dtype == torch.float32 else 32, 128, 4, 3, split)
+    a, b = gemv(xd, wd, tile), gemv(xd, wd, tile)
+    assert a.dtype == dtype and _rel(a.cpu(), x @ w.T) < tol
+    assert torch.equal(a, b)
+    assert int(_counter_bufs[xd.device].abs().sum()) == 0
 
 
 @needs_device
