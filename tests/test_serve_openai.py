@@ -230,6 +230,37 @@ def test_responses_api_function_calls_formats_and_refusals(client):
         assert e.value.body["param"] == param, e.value.body
 
 
+def test_what_vllm_and_sglang_clients_send_by_default(server, client):
+    """The OpenAI SDK's Responses call with its defaults spelled out (tool_choice "auto" without tools, store,
+    parallel_tool_calls, truncation "disabled") is answered, streamed or not; chat takes tool_choice "none" without
+    tools (vLLM) and refuses any other with vLLM's words; a context-length 400 carries vLLM's and SGLang's wording;
+    usage names the reasoning tokens as OpenAI and as SGLang do."""
+    kw = dict(model=MODEL, input="The capital of France is", temperature=0.0, top_p=1.0, max_output_tokens=4,
+              store=True, parallel_tool_calls=True, tool_choice="auto", truncation="disabled")
+    assert client.responses.create(**kw).usage.output_tokens == 4
+    assert list(client.responses.create(stream=True, **kw))[-1].response.usage.output_tokens == 4
+    msgs = [{"role": "user", "content": "hi"}]
+    assert post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 2,
+                                         "tool_choice": "none"}).status_code == 200
+    r = post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 2, "tool_choice": "auto"})
+    assert r.status_code == 400 and "When using `tool_choice`, `tools` must be set" in r.json()["error"]["message"]
+    for body, sglang in [({"messages": [{"role": "user", "content": "hello " * 3000}]},
+                          "is longer than the model's context length"),
+                         ({"messages": msgs, "max_tokens": 10**6}, "Requested token count exceeds the model's "
+                                                                    "maximum context")]:
+        err = post("/v1/chat/completions", {"model": MODEL, **body}).json()["error"]["message"]
+        assert "This model's maximum context length is" in err and sglang in err, err
+    u = post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 6, "temperature": 0,
+                                      "chat_template_kwargs": {"enable_thinking": True}}).json()["usage"]
+    assert u["reasoning_tokens"] == u["completion_tokens_details"]["reasoning_tokens"] > 0
+    # booleans as pydantic's lax mode (vLLM's and SGLang's request models) reads them; anything else a 400
+    r = post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 2, "logprobs": "true",
+                                      "top_logprobs": 2, "stream": "False"})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+    r = post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 2, "logprobs": "maybe"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
 def test_chat_greedy_equals_offline_and_streams(client, offline):
     msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
     text = offline.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)

@@ -135,7 +135,10 @@ def _tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
     if choice is None:
         return tools, "auto" if tools else "none", None
     if tools is None:
-        raise bad("'tool_choice' is only allowed when 'tools' are given", "tool_choice")
+        if choice == "none":  # nothing to call anyway (vLLM takes it too)
+            return None, "none", None
+        raise bad("When using `tool_choice`, `tools` must be set: 'tool_choice' other than \"none\" is only "
+                  "allowed when 'tools' are given", "tool_choice")
     if choice in ("none", "auto", "required"):
         return tools, choice, None
     if (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)

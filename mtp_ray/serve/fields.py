@@ -67,11 +67,30 @@ def check_fields(body: dict, known: set[str]) -> None:
     mods = body.get("modalities")
     if mods is not None and mods != ["text"]:
         raise bad("only text output is supported: 'modalities' must be [\"text\"]", "modalities")
-    if body.get("use_beam_search"):
+    if flag(body, "use_beam_search"):
         raise bad("beam search is not supported", "use_beam_search")
     if body.get("priority") not in (None, 0):
         raise bad("request priorities are not supported (scheduling is first come, first served)", "priority")
-    if body.get("spaces_between_special_tokens") is False:
+    if not flag(body, "spaces_between_special_tokens", True):
         raise bad("'spaces_between_special_tokens': false is not supported", "spaces_between_special_tokens")
-    if body.get("stream_options") is not None and not body.get("stream"):
+    if body.get("stream_options") is not None and not flag(body, "stream"):
         raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+
+
+_BOOL_WORDS = {"true": True, "t": True, "yes": True, "y": True, "on": True, "1": True,
+               "false": False, "f": False, "no": False, "n": False, "off": False, "0": False}
+
+
+def flag(body: dict, key: str, default: bool = False) -> bool:
+    """A boolean field (absent or null: the default). Also what pydantic's lax mode reads as one, as vLLM's and
+    SGLang's request models do: 0 / 1 and "true" / "false" ("yes", "on", ...) in any case."""
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.strip().lower() in _BOOL_WORDS:
+        return _BOOL_WORDS[v.strip().lower()]
+    raise bad(f"'{key}' must be a boolean", key)

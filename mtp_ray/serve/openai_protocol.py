@@ -9,6 +9,7 @@ from typing import Any
 
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.serve.errors import bad
+from mtp_ray.serve.fields import flag
 from mtp_ray.serve.intake import unicode_text
 from mtp_ray.serve.structured import constraint
 
@@ -74,6 +75,8 @@ NO_LIMITS = Limits()
 
 
 def _check_type(body: dict, key: str, types: tuple) -> Any:
+    if types == (bool,):  # as pydantic's lax mode reads a boolean (fields.flag)
+        return flag(body, key)
     v = body[key]
     ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in types)
     if not ok:
@@ -131,16 +134,6 @@ def _refuse_unsupported(body: dict) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of not in (1, body.get("n") or 1):
         raise bad("'best_of' other than n is not supported", "best_of")
-
-
-def flag(body: dict, key: str, default: bool = False) -> bool:
-    """A boolean field (absent or null: the default)."""
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad(f"'{key}' must be a boolean", key)
-    return v
 
 
 def _stream_opts(body: dict) -> tuple[bool, bool, bool]:
@@ -250,10 +243,14 @@ def prompt_text(s: str, field: str, limits: Limits) -> str:
 
 
 def check_length(ids: list[int], params: SamplingParams, max_model_len: int) -> None:
-    """vLLM's context-length rule: prompt + max_tokens must fit (max_tokens None: whatever is left)."""
+    """vLLM's context-length rule: prompt + max_tokens must fit (max_tokens None: whatever is left). The message
+    is vLLM's, then SGLang's sentence for the case (clients and tests of either match on their own wording)."""
     want = len(ids) + (params.max_tokens or 1)
     if len(ids) >= max_model_len or want > max_model_len:
+        too_long = len(ids) >= max_model_len
+        sglang = (f"The input ({len(ids)} tokens) is longer than the model's context length ({max_model_len} "
+                  f"tokens)." if too_long else f"Requested token count exceeds the model's maximum context length "
+                  f"of {max_model_len} tokens.")
         raise bad(f"This model's maximum context length is {max_model_len} tokens. However, you requested {want} "
                   f"tokens ({len(ids)} in the prompt, {params.max_tokens or 1} in the completion). Please reduce "
-                  f"the length of the prompt or the completion.", "max_tokens" if len(ids) < max_model_len
-                  else "prompt")
+                  f"the length of the prompt or the completion. {sglang}", "prompt" if too_long else "max_tokens")

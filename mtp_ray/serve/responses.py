@@ -180,6 +180,7 @@ def usage(req: ParsedRequest, choices: list[Choice], reasoning: bool = True) -> 
     if reasoning and choices and choices[0].chat is not None and choices[0].chat.parses_reasoning:  # as OpenAI
         thought = 0 if req.drop_output else sum(c.reasoning_tokens() for c in choices)
         out["completion_tokens_details"] = {"reasoning_tokens": thought}
+        out["reasoning_tokens"] = thought  # SGLang's name for it (its clients read usage.reasoning_tokens)
     return out
 
 

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from mtp_ray.serve.errors import bad
+from mtp_ray.serve.fields import flag
 
 # accepted and ignored, as on the chat route (serve/fields.py IGNORED), plus the Responses API's own bookkeeping
 _IGNORED = {"metadata", "store", "user", "service_tier", "prompt_cache_key", "safety_identifier", "truncation"}
@@ -61,15 +62,15 @@ def chat_body(body: dict) -> dict:
             raise bad("'tool_choice' must be none, auto, required or {\"type\": \"function\", \"name\": ...}",
                       "tool_choice")
         choice = {"type": "function", "function": {"name": choice["name"]}}
-    if choice is not None:
-        out["tool_choice"] = choice
+    if choice is not None and (out.get("tools") or choice not in ("auto", "none")):  # the Responses API's default
+        out["tool_choice"] = choice  # is "auto" with or without tools; chat takes a choice only beside tools
     reasoning = body.get("reasoning")
     if reasoning is not None:
         if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary"}:
             raise bad("'reasoning' takes {\"effort\": ...}", "reasoning")
         if reasoning.get("effort") is not None:
             out["reasoning_effort"] = reasoning["effort"]
-    if out.get("stream"):
+    if flag(out, "stream"):
         out["stream_options"] = {"include_usage": True}
     return out
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mtp_ray.serve.chat_request import render_chat
 from mtp_ray.serve.errors import bad
+from mtp_ray.serve.fields import flag
 from mtp_ray.serve.openai_protocol import NO_TOKENIZER
 
 
@@ -12,9 +13,7 @@ def tokenize(body: dict, tok, max_model_len: int) -> dict:
     and the context length (with return_token_strs: each id's token string)."""
     if tok is None:
         raise bad(NO_TOKENIZER, "prompt")
-    special = body.get("add_special_tokens", "messages" not in body)
-    if not isinstance(special, bool):
-        raise bad("'add_special_tokens' must be a boolean", "add_special_tokens")
+    special = flag(body, "add_special_tokens", "messages" not in body)
     if "messages" in body:
         ids = tok.encode(render_chat(body, tok)[0], add_special_tokens=special)
     elif isinstance(body.get("prompt"), str):
@@ -22,7 +21,7 @@ def tokenize(body: dict, tok, max_model_len: int) -> dict:
     else:
         raise bad("'prompt' (a string) or 'messages' is required", "prompt")
     out = {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
-    if body.get("return_token_strs"):
+    if flag(body, "return_token_strs"):
         out["token_strs"] = tok.convert_ids_to_tokens(ids)
     return out
 
