@@ -59,6 +59,24 @@ def test_logprobs_are_raw_model_logprobs(llm):
         assert sum(math.exp(v) for v in top.values()) <= 1 + 1e-5
 
 
+def test_logprob_token_ids_score_the_named_tokens(llm):
+    """vLLM's logprob_token_ids: at each generated position the named tokens' log-probs (in their order) replace the
+    top alternatives, with the values the top-n list gives the same tokens; the tokens generated do not change. It
+    needs logprobs, and ids in the vocabulary: a ValueError naming it otherwise."""
+    top = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6, logprobs=20))[0].outputs[0]
+    want = list(top.top_logprobs[0])[1:4] + [5]
+    o = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6, logprobs=0,
+                                            logprob_token_ids=want))[0].outputs[0]
+    assert o.token_ids == top.token_ids and o.logprobs == pytest.approx(top.logprobs, abs=1e-6)
+    for ref, got in zip(top.top_logprobs, o.top_logprobs, strict=True):
+        assert list(got) == want and all(v <= 0 for v in got.values())
+        assert all(got[t] == pytest.approx(ref[t], abs=1e-6) for t in want if t in ref)
+    with pytest.raises(ValueError, match="logprob_token_ids"):
+        SamplingParams(logprob_token_ids=[1])
+    with pytest.raises(ValueError, match="logprob_token_ids"):
+        llm.generate(PROMPT, SamplingParams(logprobs=0, logprob_token_ids=[10**7]))
+
+
 def test_min_tokens_holds_back_stop_tokens(llm):
     first = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=1))[0].outputs[0].token_ids[0]
     o = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[first]))[0].outputs[0]

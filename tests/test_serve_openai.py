@@ -259,6 +259,19 @@ def test_what_vllm_and_sglang_clients_send_by_default(server, client):
     assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
     r = post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 2, "logprobs": "maybe"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    # vLLM's logprob_token_ids: those tokens' log-probs in place of the top alternatives, chat and completions
+    named = [100, 1000, 1500]
+    r = post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 2, "temperature": 0,
+                                      "logprobs": True, "top_logprobs": 3, "logprob_token_ids": named,
+                                      "return_tokens_as_token_ids": True})
+    for pos in r.json()["choices"][0]["logprobs"]["content"]:
+        assert [e["token"] for e in pos["top_logprobs"]] == [f"token_id:{t}" for t in named]
+    r = post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "temperature": 0, "logprobs": 0,
+                                 "logprob_token_ids": named, "return_tokens_as_token_ids": True}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert all({f"token_id:{t}" for t in named} <= set(top) for top in lp["top_logprobs"])
+    r = post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 2, "logprob_token_ids": named})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_token_ids"
 
 
 def test_chat_greedy_equals_offline_and_streams(client, offline):

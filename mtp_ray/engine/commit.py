@@ -27,7 +27,7 @@ def plain_greedy(req: Request) -> bool:
     """Greedy on the raw logits (nothing reshapes or masks them), no top-n log-probs, prompt log-probs (if asked)
     already out with the first token: the device argmax decides."""
     p = req.params
-    return (p.greedy and not p.reshapes_logits and not p.logprobs and len(req.output_ids) >= p.min_tokens
+    return (p.greedy and not p.reshapes_logits and not p.alternatives and len(req.output_ids) >= p.min_tokens
             and (p.prompt_logprobs is None or req.prompt_lps_sent))
 
 
@@ -72,7 +72,7 @@ class Committer:
         for i, (s, lrows) in enumerate(zip(sched, inp.logit_rows, strict=True)):
             req, p = s.req, s.req.params
             masked = req.grammar is not None or req.allowed is not None
-            masked_greedy = (masked and p.greedy and not (p.penalized or p.logit_bias or p.logprobs)
+            masked_greedy = (masked and p.greedy and not (p.penalized or p.logit_bias or p.alternatives)
                              and len(req.output_ids) >= p.min_tokens)
             if not fast[i] and lrows and masked_greedy and (s.verify or len(lrows) == 1):
                 if s.verify:
@@ -130,7 +130,8 @@ class Committer:
         if fast:
             info = [(g_lp[i], {}) for i in range(len(emitted))]
         else:
-            info = [logprob_info(logprobs[i], t, req.params.logprobs) for i, t in enumerate(emitted)]
+            p = req.params
+            info = [logprob_info(logprobs[i], t, p.logprobs, p.logprob_token_ids) for i, t in enumerate(emitted)]
         out = self.out.emit(req, emitted, info)
         if req.params.prompt_logprobs is not None and not req.prompt_lps_sent:  # with the first token
             out.prompt_logprobs, req.prompt_lps_sent = [None, *req.prompt_lps], True

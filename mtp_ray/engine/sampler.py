@@ -127,11 +127,14 @@ def reduce_rows(logits: torch.Tensor, host: list[bool], masks: tuple[list[int], 
                       torch.log_softmax(full, dim=-1) if full is not None else None)
 
 
-def logprob_info(lp: torch.Tensor, token: int, top_n: int | None) -> tuple[float, dict[int, float]]:
+def logprob_info(lp: torch.Tensor, token: int, top_n: int | None, ids: list[int] | None = None
+                 ) -> tuple[float, dict[int, float]]:
     """lp: [V] raw log-probabilities (log_softmax of the logits, computed for the whole step at once) ->
-    logprob of `token` and the top_n alternatives {token: logprob}."""
+    logprob of `token` and the top_n alternatives {token: logprob}, or with `ids` those tokens' (in their order)."""
     top: dict[int, float] = {}
-    if top_n:
+    if ids:
+        top = dict(zip(ids, lp[ids].tolist(), strict=True))
+    elif top_n:
         v, i = torch.topk(lp, min(top_n, lp.numel()))  # a vocabulary smaller than top_n: all of it
         top = {int(t): float(x) for t, x in zip(i.tolist(), v.tolist(), strict=False)}
     return float(lp[token]), top

@@ -89,6 +89,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None  # a grammar every sampled token must follow
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
     prompt_logprobs: int | None = None  # log-probs of the prompt's tokens (+ n top alternatives per position)
+    # vLLM's: these tokens' log-probs at each generated position, in place of the top-n alternatives (label reads)
+    logprob_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -112,6 +114,11 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def alternatives(self) -> bool:
+        """Log-probs of tokens besides the sampled one per position (top-n or named ids): the host reads the row."""
+        return bool(self.logprobs) or bool(self.logprob_token_ids)
+
+    @property
     def reshapes_logits(self) -> bool:
         """The greedy token is not the raw argmax: penalties, a logit bias or a mask (grammar, allowed tokens)."""
         return (self.penalized or bool(self.logit_bias) or self.structured_outputs is not None
@@ -120,7 +127,8 @@ class SamplingParams:
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids named by the parameters exist (an id past the vocabulary would fail the step that uses it)."""
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ()),
-                          ("allowed_token_ids", self.allowed_token_ids or ())):
+                          ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("logprob_token_ids", self.logprob_token_ids or ())):
             out = sorted({t for t in ids if t >= vocab_size})
             if out:
                 raise ParamError(f"{name} token ids must be in [0, {vocab_size}) (the vocabulary has {vocab_size} "
@@ -179,3 +187,8 @@ class SamplingParams:
              "allowed_token_ids", f"must be a non-empty list of token ids, got {allowed!r}")
         need(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
              "prompt_logprobs", f"must be an integer in 0..20, got {self.prompt_logprobs!r}")
+        ids = self.logprob_token_ids
+        need(ids is None or (isinstance(ids, list) and 0 < len(ids) <= 20 and all(is_int(t) and t >= 0 for t in ids)),
+             "logprob_token_ids", f"must be a list of 1..20 token ids, got {ids!r:.80}")
+        need(ids is None or self.logprobs is not None, "logprob_token_ids",
+             "needs logprobs (their log-probs take the place of the top alternatives)")

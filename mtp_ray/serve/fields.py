@@ -17,9 +17,9 @@ _COMMON = {
     # vLLM sampling extras
     "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
     "include_stop_str_in_output", "spaces_between_special_tokens", "prompt_logprobs", "allowed_token_ids",
-    "return_token_ids", "return_tokens_as_token_ids", "structured_outputs", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "add_special_tokens",
-    "truncate_prompt_tokens", "truncation_side", "use_beam_search", "echo", "priority",
+    "logprob_token_ids", "return_token_ids", "return_tokens_as_token_ids", "structured_outputs", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
+    "add_special_tokens", "truncate_prompt_tokens", "truncation_side", "use_beam_search", "echo", "priority",
     # SGLang extras
     "regex", "ebnf", "json_schema", "stop_regex", "no_stop_trim",
 }

@@ -24,7 +24,7 @@ SAMPLING_FIELDS: dict[str, tuple[str, tuple]] = {
     "ignore_eos": ("ignore_eos", (bool,)), "min_tokens": ("min_tokens", (int,)),
     "skip_special_tokens": ("skip_special_tokens", (bool,)),
     "include_stop_str_in_output": ("include_stop_str_in_output", (bool,)),
-    "allowed_token_ids": ("allowed_token_ids", (list,)),
+    "allowed_token_ids": ("allowed_token_ids", (list,)), "logprob_token_ids": ("logprob_token_ids", (list,)),
 }
 
 @dataclass

@@ -99,7 +99,7 @@ class Render:
         first one without a log-prob. The top_logprobs map holds the chosen token as well (vLLM: logprobs 0 still
         names it). Offsets run over the tokens' strings from offset0, not over the text sent so far: a stop
         string's look-ahead holds text back while its tokens' log-probs go out."""
-        top_n = self.req.top_logprobs or 0
+        top_n = self.top_n()
         ids, lps, tops = c.token_ids[start : len(c.logprobs)], c.logprobs[start:], c.top[start:]
         entries: list[tuple[int, float | None, list | None]] = []
         if with_prompt and c.prompt_logprobs is not None:
@@ -118,8 +118,13 @@ class Render:
             off += len(s)
         return out, off
 
+    def top_n(self) -> int:
+        """Alternatives per position: top_logprobs, or every token of logprob_token_ids (they replace them)."""
+        named = self.req.params.logprob_token_ids
+        return len(named) if named else self.req.top_logprobs or 0
+
     def chat_logprobs(self, c: Choice, start: int) -> dict:
-        top_n = self.req.top_logprobs or 0
+        top_n = self.top_n()
 
         def entry(t: int, lp: float) -> dict:
             s = self.s(t)
