@@ -160,6 +160,37 @@ def test_forced_tool_calls_validate(client, stream):
         jsonschema.validate(json.loads(args), schemas[name])
 
 
+@pytest.mark.parametrize("max_tokens", [150, 6])
+def test_named_tool_call_streams_its_arguments_as_generated(client, max_tokens):
+    """A named tool_choice's arguments stream as they are generated (as vLLM): the first tool-call delta has the id
+    and name, the next ones only the index and more arguments; together they are the non-streamed call's arguments,
+    also when max_tokens cuts them (finish_reason "length"). The Responses API streams them as
+    function_call_arguments deltas of one function_call item."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=max_tokens,
+              temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0]
+    deltas = [(ch.choices[0].delta.tool_calls, ch.choices[0].finish_reason)
+              for ch in client.chat.completions.create(stream=True, **kw) if ch.choices]
+    calls = [tc for tcs, _ in deltas for tc in tcs or []]
+    assert calls[0].id and calls[0].function.name == "get_weather" and all(tc.index == 0 for tc in calls)
+    assert all(tc.id is None and tc.function.name is None for tc in calls[1:])
+    assert "".join(tc.function.arguments for tc in calls) == whole.message.tool_calls[0].function.arguments
+    assert deltas[-1][1] == whole.finish_reason == ("stop" if max_tokens == 150 else "length")
+    if max_tokens == 150:
+        assert len(calls) > 2
+        jsonschema.validate(json.loads(whole.message.tool_calls[0].function.arguments), WEATHER)
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+    kw = dict(model=MODEL, input="Weather in Oslo?", tools=tools, temperature=0, max_output_tokens=max_tokens,
+              tool_choice={"type": "function", "name": "get_weather"})
+    one = client.responses.create(**kw).output[0]
+    events = list(client.responses.create(stream=True, **kw))
+    args = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and done[0].arguments == "".join(args) == one.arguments and one.type == "function_call"
+    assert [o.type for o in events[-1].response.output] == ["function_call"] and len(args) > 1
+
+
 @pytest.mark.parametrize("stream", [False, True, "whole reasoning"])
 def test_auto_tool_call_and_reasoning_are_parsed(client, stream):
     """A scripted output (a regex constraint on tool_choice auto) in Qwen3.5's XML call format, after a reasoning

@@ -17,7 +17,8 @@ from mtp_ray.serve.tool_parsers import TOOL_PARSERS, ToolCall
 class ChatDelta:
     reasoning: str = ""
     content: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # new calls (each with its arguments so far)
+    tool_args: str = ""  # more arguments of the last call streamed (a named tool_choice's, as they are generated)
 
 
 def call_id() -> str:
@@ -25,15 +26,15 @@ def call_id() -> str:
 
 
 def forced_calls(text: str, opts: ChatOptions) -> list[ToolCall] | None:
-    """The calls in a forced tool_choice's output (None: it is not the JSON the grammar allows, e.g. cut by
-    max_tokens)."""
+    """The calls in a forced tool_choice's output. Named: the output is the call's arguments as generated (as vLLM;
+    streamed piece by piece, so the whole answer carries the same text, cut or not), None when there is no output.
+    Required: None when it is not the JSON array the grammar allows (e.g. cut by max_tokens)."""
+    if opts.tool_choice == "named":
+        return [ToolCall(opts.tool_name or "", text)] if text.strip() else None
     try:
         value = json.loads(text)
     except ValueError:
         return None
-    if opts.tool_choice == "named":
-        return [ToolCall(opts.tool_name or "", json.dumps(value, ensure_ascii=False))] if isinstance(
-            value, dict) else None
     if not isinstance(value, list) or not all(isinstance(v, dict) and "name" in v for v in value):
         return None
     return [ToolCall(v["name"], json.dumps(v.get("parameters", {}), ensure_ascii=False)) for v in value]
@@ -50,7 +51,8 @@ class ChatOutput:
         self.tools = (TOOL_PARSERS[tool_call_parser](opts.tools)
                       if opts.tool_choice == "auto" and tool_call_parser else None)
         self.forced = opts.tool_choice in ("required", "named")
-        self.buffer = ""  # a forced call's JSON, read whole at the end
+        self.buffer = ""  # a required tool_choice's JSON, read whole at the end
+        self.call_open = False  # a named tool_choice's call has been opened (its arguments stream into it)
         self.held_reasoning = ""  # stream_reasoning false: the reasoning so far, sent once it has ended
         self.ended = False
 
@@ -84,6 +86,14 @@ class ChatOutput:
                     out.reasoning, self.held_reasoning = self.held_reasoning, ""
         else:
             c = delta
+        if self.forced and self.opts.tool_choice == "named":  # the arguments as they come: the call opens with the
+            if self.call_open:                                # first text that is not blank
+                out.tool_args = c
+            else:
+                self.buffer += c
+                if self.buffer.strip():
+                    out.tool_calls, self.call_open = [ToolCall(self.opts.tool_name or "", self.buffer)], True
+            return out
         if self.forced:
             self.buffer += c
             if final:

@@ -223,11 +223,13 @@ def chunk(rid: str, model: str, created: int, c: Choice, r: Render, text: str = 
             d = {}
             if delta.reasoning:
                 d["reasoning"] = d["reasoning_content"] = delta.reasoning  # vLLM's name, and the older one
-            if delta.content or not (delta.reasoning or delta.tool_calls):
+            if delta.content or not (delta.reasoning or delta.tool_calls or delta.tool_args):
                 d["content"] = delta.content
             if delta.tool_calls:
                 d["tool_calls"] = _tool_calls(delta.tool_calls, c.calls_sent, stream=True)
                 c.calls_sent += len(delta.tool_calls)
+            elif delta.tool_args:  # the open call's next arguments: its index only (OpenAI's stream format)
+                d["tool_calls"] = [{"index": c.calls_sent - 1, "function": {"arguments": delta.tool_args}}]
         body.update(delta=d, logprobs=lp, finish_reason=finish if finish is None else _finish(c, c.calls_sent > 0))
     else:
         body.update(text=text, logprobs=lp, finish_reason=finish)

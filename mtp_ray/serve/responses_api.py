@@ -269,6 +269,10 @@ class Events:
             item = _reasoning_item(o["id"], text)
             out = [self._event("response.reasoning_text.done", item_id=o["id"], output_index=i, content_index=0,
                                text=text)]
+        elif o["kind"] == "call":
+            item = {**o["item"], "arguments": text}
+            out = [self._event("response.function_call_arguments.done", item_id=o["id"], output_index=i,
+                               name=item["name"], arguments=text)]
         else:
             item = _message_item(o["id"], text, _status(self.finish))
             out = [self._event("response.output_text.done", item_id=o["id"], output_index=i, content_index=0,
@@ -279,18 +283,23 @@ class Events:
         return out + [self._event("response.output_item.done", output_index=i, item=item)]
 
     def _call(self, call: dict) -> list[str]:
-        out = self._close()
-        i = len(self.output)
-        item = _call_item(call)
-        self.output.append(item)
-        return out + [
-            self._event("response.output_item.added", output_index=i, item={**item, "arguments": "",
-                                                                          "status": "in_progress"}),
-            self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
-                        delta=item["arguments"]),
-            self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
-                        name=item["name"], arguments=item["arguments"]),
-            self._event("response.output_item.done", output_index=i, item=item)]
+        """A chat tool-call delta: a new call (it has an id) opens a function_call item; one without an id carries
+        more arguments of the open call (a named tool_choice's streamed arguments). Closed by the next item or the
+        end."""
+        out: list[str] = []
+        if "id" in call:
+            out = self._close()
+            item = {**_call_item(call), "arguments": ""}
+            self.open = {"kind": "call", "id": item["id"], "text": "", "item": item}
+            out.append(self._event("response.output_item.added", output_index=len(self.output),
+                                   item={**item, "status": "in_progress"}))
+        args = call["function"].get("arguments") or ""
+        if not args:
+            return out
+        assert self.open is not None and self.open["kind"] == "call", "arguments without a call"
+        self.open["text"] += args
+        return out + [self._event("response.function_call_arguments.delta", item_id=self.open["id"],
+                                  output_index=len(self.output), delta=args)]
 
     def chunk(self, chunk: dict) -> list[str]:
         """One chat chunk -> its events (the usage chunk closes the response)."""

@@ -50,7 +50,8 @@ class ChunkWriter:
         text = "" if req.drop_output else c.detok.delta(done)
         delta = c.chat.feed(text, done) if c.chat is not None else None
         lp_due = req.top_logprobs is not None and c.pending_logprobs and not req.drop_output
-        has = bool(delta.content or delta.reasoning or delta.tool_calls) if delta is not None else bool(text)
+        has = (bool(delta.content or delta.reasoning or delta.tool_calls or delta.tool_args) if delta is not None
+               else bool(text))
         if has or lp_due or (done and not c.sent_finish):
             out.append(self._event(self._chunk(c, text=text, delta=delta)))
         return out
