@@ -160,35 +160,50 @@ def test_forced_tool_calls_validate(client, stream):
         jsonschema.validate(json.loads(args), schemas[name])
 
 
-@pytest.mark.parametrize("max_tokens", [150, 6])
-def test_named_tool_call_streams_its_arguments_as_generated(client, max_tokens):
-    """A named tool_choice's arguments stream as they are generated (as vLLM): the first tool-call delta has the id
-    and name, the next ones only the index and more arguments; together they are the non-streamed call's arguments,
+@pytest.mark.parametrize("choice,max_tokens", [("named", 150), ("named", 6), ("required", 150), ("required", 14)])
+def test_forced_tool_calls_stream_their_arguments_as_generated(client, choice, max_tokens):
+    """A forced tool_choice's arguments stream as they are generated (as vLLM): a call's first delta has the id and
+    name, the next ones only the index and more arguments; together they are the non-streamed call's arguments,
     also when max_tokens cuts them (finish_reason "length"). The Responses API streams them as
-    function_call_arguments deltas of one function_call item."""
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS,
-              tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=max_tokens,
-              temperature=0)
+    function_call_arguments deltas of one function_call item per call."""
+    tc = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS, tool_choice=tc,
+              max_tokens=max_tokens, temperature=0)
     whole = client.chat.completions.create(**kw).choices[0]
     deltas = [(ch.choices[0].delta.tool_calls, ch.choices[0].finish_reason)
               for ch in client.chat.completions.create(stream=True, **kw) if ch.choices]
-    calls = [tc for tcs, _ in deltas for tc in tcs or []]
-    assert calls[0].id and calls[0].function.name == "get_weather" and all(tc.index == 0 for tc in calls)
-    assert all(tc.id is None and tc.function.name is None for tc in calls[1:])
-    assert "".join(tc.function.arguments for tc in calls) == whole.message.tool_calls[0].function.arguments
-    assert deltas[-1][1] == whole.finish_reason == ("stop" if max_tokens == 150 else "length")
+    got: dict[int, list] = {}
+    for d in (d for tcs, _ in deltas for d in tcs or []):
+        if d.index not in got:
+            assert d.id and d.function.name and d.index == len(got)
+            got[d.index] = [d.function.name, ""]
+        else:
+            assert d.id is None and d.function.name is None
+        got[d.index][1] += d.function.arguments or ""
+    assert [tuple(v) for v in got.values()] == [(c.function.name, c.function.arguments)
+                                                for c in whole.message.tool_calls]
+    pieces = sum(len(tcs or []) for tcs, _ in deltas)
+    done = {"named": "stop", "required": "tool_calls"}[choice] if max_tokens == 150 else "length"
+    assert deltas[-1][1] == whole.finish_reason == done
     if max_tokens == 150:
-        assert len(calls) > 2
-        jsonschema.validate(json.loads(whole.message.tool_calls[0].function.arguments), WEATHER)
-    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+        assert pieces > 2 * len(got)
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        for c in whole.message.tool_calls:
+            jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
+    tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+             for t in TOOLS]
+    rtc = {"type": "function", "name": "get_weather"} if choice == "named" else "required"
     kw = dict(model=MODEL, input="Weather in Oslo?", tools=tools, temperature=0, max_output_tokens=max_tokens,
-              tool_choice={"type": "function", "name": "get_weather"})
-    one = client.responses.create(**kw).output[0]
+              tool_choice=rtc)
+    one = [o for o in client.responses.create(**kw).output if o.type == "function_call"]
     events = list(client.responses.create(stream=True, **kw))
-    args = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
-    done = [e for e in events if e.type == "response.function_call_arguments.done"]
-    assert len(done) == 1 and done[0].arguments == "".join(args) == one.arguments and one.type == "function_call"
-    assert [o.type for o in events[-1].response.output] == ["function_call"] and len(args) > 1
+    args: dict[str, str] = {}
+    for e in events:
+        if e.type == "response.function_call_arguments.delta":
+            args[e.item_id] = args.get(e.item_id, "") + e.delta
+    done = [(e.item_id, e.arguments) for e in events if e.type == "response.function_call_arguments.done"]
+    assert [a for _, a in done] == [args.get(i, "") for i, _ in done] == [o.arguments for o in one] and one
+    assert [o.type for o in events[-1].response.output] == ["function_call"] * len(one)
 
 
 @pytest.mark.parametrize("stream", [False, True, "whole reasoning"])

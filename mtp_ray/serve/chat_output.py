@@ -4,10 +4,10 @@ produced (required: an array of {name, parameters}; named: the function's argume
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 
+from mtp_ray.serve.call_array import CallArray
 from mtp_ray.serve.chat_request import ChatOptions
 from mtp_ray.serve.reasoning import REASONING_PARSERS
 from mtp_ray.serve.tool_parsers import TOOL_PARSERS, ToolCall
@@ -17,8 +17,8 @@ from mtp_ray.serve.tool_parsers import TOOL_PARSERS, ToolCall
 class ChatDelta:
     reasoning: str = ""
     content: str = ""
+    tool_args: str = ""  # more arguments of the last call streamed before (a forced tool_choice's, as generated)
     tool_calls: list[ToolCall] = field(default_factory=list)  # new calls (each with its arguments so far)
-    tool_args: str = ""  # more arguments of the last call streamed (a named tool_choice's, as they are generated)
 
 
 def call_id() -> str:
@@ -26,18 +26,14 @@ def call_id() -> str:
 
 
 def forced_calls(text: str, opts: ChatOptions) -> list[ToolCall] | None:
-    """The calls in a forced tool_choice's output. Named: the output is the call's arguments as generated (as vLLM;
-    streamed piece by piece, so the whole answer carries the same text, cut or not), None when there is no output.
-    Required: None when it is not the JSON array the grammar allows (e.g. cut by max_tokens)."""
+    """The calls in a forced tool_choice's whole output, with their arguments as generated (as they stream, so a
+    streamed and a whole answer carry the same text, cut by max_tokens or not). Named: the output is the call's
+    arguments; required: the calls of its JSON array (serve/call_array.py). None: no call in it."""
     if opts.tool_choice == "named":
         return [ToolCall(opts.tool_name or "", text)] if text.strip() else None
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(value, list) or not all(isinstance(v, dict) and "name" in v for v in value):
-        return None
-    return [ToolCall(v["name"], json.dumps(v.get("parameters", {}), ensure_ascii=False)) for v in value]
+    array = CallArray()
+    array.feed(text)
+    return array.take()[1] or None
 
 
 class ChatOutput:
@@ -51,8 +47,9 @@ class ChatOutput:
         self.tools = (TOOL_PARSERS[tool_call_parser](opts.tools)
                       if opts.tool_choice == "auto" and tool_call_parser else None)
         self.forced = opts.tool_choice in ("required", "named")
-        self.buffer = ""  # a required tool_choice's JSON, read whole at the end
+        self.buffer = ""  # a forced tool_choice's output so far (content at the end if it holds no call)
         self.call_open = False  # a named tool_choice's call has been opened (its arguments stream into it)
+        self.array = CallArray() if opts.tool_choice == "required" else None  # a required one's calls
         self.held_reasoning = ""  # stream_reasoning false: the reasoning so far, sent once it has ended
         self.ended = False
 
@@ -86,22 +83,20 @@ class ChatOutput:
                     out.reasoning, self.held_reasoning = self.held_reasoning, ""
         else:
             c = delta
-        if self.forced and self.opts.tool_choice == "named":  # the arguments as they come: the call opens with the
-            if self.call_open:                                # first text that is not blank
+        if self.opts.tool_choice == "named":  # the arguments as they come: the call opens with the first text
+            if self.call_open:                # that is not blank
                 out.tool_args = c
             else:
                 self.buffer += c
                 if self.buffer.strip():
                     out.tool_calls, self.call_open = [ToolCall(self.opts.tool_name or "", self.buffer)], True
             return out
-        if self.forced:
+        if self.array is not None:  # required: each call as soon as its name is read, then its arguments
             self.buffer += c
-            if final:
-                found = forced_calls(self.buffer, self.opts)
-                if found is None:
-                    out.content = self.buffer
-                else:
-                    out.tool_calls = found
+            self.array.feed(c)
+            out.tool_args, out.tool_calls = self.array.take()
+            if final and not self.array.opened:  # no call in it (e.g. cut before a name): the text itself
+                out.content = self.buffer
             return out
         if self.tools is not None:
             c, calls = self.tools.feed(c)

@@ -225,11 +225,14 @@ def chunk(rid: str, model: str, created: int, c: Choice, r: Render, text: str = 
                 d["reasoning"] = d["reasoning_content"] = delta.reasoning  # vLLM's name, and the older one
             if delta.content or not (delta.reasoning or delta.tool_calls or delta.tool_args):
                 d["content"] = delta.content
+            calls = []
+            if delta.tool_args:  # the open call's next arguments: its index only (OpenAI's stream format)
+                calls.append({"index": c.calls_sent - 1, "function": {"arguments": delta.tool_args}})
             if delta.tool_calls:
-                d["tool_calls"] = _tool_calls(delta.tool_calls, c.calls_sent, stream=True)
+                calls += _tool_calls(delta.tool_calls, c.calls_sent, stream=True)
                 c.calls_sent += len(delta.tool_calls)
-            elif delta.tool_args:  # the open call's next arguments: its index only (OpenAI's stream format)
-                d["tool_calls"] = [{"index": c.calls_sent - 1, "function": {"arguments": delta.tool_args}}]
+            if calls:
+                d["tool_calls"] = calls
         body.update(delta=d, logprobs=lp, finish_reason=finish if finish is None else _finish(c, c.calls_sent > 0))
     else:
         body.update(text=text, logprobs=lp, finish_reason=finish)
