@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -245,14 +244,6 @@ def mtp_step(model: Qwen3_5MoeForCausalLM, cfg: ModelConfig, bsz: int, context: 
             **({"verify_kernels": kernels[0], "draft_kernels": kernels[1]} if kernels else {})}
 
 
-def _tiles_before(now, m: int, n: int, k: int, fp32: bool, fp8: bool = False) -> tuple:
-    """layers/triton/linear.py's GEMV tiles before split-K (2-16 bf16 rows: no split, 128- or 512-wide K steps)."""
-    t = now(m, n, k, fp32, fp8)
-    if fp32 or fp8 or t[0] == "row":
-        return t
-    return ("dot", 32, 128, 4, 4, 1) if n > 4096 else ("dot", 16 if n <= 2048 else 32, 512, 4, 3, 1)
-
-
 @contextlib.contextmanager
 def switched_off(name: str) -> Iterator[None]:
     """Steps captured inside run as before a switch: "pdl" (every kernel launched without programmatic dependent
@@ -268,10 +259,12 @@ def switched_off(name: str) -> Iterator[None]:
             pdl.set_enabled(prev)
         return
     if name == "tiles":
+        from kernels import tiles_before_split  # (bench/kernels.py; Triton: GPU machines only)
+
         from mtp_ray.layers.triton import linear
 
         now = linear.tiles
-        linear.tiles = functools.partial(_tiles_before, now)
+        linear.tiles = tiles_before_split
         try:
             yield
         finally:

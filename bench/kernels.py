@@ -136,6 +136,15 @@ def sweep_gemv(rows: int, dev: torch.device) -> list[dict]:
     return out
 
 
+def tiles_before_split(m: int, n: int, k: int, fp32: bool, fp8: bool = False) -> tuple:
+    """layers/triton/linear.py's GEMV tiles before split-K (2-16 bf16 rows: no split, 128- or 512-wide K steps);
+    everything else as `tiles` (the function imported here: unchanged while bench/decode.py's A/B swaps it)."""
+    t = tiles(m, n, k, fp32, fp8)
+    if fp32 or fp8 or t[0] == "row":
+        return t
+    return ("dot", 32, 128, 4, 4, 1) if n > 4096 else ("dot", 16 if n <= 2048 else 32, 512, 4, 3, 1)
+
+
 def sweep_split(rows: int, dev: torch.device) -> list[dict]:
     """The dot GEMV of `rows` rows with split-K (SPLIT programs a tile, each over K / SPLIT, the tile's last one
     summing the fp32 partials in split order) over (BN, BK, stages, SPLIT), launched as the engine launches it
@@ -153,7 +162,7 @@ def sweep_split(rows: int, dev: torch.device) -> list[dict]:
             return graph_time(lambda i: gemv(x, ws[i], tile), variants=len(ws)) * 1e6
 
         cur = tiles(rows, n, k, fp32=False)
-        before = ("dot", 32, 128, 4, 4, 1) if n > 4096 else ("dot", 16 if n <= 2048 else 32, 512, 4, 3, 1)
+        before = tiles_before_split(rows, n, k, False)
         res = {"shape": name, "rows": rows, "N": n, "K": k, "current": list(cur), "current_us": round(us(cur), 2),
                "before": list(before), "before_us": round(us(before), 2)}
         space = list(itertools.product(("dot",), (16, 32, 64), (128, 256, 512), (4,), (3, 4), (1, 2, 4, 8)))

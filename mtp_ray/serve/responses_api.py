@@ -284,8 +284,8 @@ class Events:
 
     def _call(self, call: dict) -> list[str]:
         """A chat tool-call delta: a new call (it has an id) opens a function_call item; one without an id carries
-        more arguments of the open call (a named tool_choice's streamed arguments). Closed by the next item or the
-        end."""
+        more arguments of the open call (a forced tool_choice's arguments, streamed as generated). Closed by the next
+        item or the end."""
         out: list[str] = []
         if "id" in call:
             out = self._close()

@@ -168,7 +168,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: Tile | None = None,
     else:
         bm = 16 if m <= 16 else min(64, triton.next_power_of_2(m))
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
-        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
-        _gemv_kernel[grid](x, w, s, y, part, _counters(x.device, grid[0] * grid[1]), m, n, k, x.stride(0),
-                           w.stride(0), y.stride(0), s_n, BM=bm, BN=bn, BK=bk, SUB=sub, IEEE=ieee, SPLIT=split, **kw)
+        part, count = y, y  # never read without split
+        if split > 1:
+            part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)  # [SPLIT, M, N] fp32 partials
+            count = _counters(x.device, grid[0] * grid[1])
+        _gemv_kernel[grid](x, w, s, y, part, count, m, n, k, x.stride(0), w.stride(0), y.stride(0), s_n, BM=bm,
+                           BN=bn, BK=bk, SUB=sub, IEEE=ieee, SPLIT=split, **kw)
     return y
