@@ -90,14 +90,14 @@ def test_a_result_whose_submitter_stopped_waiting_goes_to_orphan():
             return [f"done-{x}" for x in items]
 
         b = CallBatcher(send, orphan=orphans.append)
-        gone, kept = b.submit("a"), b.submit("b")  # both in the first call
+        gone, kept = b.submit("a"), b.submit("b")  # "a" leaves at once, "b" in the next call
         await asyncio.sleep(0)
         gone.cancel()  # its submitter went away while the call was in flight: the call still carries it
         gate.set()
         return await kept, orphans, b.calls
 
     kept, orphans, calls = asyncio.run(main())
-    assert kept == "done-b" and orphans == ["done-a"] and calls == 1
+    assert kept == "done-b" and orphans == ["done-a"] and calls == 2
 
 
 def test_items_done_before_their_call_left_are_not_sent():
@@ -117,13 +117,42 @@ def test_items_done_before_their_call_left_are_not_sent():
         gate.set()
         await asyncio.gather(first, y)
         await asyncio.sleep(0.01)
-        z = b.submit("z")  # the batcher is idle again; a lone item cancelled before its call left
-        z.cancel()
+        z = b.submit("z")  # the batcher is idle again: a lone item's call leaves inside submit
+        z.cancel()  # so its result, nobody waiting, is the orphan's
         await asyncio.sleep(0.01)
         return sent, b
 
     sent, b = asyncio.run(main())
-    assert sent == [["first"], ["y"]] and b.calls == 2 and not b.busy
+    assert sent == [["first"], ["y"], ["z"], ["orphan", None]] and b.calls == 3 and not b.busy
+
+
+def test_a_lone_item_leaves_inside_submit_outside_the_submitters_context():
+    """On an idle batcher the call is issued before submit returns (as an actor method's `.remote()` is when
+    called), not a loop pass later behind a burst of other handlers; and from a fresh context, as a detached task's
+    would be: Ray reads the calling request's task from a contextvar, and cancelling that request must not cancel a
+    call that may carry others."""
+    import contextvars
+
+    request = contextvars.ContextVar("request", default=None)
+
+    async def main():
+        issued: list[tuple[list[int], str | None]] = []
+
+        def send(items):
+            issued.append((list(items), request.get()))
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result([x * 2 for x in items])
+            return fut
+
+        b = CallBatcher(send, gap_s=0.02)
+        request.set("request-1")
+        first = b.submit(1)
+        at_return = list(issued)
+        second = b.submit(2)  # a call is in flight: the next call, a gap later
+        return at_return, await first, await second, issued
+
+    at_return, r1, r2, issued = asyncio.run(main())
+    assert at_return == [([1], None)] and (r1, r2) == (2, 4) and issued == [([1], None), ([2], None)]
 
 
 def test_with_a_gap_calls_leave_that_far_apart_answered_or_not():

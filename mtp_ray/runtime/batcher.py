@@ -1,8 +1,11 @@
 """CallBatcher: items bound for one callee, sent in as few calls as possible; `detached`: a task whose actor calls
 belong to no request.
 
-The first item goes out at once; items that arrive while a call is in flight go together in the next call (no
-timer, so an idle engine sees no added latency). Why: a Ray actor task costs the rank process ~0.3 ms of
+The first item goes out at once, its call issued inside `submit` itself; items that arrive while a call is in
+flight go together in the next call (no timer, so an idle engine sees no added latency). Issuing in `submit`
+matters under a burst: a task made there runs a whole event-loop pass later, behind every request handler that
+pass runs (on the H200 host, 128 arriving requests: ~50 ms a pass, so the first admission left with the burst's
+last instead of its first, and the engine sat idle meanwhile). Why: a Ray actor task costs the rank process ~0.3 ms of
 GIL-holding CPU, time its engine thread loses; `python bench/submit.py` (2-core dev machine): a burst of 512
 requests as 512 `add` calls took 139-163 ms of the rank's CPU, through this batcher 2-9 ms. Its users: the group's
 `add_many` calls to its ranks (runtime/group.py: one result for the whole call), the ingress's admission calls to
@@ -36,12 +39,13 @@ _LIVE: set[asyncio.Task] = set()
 
 class CallBatcher:
     """Items in as few `send` calls as possible: the first at once, those that arrive while a call is in flight
-    together in the next. `send(items)` returns None (every item's result is None) or one result per item; an
+    together in the next. `send(items)` issues the call when called (a Ray `.remote()`, or a coroutine function:
+    then when awaited) and returns an awaitable of None (every item's result is None) or one result per item; an
     exception it raises is every item's. An item whose future is done before its call leaves (its submitter
     stopped waiting) is not sent; `orphan` gets the result of one that was sent meanwhile (to undo it).
-    `gap_s`: each call runs in a task of its own and the next leaves gap_s after it, returned or not (where a call
-    costs more than it carries: fewer, fuller calls, and a slow call holds nothing back); None: the next leaves
-    when the one in flight returned (no timer)."""
+    `gap_s`: the next call leaves gap_s after the one before, returned or not (where a call costs more than it
+    carries: fewer, fuller calls, and a slow call holds nothing back); None: the next leaves when the one in flight
+    returned."""
 
     def __init__(self, send: Callable[[list[Any]], Awaitable[list[Any] | None]],
                  gap_s: float | None = None, orphan: Callable[[Any], None] | None = None):
@@ -54,32 +58,45 @@ class CallBatcher:
 
     def submit(self, item: Any) -> asyncio.Future:
         """A future of `item`'s result, set once a call carrying it returned (its exception if that call raised).
-        Cancelling it (or the task awaiting it) drops the item if its call has not left yet."""
+        Cancelling it (or the task awaiting it) drops the item if its call has not left yet; on an idle batcher
+        the call has left when this returns."""
         fut = asyncio.get_running_loop().create_future()
         self.pending.append((item, fut))
         if not self.busy:
             self.busy = True
-            detached(self._drain())  # its call may carry other requests: no one request's cancel may cancel it
+            first = self._leave()
+            detached(self._drain(first))  # its calls may carry other requests: no one request's cancel may cancel it
         return fut
 
-    async def _drain(self) -> None:
+    def _leave(self) -> asyncio.Task | None:
+        """One call with every pending item still wanted, issued now; the task that hands out its results."""
+        batch, self.pending = [p for p in self.pending if not p[1].done()], []
+        if not batch:  # (their submitters all stopped waiting)
+            return None
+        self.calls += 1
+        try:  # issued outside the submitting request's Ray task context, as a detached task's would be
+            answer = contextvars.Context().run(self.send, [item for item, _ in batch])
+        except Exception as e:
+            answer = _raise(e)
+        return detached(self._settle(batch, answer))
+
+    async def _drain(self, call: asyncio.Task | None) -> None:
+        """After the first call: the next ones, each with whatever queued meanwhile, until none queued."""
         try:
-            while self.pending:
-                batch, self.pending = [p for p in self.pending if not p[1].done()], []
-                if not batch:  # (their submitters all stopped waiting)
-                    continue
-                self.calls += 1
-                if self.gap_s is None:
-                    await self._call(batch)
-                else:
-                    detached(self._call(batch))
+            while True:
+                if self.gap_s is not None:
                     await asyncio.sleep(self.gap_s)
+                elif call is not None:
+                    await call  # (never raises: _settle hands its errors to the items)
+                if not self.pending:
+                    return
+                call = self._leave()
         finally:
             self.busy = False
 
-    async def _call(self, batch: list[tuple[Any, asyncio.Future]]) -> None:
+    async def _settle(self, batch: list[tuple[Any, asyncio.Future]], answer: Awaitable) -> None:
         try:
-            results = await self.send([item for item, _ in batch])
+            results = await answer
         except Exception as e:  # every item of the failed call gets the error; later ones still go
             for _, f in batch:
                 if not f.done():
@@ -90,3 +107,7 @@ class CallBatcher:
                 f.set_result(r)
             elif self.orphan is not None:  # its submitter stopped waiting while the call was in flight
                 self.orphan(r)
+
+
+async def _raise(e: Exception) -> None:
+    raise e

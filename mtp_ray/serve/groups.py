@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,10 +86,14 @@ class Admissions:
             return CallBatcher(self._call, orphan=self._orphan).submit(item)
         return self.batcher.submit(item)
 
-    async def _call(self, items: list[AdmitItem]) -> list[Admission | Exception]:
-        """One Serve call's answer, its first message (a result per item); the call stays open in a task of its own."""
+    def _call(self, items: list[AdmitItem]) -> Awaitable[list[Admission | Exception]]:
+        """One Serve call, issued now (the batcher calls this as the call leaves); awaiting the result gives its
+        answer, the call's first message (a result per item)."""
         self.count("ingress_admission_calls_total")
-        call = self.send(items)
+        return self._answer(self.send(items))
+
+    async def _answer(self, call: Any) -> list[Admission | Exception]:
+        """The call's first message; the call stays open in a task of its own."""
         try:
             results = await call.__anext__()
         except Exception:  # the call failed (no group, a group gone): every request gets the error
