@@ -155,6 +155,28 @@ def test_a_lone_item_leaves_inside_submit_outside_the_submitters_context():
     assert at_return == [([1], None)] and (r1, r2) == (2, 4) and issued == [([1], None), ([2], None)]
 
 
+def test_a_send_that_raises_past_exception_leaves_the_batcher_usable():
+    """Not an Exception (the call's error, every item's): raised to the submitter at once, and the batcher is idle
+    again, not stuck busy with nothing to drain."""
+    class Stop(BaseException):
+        pass
+
+    async def main():
+        def send(items):
+            if items == ["stop"]:
+                raise Stop()
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result([f"ok-{x}" for x in items])
+            return fut
+
+        b = CallBatcher(send)
+        with pytest.raises(Stop):
+            b.submit("stop")
+        return b.busy, await b.submit("x")
+
+    assert asyncio.run(main()) == (False, "ok-x")
+
+
 def test_with_a_gap_calls_leave_that_far_apart_answered_or_not():
     """gap_s: the next call leaves gap_s after the one before, whether that one returned (quick) or not (slow);
     without it the next leaves when the one in flight returned."""

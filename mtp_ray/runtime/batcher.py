@@ -64,7 +64,11 @@ class CallBatcher:
         self.pending.append((item, fut))
         if not self.busy:
             self.busy = True
-            first = self._leave()
+            try:
+                first = self._leave()
+            except BaseException:  # (send's Exceptions are the items'; anything else is the submitter's, at once)
+                self.busy = False
+                raise
             detached(self._drain(first))  # its calls may carry other requests: no one request's cancel may cancel it
         return fut
 
