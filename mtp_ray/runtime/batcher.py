@@ -1,16 +1,18 @@
 """CallBatcher: items bound for one callee, sent in as few calls as possible; `detached`: a task whose actor calls
 belong to no request.
 
-The first item goes out at once, its call issued inside `submit` itself; items that arrive while a call is in
-flight go together in the next call (no timer, so an idle engine sees no added latency). Issuing in `submit`
-matters under a burst: a task made there runs a whole event-loop pass later, behind every request handler that
-pass runs (on the H200 host, 128 arriving requests: ~50 ms a pass, so the first admission left with the burst's
-last instead of its first, and the engine sat idle meanwhile). Why: a Ray actor task costs the rank process ~0.3 ms of
+The first item goes out at once; items that arrive while a call is in flight go together in the next call (no
+timer, so an idle engine sees no added latency). Why: a Ray actor task costs the rank process ~0.3 ms of
 GIL-holding CPU, time its engine thread loses; `python bench/submit.py` (2-core dev machine): a burst of 512
 requests as 512 `add` calls took 139-163 ms of the rank's CPU, through this batcher 2-9 ms. Its users: the group's
 `add_many` calls to its ranks (runtime/group.py: one result for the whole call), the ingress's admission calls to
 the groups (serve/groups.py: Admissions; a result per item, a result nobody waits for any more aborted, calls
 server.admission_gap_ms apart: a Serve call costs more than the group's part of an admission).
+
+An idle batcher's call is issued inside `submit` itself, not from a task made there: such a task runs a whole
+event-loop pass later, behind every request handler that pass runs (on the H200 host, 128 arriving requests: ~50 ms
+a pass, so the first admission left with the burst's last request instead of its first, and the engine sat idle
+meanwhile).
 """
 
 from __future__ import annotations
