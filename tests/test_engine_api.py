@@ -152,6 +152,27 @@ def test_token_budget_must_hold_a_verify_step():
         LLM(num_speculative_tokens=3, max_num_batched_tokens=3)
 
 
+def test_warmup_forwards_stay_inside_max_model_len(monkeypatch):
+    """A step's token budget may exceed max_model_len (many short prompts a step): the warmup's dummy forward of
+    the whole budget still names only positions a sequence can reach (on a GPU the rope table ends there, and a
+    position past it was an illegal memory access at engine start: bench/profile_step.py --model 35b)."""
+    from mtp_ray.engine.runner import ModelRunner
+
+    seen: list[int] = []
+    forward = ModelRunner.forward
+
+    def spy(self, inp):
+        seen.append(int(inp.positions.max()))
+        return forward(self, inp)
+
+    monkeypatch.setattr(ModelRunner, "forward", spy)
+    llm = LLM(max_model_len=24, max_num_batched_tokens=128, num_speculative_tokens=1)
+    llm.engine.warmup()  # as a serving rank does (the offline LLM warms up with graphs only)
+    assert seen and max(seen) < 24, seen
+    o = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert len(o[0].outputs[0].token_ids) == 24 - 3 and o[0].outputs[0].finish_reason == "length"
+
+
 def test_a_bad_prompt_in_a_batch_queues_nothing(llm):
     with pytest.raises(ValueError, match="prompt token ids"):
         llm.generate([[5, 6, 7], [5, 99999]], SamplingParams(max_tokens=3))

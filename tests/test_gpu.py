@@ -46,6 +46,17 @@ def test_gpu_fp32_drafts_as_the_cpu_drafts(graphs):
 
 
 @needs_gpu
+def test_a_token_budget_past_max_model_len_starts_and_serves():
+    """max_num_batched_tokens > max_model_len (many short prompts a step): the warmup forward of the whole budget
+    read rope table rows past max_model_len (an illegal memory access at engine start) before its positions
+    wrapped."""
+    llm = LLM(device="cuda", dtype="bfloat16", num_speculative_tokens=3, max_model_len=64,
+              max_num_batched_tokens=1024)
+    out = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in out] == [64 - len(p) for p in PROMPTS]
+
+
+@needs_gpu
 def test_gpu_bf16_runs_with_mtp():
     base = greedy(LLM(device="cuda", dtype="bfloat16"))
     llm = LLM(device="cuda", dtype="bfloat16", num_speculative_tokens=3)

@@ -206,14 +206,17 @@ def target_pieces(sched: list[Scheduled]) -> list[Piece]:
     return out
 
 
-def dummy_inputs(num_tokens: int = 1, snapshot_at: int | None = None) -> StepInputs:
+def dummy_inputs(num_tokens: int = 1, snapshot_at: int | None = None, max_len: int | None = None) -> StepInputs:
     """A padded forward for a rank with no work: reserved block 0 and state slot 0, KV writes dropped. The table
     names block 0 once per token, enough for any block size. snapshot_at (warmup): a prefix-cache snapshot after
-    that many tokens, into slot 0 too."""
+    that many tokens, into slot 0 too. max_len (warmup): positions wrap below it, so a forward of a whole step's
+    token budget, which may be longer than any sequence, reads only rope table rows that exist (the GPU table
+    spans max_model_len; a position past it read out of bounds: an illegal memory access at engine start)."""
     batch = ForwardBatch(
         query_lens=[num_tokens], context_lens=[0], block_tables=torch.zeros(1, num_tokens, dtype=torch.long),
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long), state_slots=[0],
         snapshots=None if snapshot_at is None else [(0, snapshot_at, 0)],
     )
     zeros = torch.zeros(num_tokens, dtype=torch.long)
-    return StepInputs(zeros, torch.arange(num_tokens), batch, [[]])
+    pos = torch.arange(num_tokens)
+    return StepInputs(zeros, pos if max_len is None else pos % max_len, batch, [[]])

@@ -78,7 +78,7 @@ def warmup_forwards(core: EngineCore) -> None:
     for n, snap in forwards:
         with core.sync.agree(DPMeta(num_tokens=n, batch_size=1, is_decoding=int(n == 1), is_dummy=0,
                                     has_unfinished=1)):
-            core.runner.forward(dummy_inputs(n, snap))
+            core.runner.forward(dummy_inputs(n, snap, core.max_model_len))
         core.proposer.propose([], None)
     q_len = 1 + core.k
     for size in sorted(core.runner.graph_sizes, reverse=True):
