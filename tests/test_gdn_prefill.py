@@ -112,6 +112,36 @@ def test_varlen_fla(dtype, tol, heads, lens, ctxs):
     _check(*_run(m, x, batch, slots, dtype, chunk_varlen_fla), ref, slots, x, tol)
 
 
+@needs_device
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,lens,ctxs", CASES)
+def test_varlen_recurrent(dtype, tol, heads, lens, ctxs):
+    """The short-piece GPU path: conv_varlen + the token-serial recurrent kernel over cu_seqlens (any length here;
+    the layer sends it pieces of up to SHORT_PIECE tokens), fp32 to the reference's rounding."""
+    from mtp_ray.layers.triton.gated_delta import recurrent_varlen
+
+    m, x, batch, slots = _setup(*heads, lens, ctxs, seed=sum(lens) + heads[3])
+    ref = _reference(m, x, batch)
+    _check(*_run(m, x, batch, slots, dtype, recurrent_varlen), ref, slots, x, tol)
+
+
+@needs_device
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_varlen_recurrent_snapshots_equal_pieces_ending_there(dtype, tol):
+    from mtp_ray.layers.triton.gated_delta import recurrent_varlen
+    from tests.test_gdn_snapshots import CTXS, LENS, SNAPS, _batch, _cut
+
+    m, x, _, slots = _setup(2, 4, 32, 32, LENS, CTXS, seed=7)
+    ref = _reference(m, x, _batch(LENS, CTXS, slots))
+    cuts = {(b, j): _cut(m, x, slots, b, j) for b, j, _ in SNAPS}
+    core, conv, ssm = _run(m, x, _batch(LENS, CTXS, slots, SNAPS), slots, dtype, recurrent_varlen)
+    assert _rel(core, ref[0]) < tol
+    for s in slots:
+        assert _rel(conv[s], ref[1][s]) < tol and _rel(ssm[s], ref[2][s]) < tol, s
+    for b, j, dst in SNAPS:
+        assert _rel(conv[dst], cuts[b, j][0]) < tol and _rel(ssm[dst], cuts[b, j][1]) < tol, (b, j)
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 5e-3), (torch.bfloat16, 3e-2)])
 def test_varlen_fla_snapshots_equal_pieces_ending_there(dtype, tol):

@@ -16,6 +16,13 @@ from itertools import accumulate
 import torch
 
 FLA_CHUNK = 64  # the chunk length of fla's chunked gated delta rule (its default)
+# GDN prefill: a batch of pieces of at most SHORT_PIECE new tokens, SHORT_TOKENS in all, takes the token-serial
+# recurrent kernel (one launch a layer; device time ~1.3 us a token of the longest piece at 1 sequence, growing
+# with the sequences) instead of fla's chunked kernels (0.75-1.5 ms of host time a layer through their Python
+# launchers). At the 35B-A3B shapes on the H200 (bench/gdn_prefill.py) the recurrent kernel's device time stays
+# under fla's host time up to 128 tokens x 8 sequences or 32 x 32 (519 / 469 us against 756 / 900)
+SHORT_PIECE = 128
+SHORT_TOKENS = 1024
 
 
 def fla_chunks(lens: list[int]) -> list[tuple[int, int]]:
@@ -72,6 +79,8 @@ class ForwardBatch:
         self.cu_seqlens = [0]
         for q in self.query_lens:
             self.cu_seqlens.append(self.cu_seqlens[-1] + q)
+        # the GDN layers' prefill kernel: token-serial for short pieces (SHORT_PIECE)
+        self.short_pieces = max(self.query_lens, default=0) <= SHORT_PIECE and self.cu_seqlens[-1] <= SHORT_TOKENS
 
     @classmethod
     def decode(cls, u: UniformDecode, block_tables: torch.Tensor, slot_mapping: torch.Tensor) -> ForwardBatch:

@@ -60,6 +60,10 @@ class GatedDeltaNet(nn.Module):
             conv = conv_decode(mixed, self.conv_state, weight, u.state_slots, u.spec_slots, u.q_len)
             core = recurrent_decode(conv, a_raw, b_raw, self.A_log, self.dt_bias, self.ssm_state, u.state_slots,
                                     u.spec_slots, u.q_len, self.hk, self.dk, x.dtype)
+        elif x.is_cuda and batch.spec_state_slots is None and batch.short_pieces:
+            from mtp_ray.layers.triton.gated_delta import recurrent_varlen
+
+            core = self._varlen(mixed, a_raw, b_raw, weight, batch, recurrent_varlen)
         elif x.is_cuda and x.dtype != torch.float32 and batch.spec_state_slots is None and _fla() is not None:
             from mtp_ray.layers.triton.gated_delta import chunk_varlen_fla
 
@@ -113,9 +117,10 @@ class GatedDeltaNet(nn.Module):
 
     def _varlen(self, mixed: torch.Tensor, a_raw: torch.Tensor, b_raw: torch.Tensor, weight: torch.Tensor,
                 batch: ForwardBatch, chunk_fn: Callable) -> torch.Tensor:
-        """Prefill / mixed batch without verify rows: one conv launch over all sequences and one varlen chunked
-        delta rule (fla on the GPU; `chunk_fn` is injectable so the CPU can check this path with the reference).
-        fp32 models keep the per-sequence path: fla's chunk kernels use TF32 dots inside."""
+        """Prefill / mixed batch without verify rows: one conv launch over all sequences and one varlen delta rule
+        (`chunk_fn`: the recurrent kernel for short pieces, fla's chunked one else; injectable so the CPU can check
+        this path with the reference). fp32 models take fla's path never (its chunk kernels use TF32 dots inside):
+        past short pieces they keep the per-sequence path."""
         from mtp_ray.layers.triton.gated_delta import conv_varlen
 
         cu, ctx, slots = batch.device_lists(mixed.device)  # [N + 1], [N], [N]; ctx 0: a fresh sequence, zero states

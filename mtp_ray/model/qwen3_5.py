@@ -73,4 +73,9 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         return layers + (self.mtp.attention_layers() if self.mtp is not None else [])
 
     def gdn_layers(self) -> list[GatedDeltaNet]:
-        return [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
+        """Found once (a prefill step that takes or restores a prefix-cache snapshot copies every layer's states:
+        walking the module tree each time cost ~0.2 ms a step at 4 layers)."""
+        found = self.__dict__.get("_gdn_layers")
+        if found is None:
+            found = self.__dict__["_gdn_layers"] = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
+        return found
