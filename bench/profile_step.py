@@ -9,7 +9,9 @@ synthetic ids, a 4096-token step budget (bench/dp.py's serving set-up, without t
 --phase requests: whole 64-token requests through LLM.generate (bench/offline.py's batch-1 decode rows: prefill,
 decode, finish), per step of them.
 --phase prefill: a round adds --batch requests with max_tokens = 1 and steps until they finish, so every step is a
-prefill step; the figures are per prefill step (one warm-up round first: fla autotunes on its first call).
+prefill step; the figures are per prefill step (one warm-up round first: fla autotunes on its first call). Each
+round's prompts are new (ids shifted by the round): before 2026-12-04 the rounds repeated theirs, so every round
+after the first hit the prefix cache and prefilled only the tokens after the cached blocks.
 
 Writes JSON: per k the mean step wall time, the device time of the same steps when the host waits for them, tokens
 per step, the 25 heaviest Python functions (cProfile, own time) and the 25 heaviest device kernels / host ops
@@ -72,8 +74,9 @@ class Workload:
         sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         while n < steps:
             self.rounds += 1
-            for i, p in enumerate(self.ids):
-                self.eng.add_request(f"p{self.rounds}-{i}", p, sp)
+            vocab = self.eng.runner.model_config.vocab_size
+            for i, p in enumerate(self.ids):  # new prompts each round: a repeated one would hit the prefix cache
+                self.eng.add_request(f"p{self.rounds}-{i}", [(t + self.rounds) % vocab for t in p], sp)
             while self.eng.has_unfinished():
                 self.eng.step()
                 n += 1
