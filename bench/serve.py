@@ -5,8 +5,8 @@
                           [--prompt-tokens 32] [--requests-per-stream 4] [--cold-burst 64]
                           [--out bench/results/serve.json]
 
-Per variant (dp, k; s<ms>: server.stream_interval_ms; a<ms>: server.admission_gap_ms; a trailing d: Ray Serve's
-direct ingress, no proxy hop) it
+Per variant (dp, k; s<ms>: server.stream_interval_ms; a<ms>: server.admission_gap_ms; l: Serve's access log on at
+the ingress (off by default: serve/app.py); a trailing d: Ray Serve's direct ingress, no proxy hop) it
 starts `serve run` on a YAML made from --yaml (engine overrides: dp, k, and with
 --model 35b random weights at the Qwen3.5-35B-A3B shapes cut to --layers layers + the MTP layer, with a byte-level
 word tokenizer of the full vocabulary; --model micro: random weights at tiny shapes with the bundled tokenizer,
@@ -102,7 +102,7 @@ def model_micro(mtp: bool) -> Path:
 
 def variant_yaml(base: dict, dp: int, k: int, model: dict, out: Path, groups: int | None = None,
                  ingress: int | None = None, port: int | None = None,
-                 server: dict | None = None) -> tuple[Path, int, str]:
+                 server: dict | None = None, access_log: bool | None = None) -> tuple[Path, int, str]:
     cfg = json.loads(json.dumps(base))
     if port:
         cfg["http_options"] = {**cfg.get("http_options", {}), "port": port}
@@ -113,6 +113,9 @@ def variant_yaml(base: dict, dp: int, k: int, model: dict, out: Path, groups: in
     if groups:  # a fixed number of engine groups (no autoscaling): e.g. one group on a one-GPU machine
         app["args"]["group"] = {**app["args"].get("group", {}), "num_replicas": groups}
         app["args"]["group"].pop("autoscaling_config", None)
+    if access_log is not None:  # Serve's per-request access log line on the ingress replicas
+        ing = app["args"]["ingress"] = dict(app["args"].get("ingress") or {})
+        ing["logging_config"] = {**(ing.get("logging_config") or {}), "enable_access_log": access_log}
     if server:  # server settings of this variant (stream interval, admission gap)
         app["args"]["server"] = {**(app["args"].get("server") or {}), **server}
     eng = app["args"]["engine"]
@@ -377,12 +380,12 @@ def save(result: dict, path: str) -> None:
     Path(path).write_text(json.dumps(result, indent=1))
 
 
-async def run_variant(args, name: str, dp: int, k: int, server_cfg: dict, direct: bool, model: dict,
-                      work: Path, result: dict) -> dict:
+async def run_variant(args, name: str, dp: int, k: int, server_cfg: dict, access_log: bool | None, direct: bool,
+                      model: dict, work: Path, result: dict) -> dict:
     base = yaml.safe_load(Path(args.yaml).read_text())
     client_port = args.port or base.get("http_options", {}).get("port", 8000)
     path, _, served = variant_yaml(base, dp, k, model, work / f"{name}.yaml", args.groups, args.ingress,
-                                   client_port + 100 if direct else client_port, server_cfg)
+                                   client_port + 100 if direct else client_port, server_cfg, access_log)
     server = Server(path, client_port, work / f"{name}.log", direct)
     try:
         up = await server.wait_ready(args.start_timeout)
@@ -390,6 +393,7 @@ async def run_variant(args, name: str, dp: int, k: int, server_cfg: dict, direct
         prompt = lambda i: [(7 * i + j) % 2000 + 3 for j in range(args.prompt_tokens)]  # noqa: E731
         out: dict = {"dp": dp, "k": k, "stream_interval_ms": server_cfg.get("stream_interval_ms"),
                      "admission_gap_ms": server_cfg.get("admission_gap_ms"), "direct_ingress": direct,
+                     "ingress_access_log": access_log,
                      "server_up_s": round(up, 1), "levels": {}}
         result["variants"][name] = out
         burst = [prompt(10_000 + i) for i in range(args.cold_burst)]
@@ -439,17 +443,18 @@ async def run_variant(args, name: str, dp: int, k: int, server_cfg: dict, direct
         server.stop()
 
 
-VARIANT = re.compile(r"dp(\d+)k(\d+)(?:s(\d+(?:\.\d+)?))?(?:a(\d+(?:\.\d+)?))?(d?)")
+VARIANT = re.compile(r"dp(\d+)k(\d+)(?:s(\d+(?:\.\d+)?))?(?:a(\d+(?:\.\d+)?))?(l?)(d?)")
 
 
-def parse_variant(v: str) -> tuple[int, int, dict, bool]:
-    """dp<N>k<K>[s<ms>][a<ms>][d] -> (dp, k, the server overrides: s = server.stream_interval_ms, a =
-    server.admission_gap_ms (the YAML's where absent), direct ingress)."""
+def parse_variant(v: str) -> tuple[int, int, dict, bool | None, bool]:
+    """dp<N>k<K>[s<ms>][a<ms>][l][d] -> (dp, k, the server overrides: s = server.stream_interval_ms, a =
+    server.admission_gap_ms (the YAML's where absent), the ingress's access log (l: on; else None, the YAML's or
+    the app's default: off), direct ingress)."""
     m = VARIANT.fullmatch(v)
     if m is None:
-        raise SystemExit(f"variant {v!r}: expected dp<N>k<K>[s<ms>][a<ms>][d], e.g. dp1k0s5a20d")
+        raise SystemExit(f"variant {v!r}: expected dp<N>k<K>[s<ms>][a<ms>][l][d], e.g. dp1k0s5a20d")
     server = {key: float(x) for key, x in (("stream_interval_ms", m[3]), ("admission_gap_ms", m[4])) if x}
-    return int(m[1]), int(m[2]), server, bool(m[5])
+    return int(m[1]), int(m[2]), server, True if m[5] else None, bool(m[6])
 
 
 async def main_async(args) -> dict:

@@ -31,6 +31,16 @@ def group_bundles(cfg: EngineConfig) -> list[dict[str, float]]:
     return [{"CPU": REPLICA_CPU}] + rank_bundles(cfg)
 
 
+def ingress_logging(cfg: Any) -> Any:
+    """The ingress's Serve logging_config: Serve's access-log line per HTTP request off unless asked for
+    (`ingress: {logging_config: {enable_access_log: true}}`). Each line is formatted and written by the replica and,
+    under `serve run`, shipped to the driver's console: with the log on, a CPU server's client tok/s at 128 streams
+    was 0.82-0.88 of that with it off (bench/serve.py, variants ...l; docs/performance.md)."""
+    if cfg is None or isinstance(cfg, dict):
+        return {"enable_access_log": False, **(cfg or {})}
+    return cfg  # a LoggingConfig object: as the caller made it
+
+
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     args = dict(args or {})
     unknown = set(args) - {"engine", "served_model_name", "group", "ingress", "server"}
@@ -53,7 +63,9 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         placement_group_strategy=cfg.parallel.placement_strategy,
         **with_group_policy(group_opts),  # autoscaling on the groups' requests in flight (serve/scaling.py)
     ).bind(engine)
-    ingress_opts = {"max_ongoing_requests": 1000, **dict(args.get("ingress") or {})}
+    ingress_args = dict(args.get("ingress") or {})
+    ingress_opts = {"max_ongoing_requests": 1000, **ingress_args,
+                    "logging_config": ingress_logging(ingress_args.get("logging_config"))}
     ingress = serve.deployment(Ingress, name="OpenAIIngress").options(
         ray_actor_options={"num_cpus": 0.1}, **ingress_opts)
     return ingress.bind(group, name, cfg.tokenizer or cfg.model, server, cfg.timeouts.queue_s)
