@@ -79,8 +79,9 @@ class ForwardBatch:
         self.cu_seqlens = [0]
         for q in self.query_lens:
             self.cu_seqlens.append(self.cu_seqlens[-1] + q)
-        # the GDN layers' prefill kernel: token-serial for short pieces (SHORT_PIECE)
-        self.short_pieces = max(self.query_lens, default=0) <= SHORT_PIECE and self.cu_seqlens[-1] <= SHORT_TOKENS
+        # the GDN layers' prefill kernel: token-serial for short pieces (SHORT_PIECE; a uniform batch has its own)
+        self.short_pieces = (self.uniform is None and max(self.query_lens, default=0) <= SHORT_PIECE
+                             and self.cu_seqlens[-1] <= SHORT_TOKENS)
 
     @classmethod
     def decode(cls, u: UniformDecode, block_tables: torch.Tensor, slot_mapping: torch.Tensor) -> ForwardBatch:
