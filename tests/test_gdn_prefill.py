@@ -125,35 +125,22 @@ def test_varlen_recurrent(dtype, tol, heads, lens, ctxs):
     _check(*_run(m, x, batch, slots, dtype, recurrent_varlen), ref, slots, x, tol)
 
 
-@needs_device
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_varlen_recurrent_snapshots_equal_pieces_ending_there(dtype, tol):
-    from mtp_ray.layers.triton.gated_delta import recurrent_varlen
+@pytest.mark.parametrize("kernel,tols", [
+    pytest.param("recurrent_varlen", (1e-5, 2e-2), marks=needs_device, id="recurrent"),
+    pytest.param("chunk_varlen_fla", (5e-3, 3e-2), marks=needs_cuda, id="fla")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_snapshots_equal_pieces_ending_there(kernel, tols, dtype):
+    """Prefix-cache snapshots inside prefill pieces on the GPU's delta-rule kernels (the short-piece recurrence, fla's
+    chunks): each snapshot slot holds the state a piece ending there leaves (tests/test_gdn_snapshots.py checks the
+    same exactly on the CPU)."""
+    from mtp_ray.layers.triton import gated_delta
     from tests.test_gdn_snapshots import CTXS, LENS, SNAPS, _batch, _cut
 
+    tol = tols[dtype is torch.bfloat16]
     m, x, _, slots = _setup(2, 4, 32, 32, LENS, CTXS, seed=7)
     ref = _reference(m, x, _batch(LENS, CTXS, slots))
     cuts = {(b, j): _cut(m, x, slots, b, j) for b, j, _ in SNAPS}
-    core, conv, ssm = _run(m, x, _batch(LENS, CTXS, slots, SNAPS), slots, dtype, recurrent_varlen)
-    assert _rel(core, ref[0]) < tol
-    for s in slots:
-        assert _rel(conv[s], ref[1][s]) < tol and _rel(ssm[s], ref[2][s]) < tol, s
-    for b, j, dst in SNAPS:
-        assert _rel(conv[dst], cuts[b, j][0]) < tol and _rel(ssm[dst], cuts[b, j][1]) < tol, (b, j)
-
-
-@needs_cuda
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 5e-3), (torch.bfloat16, 3e-2)])
-def test_varlen_fla_snapshots_equal_pieces_ending_there(dtype, tol):
-    """Prefix-cache snapshots inside prefill pieces on fla's kernels: each snapshot slot holds the state a piece
-    ending there leaves (tests/test_gdn_snapshots.py checks the same exactly on the CPU)."""
-    from mtp_ray.layers.triton.gated_delta import chunk_varlen_fla
-    from tests.test_gdn_snapshots import CTXS, LENS, SNAPS, _batch, _cut
-
-    m, x, _, slots = _setup(2, 4, 32, 32, LENS, CTXS, seed=7)
-    ref = _reference(m, x, _batch(LENS, CTXS, slots))
-    cuts = {(b, j): _cut(m, x, slots, b, j) for b, j, _ in SNAPS}
-    core, conv, ssm = _run(m, x, _batch(LENS, CTXS, slots, SNAPS), slots, dtype, chunk_varlen_fla)
+    core, conv, ssm = _run(m, x, _batch(LENS, CTXS, slots, SNAPS), slots, dtype, getattr(gated_delta, kernel))
     assert _rel(core, ref[0]) < tol
     for s in slots:
         assert _rel(conv[s], ref[1][s]) < tol and _rel(ssm[s], ref[2][s]) < tol, s

@@ -96,6 +96,18 @@ def conv_decode(mixed: torch.Tensor, conv_state: torch.Tensor, weight: torch.Ten
 
 
 @triton.jit
+def _delta_token(s, q, k, v, g, beta, q_scale):
+    """One token of the gated delta rule on a state tile s [BK, BV] (fp32): q, k [BK] raw (L2-normed here, q
+    scaled), v [BV], log decay g, beta -> (the new tile, the output [BV])."""
+    q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * q_scale
+    k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+    s = s * tl.exp(g)
+    delta = (v - tl.sum(s * k[:, None], 0)) * beta  # [BV]
+    s = s + k[:, None] * delta[None, :]
+    return s, tl.sum(s * q[:, None], 0)
+
+
+@triton.jit
 def _recurrent_kernel(x_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slots_ptr, spec_ptr, out_ptr,
                       stride_x, stride_ab, stride_ss, stride_sh, stride_sk, stride_o, stride_oh, q_scale,
                       KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HV: tl.constexpr,
@@ -121,15 +133,10 @@ def _recurrent_kernel(x_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slots_p
         q = tl.load(x_ptr + row * stride_x + hk * DK + kk, mask=km, other=0.0).to(tl.float32)
         k = tl.load(x_ptr + row * stride_x + KEY_DIM + hk * DK + kk, mask=km, other=0.0).to(tl.float32)
         v = tl.load(x_ptr + row * stride_x + 2 * KEY_DIM + h * DV + vv, mask=vm, other=0.0).to(tl.float32)
-        q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * q_scale
-        k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
         a = tl.load(a_ptr + row * stride_ab + h).to(tl.float32) + dt_bias
         softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
         beta = tl.sigmoid(tl.load(b_ptr + row * stride_ab + h).to(tl.float32))
-        s = s * tl.exp(neg_a * softplus)
-        delta = (v - tl.sum(s * k[:, None], 0)) * beta  # [BV]
-        s = s + k[:, None] * delta[None, :]
-        o = tl.sum(s * q[:, None], 0)  # [BV]
+        s, o = _delta_token(s, q, k, v, neg_a * softplus, beta, q_scale)
         tl.store(out_ptr + row * stride_o + h * stride_oh + vv, o.to(out_ptr.dtype.element_ty), mask=vm)
         if HAS_SPEC:
             dst = tl.load(spec_ptr + b * QL + j).to(tl.int64)
@@ -255,13 +262,9 @@ def _recurrent_varlen_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, cu_pt
         q = tl.load(q_ptr + t * stride_q + hk * stride_qh + kk, mask=km, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + t * stride_k + hk * stride_kh + kk, mask=km, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + t * stride_v + h * stride_vh + vv, mask=vm, other=0.0).to(tl.float32)
-        q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
-        k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+        g = tl.load(g_ptr + t * stride_g + h).to(tl.float32)
         beta = tl.load(beta_ptr + t * stride_b + h).to(tl.float32)
-        s = s * tl.exp(tl.load(g_ptr + t * stride_g + h).to(tl.float32))
-        delta = (v - tl.sum(s * k[:, None], 0)) * beta  # [BV]
-        s = s + k[:, None] * delta[None, :]
-        o = tl.sum(s * q[:, None], 0)  # [BV]
+        s, o = _delta_token(s, q, k, v, g, beta, scale)
         tl.store(out_ptr + t * stride_o + h * stride_oh + vv, o.to(out_ptr.dtype.element_ty), mask=vm)
     tl.store(final_ptr + n.to(tl.int64) * stride_hn + s_off, s, mask=s_mask)
 
