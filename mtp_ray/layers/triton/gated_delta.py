@@ -96,6 +96,17 @@ def conv_decode(mixed: torch.Tensor, conv_state: torch.Tensor, weight: torch.Ten
 
 
 @triton.jit
+def _state_tile(h, stride_h, stride_k, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The [dk, BV] tile of value head h's state a program owns (dv tile: program axis 2) -> the key and value
+    ranges with their masks, and the tile's offsets and mask within one state slot."""
+    vv = tl.program_id(2) * BV + tl.arange(0, BV)
+    vm = vv < DV
+    kk = tl.arange(0, BK)
+    km = kk < DK
+    return kk, km, vv, vm, h * stride_h + kk[:, None] * stride_k + vv[None, :], km[:, None] & vm[None, :]
+
+
+@triton.jit
 def _delta_token(s, q, k, v, g, beta, q_scale):
     """One token of the gated delta rule on a state tile s [BK, BV] (fp32): q, k [BK] raw (L2-normed here, q
     scaled), v [BV], log decay g, beta -> (the new tile, the output [BV])."""
@@ -116,14 +127,9 @@ def _recurrent_kernel(x_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slots_p
     pdl.enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
-    vv = tl.program_id(2) * BV + tl.arange(0, BV)
-    vm = vv < DV
-    kk = tl.arange(0, BK)
-    km = kk < DK
+    kk, km, vv, vm, s_off, s_mask = _state_tile(h, stride_sh, stride_sk, DK, DV, BK, BV)
     hk = h // REP  # the key head this value head reads
     slot = tl.load(slots_ptr + b).to(tl.int64)
-    s_off = h * stride_sh + kk[:, None] * stride_sk + vv[None, :]
-    s_mask = km[:, None] & vm[None, :]
     s = tl.load(state_ptr + slot * stride_ss + s_off, mask=s_mask, other=0.0)  # [BK, BV] fp32
     neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
@@ -248,13 +254,8 @@ def _recurrent_varlen_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, cu_pt
     final tile to `final`. The math of `_recurrent_kernel`, with g and beta given."""
     n = tl.program_id(0)
     h = tl.program_id(1)
-    vv = tl.program_id(2) * BV + tl.arange(0, BV)
-    vm = vv < DV
-    kk = tl.arange(0, BK)
-    km = kk < DK
+    kk, km, vv, vm, s_off, s_mask = _state_tile(h, stride_hh, stride_hk, DK, DV, BK, BV)
     hk = h // REP  # the key head this value head reads
-    s_off = h * stride_hh + kk[:, None] * stride_hk + vv[None, :]
-    s_mask = km[:, None] & vm[None, :]
     s = tl.load(h0_ptr + n.to(tl.int64) * stride_hn + s_off, mask=s_mask, other=0.0)  # [BK, BV] fp32
     t0 = tl.load(cu_ptr + n).to(tl.int64)
     t1 = tl.load(cu_ptr + n + 1).to(tl.int64)
