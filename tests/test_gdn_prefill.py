@@ -73,7 +73,8 @@ def _run(m, x, batch, slots, dtype, chunk_fn):
     w = dev(m.conv1d.weight.detach()[:, 0, :].to(dtype).contiguous())
     mm = m.to(DEVICE)
     with torch.no_grad():
-        core = mm._varlen(dev(x["mixed"].to(dtype)), dev(x["a"].to(dtype)), dev(x["b"].to(dtype)), w, batch, chunk_fn)
+        core = mm._varlen(dev(x["mixed"].to(dtype)), dev(x["a"].to(dtype)), dev(x["b"].to(dtype)), w, batch, chunk_fn,
+                          snapshots_in_kernel=chunk_fn.__name__ == "recurrent_varlen")  # as the layer runs it
     return core.cpu().float(), m.conv_state.cpu().float(), m.ssm_state.cpu()
 
 

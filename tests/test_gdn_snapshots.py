@@ -71,14 +71,19 @@ def test_per_sequence_snapshots_equal_pieces_ending_there():
     _check_snapshots(m, x, slots, got, plain, tol=1e-6)
 
 
-def _conv_varlen_torch(mixed, conv_state, weight, cu, slots, ctx):
-    """conv_varlen's contract in PyTorch: silu(conv) per sequence, conv states read (ctx > 0) and updated."""
+def _conv_varlen_torch(mixed, conv_state, weight, cu, slots, ctx, snapshots=None):
+    """conv_varlen's contract in PyTorch: silu(conv) per sequence, conv states read (ctx > 0) and updated, and each
+    snapshot's slot given the conv state after its sequence's first j tokens."""
     out = torch.empty_like(mixed)
+    km1 = weight.shape[1] - 1
     for b in range(slots.shape[0]):
         s, e, slot = int(cu[b]), int(cu[b + 1]), int(slots[b])
         state = conv_state[slot] if int(ctx[b]) > 0 else torch.zeros_like(conv_state[slot])
-        out[s:e], full = causal_conv1d(mixed[s:e], state, weight)
-        conv_state[slot] = full[:, -(weight.shape[1] - 1) :]
+        out[s:e], full = causal_conv1d(mixed[s:e], state, weight)  # full: [C, K - 1 + n], old state then tokens
+        for si in range(int(snapshots.ptr[b]), int(snapshots.ptr[b + 1])) if snapshots is not None else ():
+            j = int(snapshots.offset[si])
+            conv_state[int(snapshots.slots[si])] = full[:, j : j + km1]
+        conv_state[slot] = full[:, -km1:]
     return out
 
 

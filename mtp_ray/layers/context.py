@@ -10,6 +10,7 @@ the forward is a fixed sequence of batched kernels that a CUDA graph can capture
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -42,11 +43,11 @@ class UniformDecode:
 
 @dataclass(frozen=True)
 class SnapshotMeta:
-    """ForwardBatch.snapshots on the device; S snapshots, R = the sum of their j."""
+    """ForwardBatch.snapshots on the device, ordered by (sequence, j); S snapshots, R = the sum of their j."""
 
+    ptr: torch.Tensor  # [N + 1] int64 sequence b's snapshots are ptr[b] .. ptr[b + 1] (the kernels' view)
     seq: torch.Tensor  # [S] int64 the sequence each snapshot is taken from
     offset: torch.Tensor  # [S] int64 j: the state after that sequence's first j new tokens
-    start: torch.Tensor  # [S] int64 that sequence's first row in the batch
     slots: torch.Tensor  # [S] int64 state slot receiving the snapshot
     rows: torch.Tensor  # [R] int64 batch rows of the appended sequences (each snapshot's first j rows)
     cu_seqlens: torch.Tensor  # [N + S + 1] the batch's sequences, then the appended ones
@@ -113,42 +114,45 @@ class ForwardBatch:
         return self._device_meta(device)[3]
 
     def snapshot_meta(self, device: torch.device) -> SnapshotMeta:
-        """The snapshots as one more varlen batch: each is a copy of its sequence's first j rows appended after the
-        batch's own sequences, so one chunked delta-rule call yields its state exactly as a piece ending there."""
+        """The snapshots for the GDN kernels: per sequence its (j, slot) list (the conv kernel and the short-piece
+        recurrence write them in the same launch), and as one more varlen batch for a delta rule that cannot (fla):
+        each a copy of its sequence's first j rows appended after the batch's own sequences, so one chunked call
+        yields its state exactly as a piece ending there. One host -> device copy, cached for every layer."""
         cached = self.rope_cache.get("snapshots")
         if cached is None or cached.seq.device.type != torch.device(device).type:
-            snaps = self.snapshots
-            assert snaps, "no snapshots in this batch"
+            assert self.snapshots, "no snapshots in this batch"
+            snaps = sorted(self.snapshots)
             lens = list(self.query_lens) + [j for _, j, _ in snaps]
             cu = self.cu_seqlens + list(accumulate((j for _, j, _ in snaps), initial=self.cu_seqlens[-1]))[1:]
             rows = [r for b, j, _ in snaps for r in range(self.cu_seqlens[b], self.cu_seqlens[b] + j)]
-
-            def dev(x: list[int]) -> torch.Tensor:
-                return torch.tensor(x, dtype=torch.long).to(device)
-
-            cached = SnapshotMeta(seq=dev([b for b, _, _ in snaps]), offset=dev([j for _, j, _ in snaps]),
-                                  start=dev([self.cu_seqlens[b] for b, _, _ in snaps]),
-                                  slots=dev([s for _, _, s in snaps]), rows=dev(rows), cu_seqlens=dev(cu),
-                                  chunk_indices=dev([x for pair in fla_chunks(lens) for x in pair]).view(-1, 2))
+            seq = [b for b, _, _ in snaps]
+            ptr = [bisect_left(seq, b) for b in range(self.num_seqs + 1)]
+            p, s, o, sl, r, c, ch = _packed([ptr, seq, [j for _, j, _ in snaps], [x for _, _, x in snaps], rows, cu,
+                                             [x for pair in fla_chunks(lens) for x in pair]], device)
+            cached = SnapshotMeta(ptr=p, seq=s, offset=o, slots=sl, rows=r, cu_seqlens=c, chunk_indices=ch.view(-1, 2))
             self.rope_cache["snapshots"] = cached
         return cached
 
     def _device_meta(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         cached = self.rope_cache.get("varlen")
         if cached is None or cached[0].device.type != torch.device(device).type:
-            # each list starts on a 16-byte boundary (an even int64 offset): Triton specializes pointers on
-            # 16-byte alignment, and offsets that followed the batch size's parity made every varlen kernel
-            # compile again on the first serving step of the other parity (bench/cold_compiles.py)
-            parts = [self.cu_seqlens, list(self.context_lens), list(self.state_slots),
-                     [x for pair in fla_chunks(self.query_lens) for x in pair]]
-            flat: list[int] = []
-            starts = []
-            for part in parts:
-                flat += [0] * (len(flat) & 1)
-                starts.append(len(flat))
-                flat += part
-            meta = torch.tensor(flat, dtype=torch.long).to(device)
-            views = [meta[a : a + len(p)] for a, p in zip(starts, parts, strict=True)]
+            views = _packed([self.cu_seqlens, list(self.context_lens), list(self.state_slots),
+                             [x for pair in fla_chunks(self.query_lens) for x in pair]], device)
             cached = (*views[:3], views[3].view(-1, 2))
             self.rope_cache["varlen"] = cached
         return cached
+
+
+def _packed(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """int64 lists -> views of one tensor on `device` (one host -> device copy), each starting on a 16-byte boundary
+    (an even offset): Triton specializes pointers on 16-byte alignment, and offsets that followed the batch size's
+    parity made every varlen kernel compile again on the first serving step of the other parity
+    (bench/cold_compiles.py)."""
+    flat: list[int] = []
+    starts = []
+    for part in parts:
+        flat += [0] * (len(flat) & 1)
+        starts.append(len(flat))
+        flat += part
+    meta = torch.tensor(flat, dtype=torch.long).to(device)
+    return [meta[a : a + len(p)] for a, p in zip(starts, parts, strict=True)]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp_ray.config.model import ModelConfig
-from mtp_ray.layers.context import FLA_CHUNK, ForwardBatch, SnapshotMeta
+from mtp_ray.layers.context import FLA_CHUNK, ForwardBatch
 from mtp_ray.layers.gated_delta_ops import causal_conv1d, chunk_gated_delta, l2norm, recurrent_gated_delta
 from mtp_ray.layers.linear import FusedProjections, Linear
 from mtp_ray.layers.norm import GatedRMSNorm
@@ -63,7 +63,7 @@ class GatedDeltaNet(nn.Module):
         elif x.is_cuda and batch.spec_state_slots is None and batch.short_pieces:
             from mtp_ray.layers.triton.gated_delta import recurrent_varlen
 
-            core = self._varlen(mixed, a_raw, b_raw, weight, batch, recurrent_varlen)
+            core = self._varlen(mixed, a_raw, b_raw, weight, batch, recurrent_varlen, snapshots_in_kernel=True)
         elif x.is_cuda and x.dtype != torch.float32 and batch.spec_state_slots is None and _fla() is not None:
             from mtp_ray.layers.triton.gated_delta import chunk_varlen_fla
 
@@ -116,51 +116,39 @@ class GatedDeltaNet(nn.Module):
         return out.view(bsz * ql, self.hv, self.dv)
 
     def _varlen(self, mixed: torch.Tensor, a_raw: torch.Tensor, b_raw: torch.Tensor, weight: torch.Tensor,
-                batch: ForwardBatch, chunk_fn: Callable) -> torch.Tensor:
+                batch: ForwardBatch, chunk_fn: Callable, snapshots_in_kernel: bool = False) -> torch.Tensor:
         """Prefill / mixed batch without verify rows: one conv launch over all sequences and one varlen delta rule
         (`chunk_fn`: the recurrent kernel for short pieces, fla's chunked one else; injectable so the CPU can check
         this path with the reference). fp32 models take fla's path never (its chunk kernels use TF32 dots inside):
-        past short pieces they keep the per-sequence path."""
+        past short pieces they keep the per-sequence path. Prefix-cache snapshots: the conv kernel writes their
+        conv states; the delta rule their recurrent states, in its own launch where it can (`snapshots_in_kernel`:
+        the recurrent kernel), else from each snapshot's rows appended as a sequence of its own."""
         from mtp_ray.layers.triton.gated_delta import conv_varlen
 
         cu, ctx, slots = batch.device_lists(mixed.device)  # [N + 1], [N], [N]; ctx 0: a fresh sequence, zero states
         t, n = mixed.shape[0], len(batch.query_lens)
         snaps = batch.snapshot_meta(mixed.device) if batch.snapshots else None
-        if snaps is not None:  # their conv windows, before conv_varlen moves the states they may reach back into
-            conv_snaps = self._conv_windows(mixed, ctx, slots, snaps)
-        conv = conv_varlen(mixed, self.conv_state, weight, cu, slots, ctx)  # [T, C], conv state updated
+        conv = conv_varlen(mixed, self.conv_state, weight, cu, slots, ctx, snaps)  # [T, C], conv states updated
         g = -self.A_log.float().exp() * F.softplus(a_raw.float() + self.dt_bias.float())  # [T, Hv] fp32
         beta = b_raw.sigmoid()  # [T, Hv] in the model dtype, as fla's own GDN layer passes it
         h0 = self.ssm_state.index_select(0, slots)  # [N, Hv, dk, dv] fp32
         h0 = torch.where(ctx[:, None, None, None] > 0, h0, torch.zeros((), dtype=h0.dtype, device=h0.device))
         chunks = batch.chunk_indices(mixed.device)
-        if snaps is not None:  # the snapshots' rows again, as sequences of their own after the batch's
+        rows_for_snaps = snaps is not None and not snapshots_in_kernel
+        extra = {"snapshots": snaps, "states": self.ssm_state} if snaps is not None and snapshots_in_kernel else {}
+        if rows_for_snaps:  # the snapshots' rows again, as sequences of their own after the batch's
             conv, g, beta = (torch.cat([x, x.index_select(0, snaps.rows)]) for x in (conv, g, beta))
             h0 = torch.cat([h0, h0.index_select(0, snaps.seq)])
             cu, chunks = snaps.cu_seqlens, snaps.chunk_indices
         rows = conv.shape[0]
         q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         core, final = chunk_fn(q.view(rows, self.hk, self.dk), k.view(rows, self.hk, self.dk),
-                               v.view(rows, self.hv, self.dv), g, beta, self.dk**-0.5, h0, cu, chunks)
+                               v.view(rows, self.hv, self.dv), g, beta, self.dk**-0.5, h0, cu, chunks, **extra)
         final = final.to(self.ssm_state.dtype)
         self.ssm_state.index_copy_(0, slots, final[:n])
-        if snaps is not None:
+        if rows_for_snaps:
             self.ssm_state.index_copy_(0, snaps.slots, final[n:])
-            self.conv_state.index_copy_(0, snaps.slots, conv_snaps)
         return core[:t]  # [T, Hv, dv]
-
-    def _conv_windows(self, mixed: torch.Tensor, ctx: torch.Tensor, slots: torch.Tensor,
-                      snaps: SnapshotMeta) -> torch.Tensor:
-        """Conv state after each snapshot's first j tokens: the K - 1 inputs ending there, from the piece's rows or,
-        where j < K - 1, from its sequence's conv state before this forward -> [S, C, K - 1] (state dtype)."""
-        km1 = self.kernel - 1
-        col = snaps.offset[:, None] + torch.arange(km1, device=mixed.device)  # [S, K-1]: in state ++ piece
-        old = self.conv_state.index_select(0, slots.index_select(0, snaps.seq))  # [S, C, K-1]
-        old = old * (ctx.index_select(0, snaps.seq) > 0)[:, None, None].to(old.dtype)  # fresh: zeros
-        from_old = old.gather(2, col.clamp(max=km1 - 1)[:, None, :].expand_as(old))
-        from_rows = mixed.index_select(0, (snaps.start[:, None] + col - km1).clamp(min=0).flatten())
-        from_rows = from_rows.view(*col.shape, -1).transpose(1, 2)  # [S, C, K-1]
-        return torch.where((col < km1)[:, None, :], from_old, from_rows.to(old.dtype))
 
     def _per_sequence(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor,
                       batch: ForwardBatch) -> torch.Tensor:

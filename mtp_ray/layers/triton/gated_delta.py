@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mtp_ray.layers.context import FLA_CHUNK
+from mtp_ray.layers.context import FLA_CHUNK, SnapshotMeta
 from mtp_ray.layers.triton import pdl
 
 log = logging.getLogger(__name__)
@@ -186,11 +186,28 @@ def recurrent_decode(conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a
 
 
 @triton.jit
-def _conv_varlen_kernel(mixed_ptr, state_ptr, w_ptr, cu_ptr, slots_ptr, ctx_ptr, out_ptr, C,
-                        stride_m, stride_ss, stride_sc, stride_wc, stride_o,
-                        K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _conv_window(mixed_ptr, state_ptr, s0, slot, dst, f0, p_min, c, cm, stride_m, stride_ss, stride_sc,
+                 K: tl.constexpr, BC: tl.constexpr):
+    """Conv state slot dst := the K - 1 inputs of [old state (K - 1) | the sequence's tokens] from index f0 on:
+    column i reads old state column f0 + i (short prefixes; zeros where p_min says the state is fresh) or token
+    f0 + i - (K - 1)."""
+    for i in tl.static_range(K - 1):
+        f = f0 + i + tl.zeros([BC], tl.int64)
+        x = tl.load(mixed_ptr + (s0 + f - (K - 1)) * stride_m + c, mask=(f >= K - 1) & cm, other=0.0)
+        old = tl.load(state_ptr + slot * stride_ss + c * stride_sc + tl.minimum(f, K - 2),
+                      mask=(f < K - 1) & (f - (K - 1) >= p_min) & cm, other=0.0)
+        tl.store(state_ptr + dst * stride_ss + c * stride_sc + i, tl.where(f >= K - 1, x, old.to(x.dtype))
+                 .to(state_ptr.dtype.element_ty), mask=cm)
+
+
+@triton.jit
+def _conv_varlen_kernel(mixed_ptr, state_ptr, w_ptr, cu_ptr, slots_ptr, ctx_ptr, out_ptr, snap_ptr, snap_j,
+                        snap_slot, C, stride_m, stride_ss, stride_sc, stride_wc, stride_o,
+                        K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_SNAP: tl.constexpr):
     """One program per (sequence, channel tile), looping over the sequence's tokens BT at a time: it owns its
-    channels of that sequence's conv state, so reading the old state and writing the new one cannot race."""
+    channels of that sequence's conv state, so reading the old state and writing the new one cannot race. With
+    prefix-cache snapshots (HAS_SNAP: the sequence's snapshots are snap_ptr[b] .. snap_ptr[b + 1], each j tokens
+    in, into slot snap_slot): the conv state after its first j tokens, written before the old state is replaced."""
     b = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     cm = c < C
@@ -215,43 +232,47 @@ def _conv_varlen_kernel(mixed_ptr, state_ptr, w_ptr, cu_ptr, slots_ptr, ctx_ptr,
         conv = acc.to(dt).to(tl.float32)
         tl.store(out_ptr + (s0 + tt)[:, None] * stride_o + c[None, :], (conv * tl.sigmoid(conv)).to(dt),
                  mask=(tt < n)[:, None] & cm[None, :])
+    if HAS_SNAP:  # each snapshot's window (another slot) from the old state, before it is replaced
+        for si in range(tl.load(snap_ptr + b), tl.load(snap_ptr + b + 1)):
+            _conv_window(mixed_ptr, state_ptr, s0, slot, tl.load(snap_slot + si).to(tl.int64),
+                         tl.load(snap_j + si).to(tl.int64), p_min, c, cm, stride_m, stride_ss, stride_sc, K, BC)
     tl.debug_barrier()  # every read of the old state above happens before the new state is written
     # the new state: the last K - 1 inputs of [old state | tokens]; column j reads column n + j > j of the old
     # state (short sequences) or token n + j - (K - 1), so no column is read after it was overwritten
-    for j in tl.static_range(K - 1):
-        f = n + j + tl.zeros([BC], tl.int64)  # [BC] index into [old state (K - 1) | tokens (n)]
-        x = tl.load(mixed_ptr + (s0 + f - (K - 1)) * stride_m + c, mask=(f >= K - 1) & cm, other=0.0)
-        old = tl.load(state_ptr + slot * stride_ss + c * stride_sc + tl.minimum(f, K - 2),
-                      mask=(f < K - 1) & (f - (K - 1) >= p_min) & cm, other=0.0)
-        tl.store(state_ptr + slot * stride_ss + c * stride_sc + j, tl.where(f >= K - 1, x, old.to(x.dtype))
-                 .to(state_ptr.dtype.element_ty), mask=cm)
+    _conv_window(mixed_ptr, state_ptr, s0, slot, slot, n, p_min, c, cm, stride_m, stride_ss, stride_sc, K, BC)
 
 
 def conv_varlen(mixed: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
-                state_slots: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+                state_slots: torch.Tensor, context_lens: torch.Tensor,
+                snapshots: SnapshotMeta | None = None) -> torch.Tensor:
     """Prefill / mixed batch: mixed [T, C] (sequence b owns rows cu_seqlens[b] .. cu_seqlens[b + 1]);
-    conv_state [S, C, K - 1] read where context_lens[b] > 0 (else zeros) and updated in place -> silu(conv) [T, C]."""
+    conv_state [S, C, K - 1] read where context_lens[b] > 0 (else zeros) and updated in place -> silu(conv) [T, C].
+    snapshots: each one's slot gets the conv state after its sequence's first j tokens."""
     bsz, c = state_slots.shape[0], mixed.shape[1]
     assert conv_state.stride(2) == 1 and weight.stride(1) == 1 and mixed.stride(1) == 1
     out = torch.empty(mixed.shape, dtype=mixed.dtype, device=mixed.device)
+    snap = (snapshots.ptr, snapshots.offset, snapshots.slots) if snapshots is not None else (cu_seqlens,) * 3
     bc = 64
     _conv_varlen_kernel[(bsz, triton.cdiv(c, bc))](
-        mixed, conv_state, weight, cu_seqlens, state_slots, context_lens, out, c,
+        mixed, conv_state, weight, cu_seqlens, state_slots, context_lens, out, *snap, c,
         mixed.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0), out.stride(0),
-        K=weight.shape[1], BT=32, BC=bc, num_warps=4,
+        K=weight.shape[1], BT=32, BC=bc, HAS_SNAP=snapshots is not None, num_warps=4,
     )
     return out
 
 
 @triton.jit
 def _recurrent_varlen_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, cu_ptr, out_ptr, final_ptr,
+                             snap_ptr, snap_j, snap_slot, states_ptr,
                              stride_q, stride_qh, stride_k, stride_kh, stride_v, stride_vh, stride_g, stride_b,
                              stride_hn, stride_hh, stride_hk, stride_o, stride_oh, scale,
                              DK: tl.constexpr, DV: tl.constexpr, REP: tl.constexpr, BK: tl.constexpr,
-                             BV: tl.constexpr):
+                             BV: tl.constexpr, HAS_SNAP: tl.constexpr):
     """One program per (sequence, value head, dv tile): the state tile [dk, BV] from h0 in registers, the delta
     rule over the sequence's rows cu[n] .. cu[n + 1] one token at a time (q / k L2-normed here, as fla does), the
-    final tile to `final`. The math of `_recurrent_kernel`, with g and beta given."""
+    final tile to `final`. The math of `_recurrent_kernel`, with g and beta given. HAS_SNAP: after the first j
+    tokens of each of the sequence's snapshots (snap_ptr[n] .. snap_ptr[n + 1], in order of j) the tile also goes
+    to state slot snap_slot of `states` (laid out as h0)."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     kk, km, vv, vm, s_off, s_mask = _state_tile(h, stride_hh, stride_hk, DK, DV, BK, BV)
@@ -259,6 +280,10 @@ def _recurrent_varlen_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, cu_pt
     s = tl.load(h0_ptr + n.to(tl.int64) * stride_hn + s_off, mask=s_mask, other=0.0)  # [BK, BV] fp32
     t0 = tl.load(cu_ptr + n).to(tl.int64)
     t1 = tl.load(cu_ptr + n + 1).to(tl.int64)
+    if HAS_SNAP:  # the next snapshot and the row it ends after (t0 + j; none left: past t1)
+        si = tl.load(snap_ptr + n).to(tl.int64)
+        s_end = tl.load(snap_ptr + n + 1).to(tl.int64)
+        at = t0 + tl.load(snap_j + si, mask=si < s_end, other=0).to(tl.int64) + (si >= s_end).to(tl.int64) * (t1 + 1)
     for t in range(t0, t1):
         q = tl.load(q_ptr + t * stride_q + hk * stride_qh + kk, mask=km, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + t * stride_k + hk * stride_kh + kk, mask=km, other=0.0).to(tl.float32)
@@ -267,27 +292,40 @@ def _recurrent_varlen_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, cu_pt
         beta = tl.load(beta_ptr + t * stride_b + h).to(tl.float32)
         s, o = _delta_token(s, q, k, v, g, beta, scale)
         tl.store(out_ptr + t * stride_o + h * stride_oh + vv, o.to(out_ptr.dtype.element_ty), mask=vm)
+        if HAS_SNAP:
+            if t + 1 == at:
+                dst = tl.load(snap_slot + si).to(tl.int64)
+                tl.store(states_ptr + dst * stride_hn + s_off, s, mask=s_mask)
+                si += 1
+                at = t0 + tl.load(snap_j + si, mask=si < s_end, other=0).to(tl.int64) + \
+                    (si >= s_end).to(tl.int64) * (t1 + 1)
     tl.store(final_ptr + n.to(tl.int64) * stride_hn + s_off, s, mask=s_mask)
 
 
 def recurrent_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      scale: float, initial_state: torch.Tensor, cu_seqlens: torch.Tensor,
-                     chunk_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     chunk_indices: torch.Tensor | None = None, snapshots: SnapshotMeta | None = None,
+                     states: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The contract of gated_delta_ops.chunk_gated_delta_varlen (q, k [T, Hk, dk] raw; v [T, Hv, dv]; g, beta
     [T, Hv]; initial_state [N, Hv, dk, dv] fp32 -> o [T, Hv, dv] in v's dtype, final states fp32) in one launch,
-    token-serial within each sequence (chunk_indices unused)."""
+    token-serial within each sequence (chunk_indices unused). snapshots (with `states`, the layer's state slots
+    [S, Hv, dk, dv]): each snapshot's slot gets the state after its sequence's first j tokens, in the same launch."""
     n, hv, dk, dv = initial_state.shape
     hk = q.shape[1]
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and g.stride(1) == beta.stride(1) == 1
     assert initial_state.is_contiguous() and cu_seqlens.numel() == n + 1
+    assert snapshots is None or states is not None and states.is_contiguous() and states.shape[1:] == (hv, dk, dv)
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     final = torch.empty_like(initial_state)
+    snap = (snapshots.ptr, snapshots.offset, snapshots.slots, states) if snapshots is not None \
+        else (cu_seqlens, cu_seqlens, cu_seqlens, final)  # not read
     bv, warps = recurrent_tile(1, hv, dk, dv)  # one tile whatever the batch: a burst compiles nothing new
     _recurrent_varlen_kernel[(n, hv, triton.cdiv(dv, bv))](
-        q, k, v, g, beta, initial_state, cu_seqlens, out, final,
+        q, k, v, g, beta, initial_state, cu_seqlens, out, final, *snap,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         initial_state.stride(0), initial_state.stride(1), initial_state.stride(2), out.stride(0), out.stride(1),
-        scale, DK=dk, DV=dv, REP=hv // hk, BK=triton.next_power_of_2(dk), BV=bv, num_warps=warps,
+        scale, DK=dk, DV=dv, REP=hv // hk, BK=triton.next_power_of_2(dk), BV=bv, HAS_SNAP=snapshots is not None,
+        num_warps=warps,
     )
     return out, final
 
