@@ -165,7 +165,7 @@ def test_no_triton_recompiles_for_new_batch_shapes(ray_cluster):
         before = compiles()
         ray_cluster.get(burst(1))
         ray_cluster.get(burst(2))
-        assert compiles() == before, ray_cluster.get(h.get_stats.remote())["ranks"][0]["stalls"]["recent_compiles"]
+        assert compiles() == before, ray_cluster.get(h.get_stats.remote())["ranks"][0]["stalls"]["recent_compiles"][-3:]
     finally:
         ray_cluster.get(h.shutdown.remote())
 

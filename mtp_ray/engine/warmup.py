@@ -74,6 +74,9 @@ def warmup_forwards(core: EngineCore) -> None:
     over = (*range(span * (budget // span + 1), 2 * budget - 1, span), 2 * budget - 1) \
         if large and core.blocks.caching else ()
     forwards = [(n, None) for n in sorted({min(n, budget) for n in (1, 2, 9, 16, 64, *large)})]
+    # a short piece with a snapshot: the GDN kernels' snapshot-writing variants (layers/context.py SHORT_PIECE),
+    # which a serving step meets with its first short new prompt past one block
+    forwards += [(min(64, budget), min(64, budget) // 2)] if core.blocks.caching and budget > 1 else []
     forwards += [(budget, m - budget) for m in over if 0 < m - budget < budget]
     for n, snap in forwards:
         with core.sync.agree(DPMeta(num_tokens=n, batch_size=1, is_decoding=int(n == 1), is_dummy=0,
