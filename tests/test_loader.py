@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -313,3 +314,23 @@ def test_dummy_load_format_needs_only_config_json(tmp_path):
         EngineConfig.from_dict({"load_format": "safetensor"})
     with pytest.raises(FileNotFoundError):  # the default format still wants the weights
         LLM(str(tmp_path))
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"head_dim": 12, "partial_rotary_factor": 0.25}, "head_dim 12 x partial_rotary_factor = 3"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads (3)"),
+    ({"linear_num_key_heads": 3}, "linear_num_key_heads (3)"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok (9)"),
+])
+def test_an_impossible_config_names_its_fields_and_values(tmp_path, change, field):
+    """A config.json whose shapes cannot work is refused before any weight is read, with the fields and their values
+    (through the public LLM entry point)."""
+    from mtp_ray import LLM
+    from tests.helpers import hf_config
+
+    cfg = hf_config("gqa2_int2").to_dict()
+    rope = dict(cfg["rope_parameters"], partial_rotary_factor=change.pop("partial_rotary_factor", 0.25))
+    cfg.update(change, rope_parameters=rope)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=re.escape(field)):
+        LLM(str(tmp_path), load_format="dummy")

@@ -148,11 +148,17 @@ class ModelConfig:
             if not cond:
                 raise ValueError(f"invalid model config: {what}")
 
-        need(self.num_attention_heads % self.num_key_value_heads == 0, "num_attention_heads % num_key_value_heads")
-        need(self.linear_num_value_heads % self.linear_num_key_heads == 0,
-             "linear_num_value_heads % linear_num_key_heads")
-        need(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok in 1..num_experts")
-        need(self.rotary_dim % 2 == 0 and self.rotary_dim <= self.head_dim, "rotary_dim even and <= head_dim")
+        need(self.num_key_value_heads > 0 and self.num_attention_heads % self.num_key_value_heads == 0,
+             f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+             f"({self.num_key_value_heads})")
+        need(self.linear_num_key_heads > 0 and self.linear_num_value_heads % self.linear_num_key_heads == 0,
+             f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of linear_num_key_heads "
+             f"({self.linear_num_key_heads})")
+        need(0 < self.num_experts_per_tok <= self.num_experts,
+             f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})")
+        need(self.rotary_dim % 2 == 0 and self.rotary_dim <= self.head_dim,
+             f"the rotary dimension (head_dim {self.head_dim} x partial_rotary_factor = {self.rotary_dim}) must be "
+             "even and <= head_dim")
         need(not self.dense_layers or self.intermediate_size > 0, "intermediate_size for dense layers")
         act = self.extra.get("hidden_act", "silu")
         need(act in ("silu", "swish"), f"hidden_act {act!r} is not supported (silu)")
