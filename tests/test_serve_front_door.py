@@ -196,3 +196,28 @@ def test_a_10_mb_body_does_not_stall_a_normal_request(server):
     t.join(60)
     assert r.status_code == 200 and elapsed < 2.0, (r.status_code, elapsed)
     assert out["big"].status_code == 400 and out["big"].json()["error"]["param"] == "prompt"
+
+
+def test_a_large_tokenize_does_not_stall_the_replica(server):
+    """/tokenize of a 4 MB text (seconds of tokenising) runs off the event loop: /health answers meanwhile, and the
+    count comes back."""
+    text = "a " * 2_000_000
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=post({"model": "tiny", "prompt": text}, "/tokenize")))
+    t.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    health = requests.get(f"{BASE}/health", timeout=60)
+    elapsed = time.monotonic() - t0
+    t.join(120)
+    assert health.status_code == 200 and elapsed < 2.0, (health.status_code, elapsed)
+    assert out["r"].status_code == 200 and out["r"].json()["count"] >= 2_000_000
+
+
+def test_many_messages_past_the_context_are_refused_before_the_template(server):
+    """Each message short, together far more characters than the context can hold: a 400 naming 'messages' from
+    the character count, without templating and tokenising them."""
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 400} for i in range(400)]
+    r = post({"model": "tiny", "messages": msgs, "max_tokens": 2}, "/v1/chat/completions")
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages" and "too long" in err["message"], r.text

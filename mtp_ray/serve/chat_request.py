@@ -99,7 +99,7 @@ def _tool_calls(calls: Any, i: int) -> list[dict]:
 def messages(msgs: Any, limits: Limits) -> list[dict]:
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty list", "messages")
-    clean = []
+    clean, chars = [], 0
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
@@ -117,6 +117,10 @@ def messages(msgs: Any, limits: Limits) -> list[dict]:
         if isinstance(reasoning, str) and role == "assistant":
             msg["reasoning_content"] = unicode_text(reasoning, "messages")
         clean.append(msg)
+        chars += len(msg["content"])
+        if limits.max_prompt_chars is not None and chars > limits.max_prompt_chars:  # before the template runs
+            raise bad(f"'messages' are too long: {chars} characters of content (through messages[{i}]) are more "
+                      "tokens than the model's context holds", "messages")
     return clean
 
 
