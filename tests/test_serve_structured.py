@@ -409,6 +409,27 @@ def test_allowed_token_ids_and_tokens_as_ids(client):
     assert all(re.fullmatch(r"token_id:\d+", t) for t in c.logprobs.tokens)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constraint_that_fails_while_generating_is_an_error_not_a_stop(server, stream):
+    """A regex that validates but exceeds the matcher's lexer once tokens arrive (llguidance: "too many expressions
+    constructed"): the request ends in an error naming structured_outputs, never in a "stop" whose text breaks the
+    constraint; the group serves the next request."""
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "temperature": 0, "guided_regex": "(a{1000}){1000}",
+            "stream": stream}
+    r = post(body, "/v1/completions")
+    if stream:
+        events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+        assert not any(c.get("finish_reason") == "stop" for e in events for c in e.get("choices", [])), r.text
+        err = next(e["error"] for e in events if "error" in e)
+    else:
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+    assert "structured_outputs" in err["message"] and "failed while generating" in err["message"], err
+    ok = post({"model": MODEL, "prompt": "x", "max_tokens": 4, "temperature": 0, "guided_regex": "a{3}b"},
+              "/v1/completions")
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "aaab", ok.text
+
+
 @pytest.mark.parametrize("body,param", [
     ({"temprature": 0}, "temprature"), ({"guided_json": 42}, "guided_json"), ({"guided_regex": "[a-"}, None),
     ({"response_format": {"type": "json_schema"}}, "response_format"), ({"tool_choice": "auto"}, "tool_choice"),

@@ -152,15 +152,19 @@ class Grammar:
             self.m.rollback(taken)
         return masks + [masks[-1]] * (len(drafts) + 1 - len(masks))
 
-    def commit(self, token: int) -> None:
-        """A committed output token (not a stop token: the request ends there)."""
-        if not self.m.consume_token(token):
-            log.warning("grammar refused committed token %d: %s", token, self.m.get_error())
+    def commit(self, token: int) -> str | None:
+        """A committed output token (not a stop token: the request ends there) -> None, or why the matcher could
+        not take it (it failed: a constraint that validates may still exceed the lexer's limits as it runs)."""
+        if self.m.consume_token(token) and not self.m.is_error():
+            return None
+        err = (self.m.get_error() or "the constraint refused the token").strip().splitlines()[0]
+        log.warning("grammar refused committed token %d: %s", token, err)
+        return err
 
     @property
     def finished(self) -> bool:
-        """Nothing but the end can follow (a complete JSON value, one of the choices), or the matcher failed."""
-        return self.m.is_stopped() or self.m.is_error()
+        """Nothing but the end can follow (a complete JSON value, one of the choices)."""
+        return self.m.is_stopped()
 
 
 class GrammarCompiler:

@@ -71,7 +71,7 @@ class OutputProcessor:
             tokens, logprobs = tokens[:n], logprobs[:n]
         done = req.finished
         return StepOutput(req.request_id, tokens, logprobs, [{} for _ in tokens], done, req.finish_reason,
-                          req.stop_reason, len(req.prompt_ids), req.spec_stats() if done else {}, None,
+                          req.stop_reason, len(req.prompt_ids), req.spec_stats() if done else {}, req.error,
                           req.timings() if done else {}, None, self._cached(req))
 
     def commit_spec(self, req: Request, accepted: int, k: int) -> None:
@@ -101,7 +101,14 @@ class OutputProcessor:
                 reason, req.stop_reason = "stop", t  # vLLM: the stop token id; None for the end-of-sequence token
             elif t in self.eos_ids and not p.ignore_eos:
                 reason = "stop"
-            elif req.grammar is not None and self._completes_grammar(req, t):
+            elif req.grammar is not None and (failed := req.grammar.commit(t)) is not None:
+                # a token the constraint cannot run past ends the request with an error, not a plausible "stop"
+                del req.output_ids[-1], req.output_logprobs[-1], req.top_logprobs[-1]
+                req.error = f"structured_outputs: the constraint failed while generating: {failed}"
+                self.scheduler.finish(req, "error")
+                self.requests.pop(req.request_id, None)
+                return i
+            elif req.grammar is not None and req.grammar.finished:
                 reason = "stop"  # the output is complete (nothing but the end may follow): as an end token would
             elif p.max_tokens is not None and len(req.output_ids) >= p.max_tokens:
                 reason = "length"
@@ -113,12 +120,6 @@ class OutputProcessor:
                 return i + 1
         return len(tokens)
 
-    @staticmethod
-    def _completes_grammar(req: Request, token: int) -> bool:
-        assert req.grammar is not None
-        req.grammar.commit(token)
-        return req.grammar.finished
-
     def output(self, req: Request, new: list[int], n: int) -> StepOutput:
         return StepOutput(
             request_id=req.request_id, new_token_ids=list(new),
@@ -126,7 +127,7 @@ class OutputProcessor:
             new_top_logprobs=req.top_logprobs[len(req.top_logprobs) - n:] if n else [],
             finished=req.finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             num_prompt_tokens=len(req.prompt_ids), spec=req.spec_stats() if req.finished else {},
-            timings=req.timings() if req.finished else {}, num_cached_tokens=self._cached(req),
+            timings=req.timings() if req.finished else {}, num_cached_tokens=self._cached(req), error=req.error,
         )
 
     def _cached(self, req: Request) -> int | None:

@@ -62,6 +62,7 @@ class Request:
     grammar: Grammar | None = None
     compiling: Future | None = None  # the grammar being compiled (the request waits outside the scheduler)
     allowed: torch.Tensor | None = None
+    error: str | None = None  # why it ended with finish_reason "error" (StepOutput.error: the caller's ValueError)
     # prompt_logprobs: (logprob, {token: logprob} top-n, rank) of prompt token p + 1, for p = 0 .. as computed
     prompt_lps: list[tuple[float, dict[int, float], int]] = field(default_factory=list)
     prompt_lps_sent: bool = False
