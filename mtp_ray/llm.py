@@ -136,7 +136,7 @@ class LLM:
                 co = CompletionOutput(i, "", [], [], [], None, None)
                 ro.outputs.append(co)
                 detok[cid] = (ro, co, Detokenizer(self.tokenizer, child.stop, child.skip_special_tokens,
-                                                  child.include_stop_str_in_output))
+                                                  child.include_stop_str_in_output, min_tokens=child.min_tokens))
                 self.engine.add_request(cid, ids, child)
         while self.engine.has_unfinished():
             for out in self.engine.step():

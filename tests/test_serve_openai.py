@@ -322,6 +322,23 @@ def test_vllm_extra_fields_through_extra_body(client):
     assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_holds_back_stop_strings(client, stream):
+    """vLLM: stop strings are looked for only past min_tokens tokens; a stop met before then is not one."""
+    base = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0).choices[0].text
+    stop = base[1:4]  # inside the first tokens
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, stop=[stop], stream=stream)
+    if stream:
+        chunks = list(client.completions.create(**kw, extra_body={"min_tokens": 8}))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        reason = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+    else:
+        out = client.completions.create(**kw, extra_body={"min_tokens": 8}).choices[0]
+        text, reason = out.text, out.finish_reason
+    assert len(client.completions.create(**{**kw, "stream": False}).choices[0].text) < 4  # without it: cut there
+    assert text.startswith(base[:4]) and reason in ("length", "stop"), (text, base, stop, reason)  # not cut early
+
+
 def post(path: str, body) -> requests.Response:
     data = body if isinstance(body, str) else json.dumps(body)
     return requests.post(f"{BASE}{path}", data=data, headers={"Content-Type": "application/json"}, timeout=60)

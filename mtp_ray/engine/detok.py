@@ -34,6 +34,7 @@ class Detokenizer:
     stopped_on: str | None = None  # what matched: the stop string, or the stop_regex pattern (SGLang's matched_stop)
     stop_regex: list[str] = field(default_factory=list)  # SGLang's stop_regex: a match ends the text like a stop
     stop_tokens: int | None = None  # tokens up to the one that completed the stop (the rest are not output)
+    min_tokens: int = 0  # stops are looked for only past this many tokens (vLLM, SGLang: min_tokens holds them back)
     emitted: int = 0  # characters already handed out by delta()
     # text of token_ids[:committed] (decoding only the tail keeps a long generation linear, not quadratic)
     committed: int = 0
@@ -82,7 +83,7 @@ class Detokenizer:
         if len(self.token_ids) - self.committed > WINDOW:
             tail = self._commit(tail)
         full = self.committed_text + tail
-        hit = self._find_stop(full)
+        hit = self._find_stop(full) if len(self.token_ids) > self.min_tokens else None
         if hit is not None:
             i, j, self.stopped_by, self.stopped_on = hit
             self.stop_tokens = self._tokens_through(j, len(self.token_ids) - len(new_ids))

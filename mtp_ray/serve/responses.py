@@ -165,7 +165,7 @@ def new_choices(req: ParsedRequest, tok, serving) -> list[Choice]:
         return tok.decode(req.prompts[i]) if tok is not None else ""  # no tokenizer: ids only
 
     return [Choice(i * sp.n + j, p, Detokenizer(tok, sp.stop, sp.skip_special_tokens, sp.include_stop_str_in_output,
-                                                stop_regex=req.stop_regex), echo=echo(i),
+                                                stop_regex=req.stop_regex, min_tokens=sp.min_tokens), echo=echo(i),
                    chat=ChatOutput(req.chat, serving.reasoning_parser, serving.tool_call_parser, serving.think_ids)
                    if req.chat is not None else None)
             for i, p in enumerate(req.prompts) for j in range(sp.n)]
