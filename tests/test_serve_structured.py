@@ -254,6 +254,28 @@ def test_auto_tool_call_and_reasoning_are_parsed(client, stream):
     assert json.loads(call.function.arguments) == {"city": "Oslo", "days": 3, "unit": "celsius"}
 
 
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_keeps_the_first_auto_call(client, parallel, stream):
+    """tool_choice auto with two calls in the output (scripted by a regex): both come back, or with
+    parallel_tool_calls false the first alone (vLLM), streamed or not."""
+    call = ("<tool_call>\n<function=get_time>\n<parameter=zone>\n{z}\n</parameter>\n</function>\n</tool_call>")
+    script = call.format(z="UTC") + "\n" + call.format(z="CET")
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Time?"}], tools=TOOLS, max_tokens=120,
+              temperature=0, parallel_tool_calls=parallel, extra_body={"guided_regex": script})
+    if stream:
+        calls: dict[int, str] = {}
+        for ch in client.chat.completions.create(stream=True, **kw):
+            for tc in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+                calls[tc.index] = calls.get(tc.index, "") + (tc.function.arguments or "")
+        zones = [json.loads(calls[i])["zone"] for i in sorted(calls)]
+    else:
+        m = client.chat.completions.create(**kw).choices[0]
+        assert m.finish_reason == "tool_calls"
+        zones = [json.loads(c.function.arguments)["zone"] for c in m.message.tool_calls]
+    assert zones == (["UTC", "CET"] if parallel else ["UTC"])
+
+
 def detok(ids: list[int]) -> str:
     return requests.post(f"{BASE}/detokenize", json={"model": MODEL, "tokens": ids}, timeout=30).json()["prompt"]
 

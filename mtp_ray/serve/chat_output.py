@@ -51,6 +51,7 @@ class ChatOutput:
         self.call_open = False  # a named tool_choice's call has been opened (its arguments stream into it)
         self.array = CallArray() if opts.tool_choice == "required" else None  # a required one's calls
         self.held_reasoning = ""  # stream_reasoning false: the reasoning so far, sent once it has ended
+        self.auto_calls = 0  # calls the auto tool parser has streamed (parallel_tool_calls false: the first goes)
         self.ended = False
 
     def whole(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
@@ -63,6 +64,7 @@ class ChatOutput:
                 content, calls = None, found
         elif self.tools is not None and content is not None:
             content, calls = self.tools.parse(content)
+            calls = calls if self.opts.parallel_tool_calls else calls[:1]  # vLLM keeps the first
         return (reasoning if self.opts.include_reasoning else None), content, calls
 
     def feed(self, delta: str, final: bool) -> ChatDelta:
@@ -103,6 +105,8 @@ class ChatOutput:
             if final:
                 c2, calls2 = self.tools.flush()
                 c, calls = c + c2, calls + calls2
+            if not self.opts.parallel_tool_calls:  # vLLM keeps the first call
+                calls, self.auto_calls = calls[: max(0, 1 - self.auto_calls)], self.auto_calls + len(calls)
             out.tool_calls = calls
         out.content = c
         return out

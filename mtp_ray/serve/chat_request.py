@@ -40,6 +40,7 @@ class ChatOptions:
     include_reasoning: bool = True  # vLLM's include_reasoning: false drops it from the response
     echo: str = ""  # echo: the final assistant message's content, which the reply continues (vLLM)
     stream_reasoning: bool = True  # SGLang's: false streams the reasoning as one delta once it has ended
+    parallel_tool_calls: bool = True  # false: one call at most (forced: by the grammar; auto: the first parsed)
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,6 @@ def parse_chat(body: dict, tokenizer, limits: Limits = NO_LIMITS, serving: ChatS
     echo = _content(last.get("content"), 0, limits) if flag(body, "echo", False) and last["role"] == "assistant" \
         else ""
     req.chat = ChatOptions(tools, choice, name, opens_reasoning(text), reasoning,
-                           flag(body, "include_reasoning", True), echo, flag(body, "stream_reasoning", True))
+                           flag(body, "include_reasoning", True), echo, flag(body, "stream_reasoning", True), parallel)
     req.echo = bool(echo)
     return req
