@@ -113,7 +113,10 @@ def test_allowed_token_ids_and_stop_reason(engines):
     for k, llm in engines.items():
         o = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=1, max_tokens=12,
                                                     allowed_token_ids=[300, 301, 302]))[0].outputs[0]
-        assert set(o.token_ids) <= {300, 301, 302, 0}, k
+        assert set(o.token_ids) <= {300, 301, 302} and len(o.token_ids) == 12, k  # as vLLM: the end token too
+        # ids the model ranks below its end token: greedy still takes only them
+        o = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=5, allowed_token_ids=[100, 200]))[0]
+        assert set(o.outputs[0].token_ids) <= {100, 200} and o.outputs[0].finish_reason == "length", k
     o = engines[0].generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=20,
                                                        structured_outputs={"choice": ["x"]}))[0].outputs[0]
     assert o.text == "x" and o.finish_reason == "stop" and o.stop_reason is None

@@ -91,7 +91,8 @@ class EngineCore:
         if params.allowed_token_ids is not None:
             req.allowed = torch.zeros(self.runner.model_config.vocab_size, dtype=torch.bool)
             req.allowed[params.allowed_token_ids] = True
-            req.allowed[list(stop_ids(params, self.eos_ids))] = True  # restricted to some tokens: it can still end
+            if params.structured_outputs is not None:  # a constraint that is complete must be able to end there
+                req.allowed[list(stop_ids(params, self.eos_ids))] = True  # (without one, as vLLM: only these ids)
         self.requests[request_id] = req
         if params.structured_outputs is None:
             self.scheduler.add(req)
