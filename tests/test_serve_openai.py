@@ -339,6 +339,28 @@ def test_min_tokens_holds_back_stop_strings(client, stream):
     assert text.startswith(base[:4]) and reason in ("length", "stop"), (text, base, stop, reason)  # not cut early
 
 
+def test_truncate_prompt_tokens(client, offline):
+    """vLLM's truncate_prompt_tokens: the last n prompt tokens (usage counts them; the output is that prompt's),
+    a prompt string of any length tokenised whole first; -1 = the context length; 0 is refused."""
+    ids = offline.tokenizer.encode(PROMPTS[1], add_special_tokens=False)
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 4})
+    want = offline.generate([ids[-4:]], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].text
+    assert out.usage.prompt_tokens == 4 and out.choices[0].text == want
+    long = "a " * 1_000_000 + PROMPTS[1]  # far past the characters a context can hold: refused untruncated
+    assert post("/v1/completions", {"model": MODEL, "prompt": long, "max_tokens": 2}).status_code == 400
+    cut = client.completions.create(model=MODEL, prompt=long, max_tokens=6, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 4})
+    assert cut.usage.prompt_tokens == 4 and cut.choices[0].text == want
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0,
+                                      extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == len(ids)
+    r = post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+    r = post("/v1/completions", {"model": MODEL, "prompt": "x", "max_completion_tokens": 2})
+    assert r.status_code == 400 and "did you mean 'max_tokens'" in r.json()["error"]["message"], r.text
+
+
 def post(path: str, body) -> requests.Response:
     data = body if isinstance(body, str) else json.dumps(body)
     return requests.post(f"{BASE}{path}", data=data, headers={"Content-Type": "application/json"}, timeout=60)

@@ -17,6 +17,7 @@ from mtp_ray.serve.openai_protocol import (
     ParsedRequest,
     bad,
     flag,
+    for_body,
     parse_common,
     prompt_text,
 )
@@ -191,6 +192,7 @@ def render_chat(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> tuple[str,
 
 def parse_chat(body: dict, tokenizer, limits: Limits = NO_LIMITS, serving: ChatServing = ChatServing()
                ) -> ParsedRequest:
+    limits = for_body(limits, body)
     text, tools, choice, name = render_chat(body, tokenizer, limits)
     if choice == "auto" and serving.tool_call_parser is None:
         raise bad("\"auto\" tool choice needs a tool-call parser: set server.tool_call_parser (hermes, "

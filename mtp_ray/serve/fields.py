@@ -53,13 +53,18 @@ REFUSED = {
 }
 
 
+# a field of the other endpoint that means the same here (the nearest spelling would point elsewhere)
+SAME = {"max_completion_tokens": "max_tokens", "max_output_tokens": "max_tokens"}
+
+
 def check_fields(body: dict, known: set[str]) -> None:
     """400 naming the first unknown field (with the nearest known name), or the first known one that is refused."""
     for key in body:
         if key in IGNORED:
             continue
         if key not in known:
-            near = difflib.get_close_matches(key, sorted(known | IGNORED), n=1)
+            near = [SAME[key]] if SAME.get(key) in known else \
+                difflib.get_close_matches(key, sorted(known | IGNORED), n=1)
             hint = f" (did you mean '{near[0]}'?)" if near else ""
             raise bad(f"unknown field '{key}'{hint}", key)
         if key in REFUSED and body[key] is not None:

@@ -93,8 +93,8 @@ class Ingress:
         token is refused before tokenisation."""
         if self._limits is None:
             s = self.server
-            self._limits = Limits(s.max_n, s.max_stop, s.max_prompts,
-                                  (await self.info())["max_model_len"] * self.longest_token)
+            max_len = (await self.info())["max_model_len"]
+            self._limits = Limits(s.max_n, s.max_stop, s.max_prompts, max_len * self.longest_token, max_len)
         return self._limits
 
     async def info(self) -> dict:

@@ -4,7 +4,7 @@ Every problem is an ApiError with the OpenAI error body; nothing here touches th
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mtp_ray.engine.sampling_params import SamplingParams
@@ -69,6 +69,15 @@ class Limits:
     max_stop: int = 64
     max_prompts: int = 256
     max_prompt_chars: int | None = None  # a longer prompt string certainly exceeds max_model_len (not tokenised)
+    max_model_len: int | None = None  # truncate_prompt_tokens -1 truncates to it (vLLM)
+
+
+def for_body(limits: Limits, body: dict) -> Limits:
+    """The limits a request's texts are held to: one that asks for truncate_prompt_tokens is tokenised whole first
+    (vLLM truncates any length), so the character bound before tokenising does not apply to it."""
+    if body.get("truncate_prompt_tokens") is None or limits.max_prompt_chars is None:
+        return limits
+    return replace(limits, max_prompt_chars=None)
 
 
 NO_LIMITS = Limits()
@@ -160,7 +169,11 @@ def parse_common(body: dict, prompts: list[list[int]], texts: list[str | None], 
                  prompt_logprobs: int | None = None) -> ParsedRequest:
     """The fields completions and chat share -> ParsedRequest (prompts already tokenised)."""
     stream, usage, continuous = _stream_opts(body)
-    truncate = _int_field(body, "truncate_prompt_tokens", 1)
+    truncate = _int_field(body, "truncate_prompt_tokens", -1)
+    if truncate == 0:
+        raise bad("'truncate_prompt_tokens' must be -1 (the context length) or at least 1", "truncate_prompt_tokens")
+    if truncate == -1:
+        truncate = limits.max_model_len
     side = body.get("truncation_side", "left")
     if side not in ("left", "right"):
         raise bad("'truncation_side' must be \"left\" or \"right\"", "truncation_side")
@@ -204,6 +217,7 @@ def parse_completion(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> Parse
     if len(items) > limits.max_prompts:
         raise bad(f"'prompt' may hold at most {limits.max_prompts} prompts, got {len(items)}", "prompt")
     special = flag(body, "add_special_tokens")
+    limits = for_body(limits, body)
     prompts, texts = [], []
     for it in items:
         if isinstance(it, str):
