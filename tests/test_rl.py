@@ -213,6 +213,12 @@ def test_engine_on_a_placement_group_the_caller_owns(ray_cluster, refs):
     finally:
         ray.get(h.shutdown.remote())
         remove_placement_group(pg)
+    # a shut-down engine answers every call at once with the reason (commands waited timeouts.start_s, then raised
+    # a bare TimeoutError)
+    for call in (h.sleep.remote(1), h.wake_up.remote(), h.update_weights.remote([]), h.reset_prefix_cache.remote(),
+                 h.generate.remote(PROMPTS[0], GREEDY)):
+        with pytest.raises(Exception, match="the engine group is stopped: shut down"):
+            ray.get(call, timeout=30)
 
 
 def test_pause_and_resume_generation(ray_cluster, engine, refs):

@@ -103,8 +103,17 @@ class EngineGroup:
         self._tasks.append(detached(self.monitor.watchdog()))
 
     async def wait_ready(self) -> None:
-        if self.state != "ready":
+        """Until the group serves (a command waits through a restart); GroupUnavailable at once when it never will
+        again (shut down, or failed past its restarts), or after timeouts.start_s."""
+        if self.state == "ready":
+            return
+        if self.state in ("stopped", "failed"):
+            raise GroupUnavailable(f"the engine group is {self.state}: {self.monitor.last_failure or 'shut down'}")
+        try:
             await asyncio.wait_for(self.ready.wait(), self.cfg.timeouts.start_s)
+        except asyncio.TimeoutError as e:
+            raise GroupUnavailable(f"the engine group is {self.state}, not ready after "
+                                   f"{self.cfg.timeouts.start_s:g}s") from e
 
     async def spawn(self) -> None:
         self.state = "starting"
