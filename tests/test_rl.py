@@ -198,6 +198,20 @@ def test_concurrent_rollout_workers(ray_cluster, engine, refs):
         assert o == [refs["orig"][0][(i + j) % 4] for j in range(16)]
 
 
+@pytest.mark.parametrize("args,match", [
+    (("127.0.0.1", 29555, 1, 3, "g", "mpi"), "backend must be"),
+    (("127.0.0.1", 29555, 1, 2, "g", "gloo"), "world_size"),
+    (("127.0.0.1", 0, 1, 3, "g", "gloo"), "master_port"),
+])
+def test_a_bad_weight_update_group_is_refused_before_the_rendezvous(ray_cluster, engine, args, match):
+    """Arguments no trainer could join (a backend torch lacks, a world too small for the engine's ranks) are a
+    ValueError at once: the ranks would wait 300 s at the rendezvous, holding the group (generate hung behind it)."""
+    before = gen(ray_cluster, engine)
+    with pytest.raises(Exception, match=match):
+        ray_cluster.get(engine.init_weights_update_group.remote(*args), timeout=30)
+    assert gen(ray_cluster, engine) == before
+
+
 def test_engine_on_a_placement_group_the_caller_owns(ray_cluster, refs):
     ray = ray_cluster
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -210,9 +224,14 @@ def test_engine_on_a_placement_group_the_caller_owns(ray_cluster, refs):
         assert gen(ray, h) == refs["orig"]
         handles = ray.get(h.worker_handles.remote())
         assert len(handles) == 2
+        ray.get(h.pause_generation.remote("wait"))
+        held = h.generate.remote(PROMPTS[0], GREEDY)  # waits for resume_generation, which never comes
+        time.sleep(0.5)
     finally:
         ray.get(h.shutdown.remote())
         remove_placement_group(pg)
+    with pytest.raises(Exception, match="the engine group is stopped: shut down"):  # it hung before
+        ray.get(held, timeout=30)
     # a shut-down engine answers every call at once with the reason (commands waited timeouts.start_s, then raised
     # a bare TimeoutError)
     for call in (h.sleep.remote(1), h.wake_up.remote(), h.update_weights.remote([]), h.reset_prefix_cache.remote(),

@@ -82,6 +82,17 @@ class RolloutEngine:
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str = "weight_update",
                                         backend: str = "gloo") -> list[dict]:
+        """The trainer (its own ranks, rank_offset of them first) and every engine rank join one process group; the
+        ranks wait (up to 300 s) for the trainer to join the rendezvous, so the arguments are checked here first."""
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+        dp = self.group.dp
+        if not (isinstance(rank_offset, int) and rank_offset >= 0 and isinstance(world_size, int)
+                and world_size >= rank_offset + dp):
+            raise ValueError(f"world_size ({world_size!r}) must hold rank_offset ({rank_offset!r}) trainer ranks and "
+                             f"this engine's {dp} ranks")
+        if not (isinstance(master_port, int) and 0 < master_port < 65536):
+            raise ValueError(f"master_port must be a port number, got {master_port!r}")
         await self.start()
         return await self.group.commands.command("init_weights_update_group", master_address, master_port, rank_offset,
                                         world_size, group_name, backend)

@@ -87,7 +87,7 @@ class EngineGroup:
             try:
                 await asyncio.wait_for(self.pg.ready(), self.cfg.timeouts.start_s)
             except TimeoutError:
-                self.state = "failed"
+                self.end("failed")
                 self.monitor.last_failure = (
                     f"group start failed: the placement group of {self.dp} rank bundles {bundles[0]} was not ready "
                     f"after timeouts.start_s={self.cfg.timeouts.start_s} s (the cluster lacks the resources?)")
@@ -107,8 +107,7 @@ class EngineGroup:
         again (shut down, or failed past its restarts), or after timeouts.start_s."""
         if self.state == "ready":
             return
-        if self.state in ("stopped", "failed"):
-            raise GroupUnavailable(f"the engine group is {self.state}: {self.monitor.last_failure or 'shut down'}")
+        self.check_not_ended()
         try:
             await asyncio.wait_for(self.ready.wait(), self.cfg.timeouts.start_s)
         except asyncio.TimeoutError as e:
@@ -134,7 +133,7 @@ class EngineGroup:
                                                             for w in self.workers]), self.cfg.timeouts.start_s)
         except BaseException as e:
             self.kill_workers()
-            self.state = "failed"
+            self.end("failed")
             self.monitor.last_failure = f"group start failed: {type(e).__name__}: {e}"
             raise GroupFailed(self.monitor.last_failure) from e
         self.max_model_len = infos[0]["max_model_len"]
@@ -147,7 +146,7 @@ class EngineGroup:
         log.info("group ready (epoch %d): %s", self.epoch, infos)
 
     async def shutdown(self) -> None:
-        self.state = "stopped"
+        self.end("stopped")
         self.ready.clear()
         self.epoch += 1
         for t in self._tasks:
@@ -156,6 +155,16 @@ class EngineGroup:
         if self.own_pg and self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
+
+    def check_not_ended(self) -> None:
+        if self.state in ("stopped", "failed"):
+            raise GroupUnavailable(f"the engine group is {self.state}: {self.monitor.last_failure or 'shut down'}")
+
+    def end(self, state: str) -> None:
+        """stopped or failed: for good. Requests held by a pause or a sleep wake up to find it so (_admit)."""
+        assert state in ("stopped", "failed")
+        self.state = state
+        self.commands.accepting.set()
 
     def kill_workers(self) -> None:
         for w in self.workers:
@@ -257,8 +266,7 @@ class EngineGroup:
     async def _admit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
                      ready_timeout: float | None, sink: Sink, subscriber: str = "") -> tuple[str, int]:
         """Validate a new request, pick its rank (least loaded), route its rows to `sink` and send it there."""
-        if self.state in ("stopped", "failed"):
-            raise GroupUnavailable(f"the engine group is {self.state}: {self.monitor.last_failure or 'shut down'}")
+        self.check_not_ended()
         if not self.ready.is_set():  # (wait_for costs a task and a timer: not on every request of a ready group)
             wait = ready_timeout or self.cfg.timeouts.queue_s
             try:
@@ -272,6 +280,7 @@ class EngineGroup:
         if self.commands.sleeping and self.commands.asleep_policy == "fail":
             raise GroupUnavailable("the engine is asleep (call wake_up first)")
         await self.commands.accepting.wait()
+        self.check_not_ended()  # (it may have ended while the request was held)
         rid = request_id or uuid.uuid4().hex
         if rid in self.reqs:
             raise ValueError(f"request_id {rid!r} is already in flight")

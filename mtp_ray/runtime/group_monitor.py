@@ -93,17 +93,17 @@ class GroupMonitor:
         g.epoch += 1
         g.kill_workers()
         if g.commands.weights_updated:  # a restart would reload the checkpoint: never serve other weights silently
-            g.state = "failed"
+            g.end("failed")
             self.last_failure += "\nnot restarted: weights were updated since start (recreate the engine)"
             return
         if not g.restart_on_failure:
-            g.state = "failed"
+            g.end("failed")
             return
         self.restarts += 1
         try:
             await g.spawn()
         except Exception as e:  # leave the group unhealthy; check_health reports it
-            g.state = "failed"
+            g.end("failed")
             self.last_failure += f"\nrestart failed: {e}"
             log.exception("group restart failed")
 
