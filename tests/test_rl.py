@@ -240,6 +240,23 @@ def test_engine_on_a_placement_group_the_caller_owns(ray_cluster, refs):
             ray.get(call, timeout=30)
 
 
+def test_requests_racing_a_sleep_are_aborted_not_refused(ray_cluster, engine):
+    """generate calls sent together with sleep(in_flight="abort"): each ends served or aborted (as the requests in
+    flight are), never refused with "asleep" by a rank it reached after the sleep; after wake_up all is as before."""
+    ray = ray_cluster
+    before = gen(ray, engine)
+    long = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
+    for first in ("generate", "sleep", "sleep"):
+        calls = [engine.generate.remote(p, long) for p in PROMPTS] if first == "generate" else []
+        asleep = engine.sleep.remote(1)
+        calls += [engine.generate.remote(p, long) for p in PROMPTS]  # admitted before the sleep holds requests,
+        ray.get(asleep, timeout=120)                                  # or held until wake_up
+        ray.get(engine.wake_up.remote(), timeout=120)
+        for c in calls:
+            assert ray.get(c, timeout=120)["stop_reason"] in ("length", "aborted")
+    assert gen(ray, engine) == before
+
+
 def test_pause_and_resume_generation(ray_cluster, engine, refs):
     ray = ray_cluster
     running = engine.generate.remote([5, 6, 7], {"temperature": 0, "max_tokens": 3000, "ignore_eos": True})

@@ -289,8 +289,10 @@ class RankWorker:
             if isinstance(item, AddRequest):
                 rid = item.request_id
                 self.outboxes.route(rid, item.subscriber)
-                if rid in self.early_aborts:  # aborted before it arrived
-                    del self.early_aborts[rid]
+                if rid in self.early_aborts or self.core.runner.asleep:
+                    # aborted before it arrived, or it raced a sleep(in_flight="abort"): aborted as the requests
+                    # in flight were (rather than refused with "asleep")
+                    self.early_aborts.pop(rid, None)
                     self.outboxes.publish(step, [StepOutput(rid, [], [], [], True, "abort")])
                     continue
                 try:
