@@ -116,6 +116,8 @@ class LLM:
         vocab = self.engine.runner.model_config.vocab_size
         for (_, ids), sp in zip(encoded, plist, strict=False):
             sp.validate()
+            if sp.seed is not None and sp.n > 1:  # the children's seeds are seed .. seed + n - 1
+                replace(sp, n=1, seed=sp.seed + sp.n - 1).validate()
             check_request(ids, sp, vocab, self.engine.max_model_len)
             if sp.structured_outputs is not None:
                 check_grammar(sp.structured_outputs)
@@ -124,23 +126,29 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         detok: dict[str, tuple[RequestOutput, CompletionOutput, Detokenizer]] = {}
         order = []
-        for (text, ids), sp in zip(encoded, plist, strict=False):
-            rid = str(next(self._ids))
-            ro = RequestOutput(rid, text, ids, [], finished=False)
-            results[rid] = ro
-            order.append(rid)
-            for i in range(sp.n):
-                # n > 1: independent samples; a seeded request gives each its own derived seed
-                child = replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i)
-                cid = f"{rid}-{i}"
-                co = CompletionOutput(i, "", [], [], [], None, None)
-                ro.outputs.append(co)
-                detok[cid] = (ro, co, Detokenizer(self.tokenizer, child.stop, child.skip_special_tokens,
-                                                  child.include_stop_str_in_output, min_tokens=child.min_tokens))
-                self.engine.add_request(cid, ids, child)
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                self._apply(out, detok)
+        try:
+            for (text, ids), sp in zip(encoded, plist, strict=False):
+                rid = str(next(self._ids))
+                ro = RequestOutput(rid, text, ids, [], finished=False)
+                results[rid] = ro
+                order.append(rid)
+                for i in range(sp.n):
+                    # n > 1: independent samples; a seeded request gives each its own derived seed
+                    child = replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i)
+                    cid = f"{rid}-{i}"
+                    co = CompletionOutput(i, "", [], [], [], None, None)
+                    ro.outputs.append(co)
+                    detok[cid] = (ro, co, Detokenizer(self.tokenizer, child.stop, child.skip_special_tokens,
+                                                      child.include_stop_str_in_output, min_tokens=child.min_tokens))
+                    self.engine.add_request(cid, ids, child)
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.request_id in detok:  # (not: a late output of a call that failed before)
+                        self._apply(out, detok)
+        except BaseException:  # (Ctrl-C too) this call's requests go, so the next call starts from an idle engine
+            for cid in detok:
+                self.engine.abort_request(cid)
+            raise
         return [results[r] for r in order]
 
     def _apply(self, out: StepOutput, detok: dict) -> None:

@@ -173,6 +173,29 @@ def test_warmup_forwards_stay_inside_max_model_len(monkeypatch):
     assert len(o[0].outputs[0].token_ids) == 24 - 3 and o[0].outputs[0].finish_reason == "length"
 
 
+def test_a_generate_that_fails_leaves_the_llm_usable(llm, monkeypatch):
+    """A seed whose n-th child overflows, a flag of the wrong type, an exception raised while stepping (here from
+    the detokenizer, as a Ctrl-C would): a clear error, nothing left queued, the next generate as before."""
+    from mtp_ray.engine import detok
+
+    ref = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="seed"):
+        llm.generate(["x"], SamplingParams(seed=2**64 - 1, n=2))
+    with pytest.raises(ValueError, match="skip_special_tokens"):
+        llm.generate(["x"], SamplingParams(skip_special_tokens=None, max_tokens=2))
+    assert not llm.engine.has_unfinished()
+
+    def interrupted(self, ids):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(detok.Detokenizer, "add", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([PROMPT, "x = 1"], SamplingParams(temperature=0, max_tokens=8))
+    assert not llm.engine.has_unfinished()
+    assert llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids == ref
+
+
 def test_a_bad_prompt_in_a_batch_queues_nothing(llm):
     with pytest.raises(ValueError, match="prompt token ids"):
         llm.generate([[5, 6, 7], [5, 99999]], SamplingParams(max_tokens=3))

@@ -170,7 +170,8 @@ class SamplingParams:
              f"must be a string or a list of non-empty strings, got {self.stop!r}")
         need(isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
-        need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
+        for flag in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            need(isinstance(getattr(self, flag), bool), flag, f"must be a boolean, got {getattr(self, flag)!r}")
         need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
              f"must be an integer in 0..20, got {self.logprobs!r}")
         need(is_num(self.repetition_penalty) and 0 < self.repetition_penalty < float("inf"), "repetition_penalty",
