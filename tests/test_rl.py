@@ -266,8 +266,25 @@ def test_pause_and_resume_generation(ray_cluster, engine, refs):
     held = engine.generate.remote(PROMPTS, GREEDY)
     ready, _ = ray.wait([held], timeout=2.0)
     assert not ready  # held while paused
+    # the RL loop's pause -> update -> resume: commands while paused keep it paused (they lifted it before)
+    ray.get(engine.reset_prefix_cache.remote(), timeout=60)
+    ray.get(engine.sleep.remote(1), timeout=60)
+    ray.get(engine.wake_up.remote(), timeout=60)
+    ready, _ = ray.wait([held], timeout=2.0)
+    assert not ready
     ray.get(engine.resume_generation.remote())
     assert [r["token_ids"] for r in ray.get(held, timeout=120)] == refs["orig"][0]
+
+
+@pytest.mark.parametrize("level", [3, 0, "x", None])
+def test_a_refused_sleep_aborts_nothing(ray_cluster, engine, level):
+    """sleep with a level that does not exist is a ValueError before any rank acts: a rollout in flight goes on."""
+    ray = ray_cluster
+    running = engine.generate.remote([5, 6, 7], {"temperature": 0, "max_tokens": 200, "ignore_eos": True})
+    time.sleep(0.3)
+    with pytest.raises(Exception, match="sleep level must be 1 or 2"):
+        ray.get(engine.sleep.remote(level), timeout=60)
+    assert ray.get(running, timeout=120)["stop_reason"] == "length"
 
 
 def test_requests_while_asleep_wait_or_fail_by_policy(ray_cluster, engine, refs):

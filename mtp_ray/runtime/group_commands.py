@@ -25,13 +25,20 @@ class GroupCommands:
         self.sleeping = 0  # the sleep level the ranks are in (0: awake)
         self.asleep_policy = "wait"  # a request that arrives while asleep: "wait" for wake_up, or "fail"
         self.weights_updated = False  # a restart would reload the checkpoint: the group must not restart then
+        self.paused = False  # pause_generation: held until resume_generation, whatever command runs meanwhile
 
     def hold(self) -> None:
         """New requests wait (they are not refused) until release()."""
+        self.paused = True
         self.accepting.clear()
 
     def release(self) -> None:
-        if not self.sleeping:
+        self.paused = False
+        self._reopen()
+
+    def _reopen(self) -> None:
+        """New requests go on again unless the group sleeps or is paused (a command ends; wake_up; resume)."""
+        if not self.sleeping and not self.paused:
             self.accepting.set()
 
     async def command(self, name: str, *args, wait_in_flight: bool = False,
@@ -54,8 +61,7 @@ class GroupCommands:
                 cmd = GroupCommand(self._seq, name, args)
                 res = await asyncio.gather(*[w.command.remote(cmd) for w in g.workers], return_exceptions=True)
             finally:
-                if not self.sleeping:
-                    self.accepting.set()
+                self._reopen()
         for r, e in enumerate(res):
             if isinstance(e, BaseException):
                 cause = e.cause if hasattr(e, "cause") and e.cause is not None else e
@@ -66,6 +72,8 @@ class GroupCommands:
         return list(res)
 
     async def sleep(self, level: int = 1, in_flight: str = "abort") -> list:
+        if level not in (1, 2) or isinstance(level, bool):  # here: the ranks abort what runs before they check
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         if in_flight not in ("abort", "wait"):
             raise ValueError("in_flight must be 'abort' or 'wait'")
 
@@ -78,7 +86,7 @@ class GroupCommands:
     async def wake_up(self) -> list:
         def awake() -> None:
             self.sleeping = 0
-            self.accepting.set()
+            self._reopen()
 
         return await self.command("wake_up", then=awake)
 
