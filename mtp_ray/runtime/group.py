@@ -69,7 +69,7 @@ class EngineGroup:
         self.abort_calls = [0] * self.dp  # aborts sent per rank (cancelled streams, abort()): health shows them
         self.abort_errors = [0] * self.dp  # ... and those whose call failed
         # new requests per rank: one add_many call for all that arrive while the previous one is in flight
-        self.adds = [CallBatcher(lambda items, r=r: self.workers[r].add_many.remote(items)) for r in range(self.dp)]
+        self.adds = [CallBatcher(lambda items, r=r: self._add_many(r, items)) for r in range(self.dp)]
         self.epoch = 0  # bumps on every (re)start; pollers of an older epoch exit
         self.state = "new"  # new -> starting -> ready -> (restarting -> starting -> ready | failed) ... stopped
         self.max_model_len = 0
@@ -155,6 +155,10 @@ class EngineGroup:
         if self.own_pg and self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
+
+    def _add_many(self, r: int, items: list):
+        self.check_not_ended()  # (shut down between a request's admission and this batch: no workers left)
+        return self.workers[r].add_many.remote(items)
 
     def check_not_ended(self) -> None:
         if self.state in ("stopped", "failed"):
