@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -171,6 +172,19 @@ def test_warmup_forwards_stay_inside_max_model_len(monkeypatch):
     assert seen and max(seen) < 24, seen
     o = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     assert len(o[0].outputs[0].token_ids) == 24 - 3 and o[0].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"block_size": 1.5}, "cache.block_size"), ({"max_model_len": "64"}, "scheduler.max_model_len"),
+    ({"max_model_len": -1}, "scheduler.max_model_len"), ({"num_speculative_tokens": None}, "num_speculative_tokens"),
+    ({"num_speculative_tokens": True}, "num_speculative_tokens"), ({"seed": "x"}, "seed"), ({"seed": 2**70}, "seed"),
+    ({"enable_prefix_caching": "no"}, "prefix_caching"),
+])
+def test_bad_constructor_arguments_name_the_field(kw, field):
+    """A value of the wrong type or range is a ValueError naming the field before anything is built (a string or a
+    float where an int belongs failed deep in torch; -1 was taken as a context length)."""
+    with pytest.raises(ValueError, match=re.escape(field)):
+        LLM(**kw)
 
 
 def test_a_generate_that_fails_leaves_the_llm_usable(llm, monkeypatch):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 BUNDLED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-qwen35-mtp")
@@ -22,6 +22,7 @@ class CacheConfig:
     prefix_snapshots: int | None = None
 
     def __post_init__(self) -> None:
+        _typed(self, "cache")
         _check(self.block_size > 0, "cache.block_size", "must be > 0")
         _check(self.num_blocks is None or self.num_blocks >= 2, "cache.num_blocks", "must be >= 2")
         _check(0 < self.memory_fraction <= 1, "cache.memory_fraction", "must be in (0, 1]")
@@ -46,9 +47,12 @@ class SchedulerConfig:
     async_verify: bool = True
 
     def __post_init__(self) -> None:
+        _typed(self, "scheduler")
         _check(self.max_num_seqs > 0, "scheduler.max_num_seqs", "must be > 0")
         _check(self.max_num_batched_tokens > 0, "scheduler.max_num_batched_tokens", "must be > 0")
         _check(self.prefill_chunk > 0, "scheduler.prefill_chunk", "must be > 0")
+        _check(self.max_model_len is None or self.max_model_len > 0, "scheduler.max_model_len",
+               "must be > 0 (None: the model's max_position_embeddings)")
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class SpecConfig:
     draft_vocab_size: int = 0
 
     def __post_init__(self) -> None:
+        _typed(self, "spec")
         _check(self.method in (None, "none", "qwen3_5_mtp", "mtp"), "spec.method", "must be qwen3_5_mtp or none")
         _check(0 <= self.num_speculative_tokens <= 8, "spec.num_speculative_tokens", "must be in 0..8")
         _check(self.draft_vocab_size >= 0, "spec.draft_vocab_size", "must be >= 0 (0: the whole vocabulary)")
@@ -83,6 +88,7 @@ class ParallelConfig:
     inject_ep_flip_rank: int = -1  # test hook: this rank deliberately takes the other EP mode
 
     def __post_init__(self) -> None:
+        _typed(self, "parallel")
         _check(self.dp >= 1, "parallel.dp", "must be >= 1")
         _check(self.ep_backend in ("torch", "deepep"), "parallel.ep_backend", "must be torch or deepep")
         _check(self.placement_strategy in ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),
@@ -101,6 +107,7 @@ class GraphConfig:
     sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        _typed(self, "graphs")
         if self.sizes is not None:
             object.__setattr__(self, "sizes", tuple(self.sizes))
             _check(len(self.sizes) > 0 and all(isinstance(b, int) and b > 0 for b in self.sizes), "graphs.sizes",
@@ -123,6 +130,7 @@ class TimeoutConfig:
     queue_s: float = 5.0
 
     def __post_init__(self) -> None:
+        _typed(self, "timeouts")
         _check(self.collective_s > 0, "timeouts.collective_s", "must be > 0")
         _check(self.progress_s > 0, "timeouts.progress_s", "must be > 0")
         _check(self.start_s > 0, "timeouts.start_s", "must be > 0")
@@ -147,13 +155,34 @@ class EngineConfig:
     graphs: GraphConfig = field(default_factory=GraphConfig)
 
     def __post_init__(self) -> None:
+        _typed(self, "")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                "must be auto|float32|bfloat16|float16")
         _check(self.load_format in ("auto", "dummy"), "load_format", "must be auto|dummy")
+        _check(-2**63 <= self.seed < 2**63, "seed", f"must fit in 64 bits, got {self.seed}")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> EngineConfig:
         return _build(cls, raw, "")
+
+
+_SIMPLE: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+
+
+def _typed(obj: Any, section: str) -> None:
+    """Each field of a simple type (int, float, bool, str, or one of them | None) holds one: a string or a float where
+    an int belongs fails here naming the field, not deep in the engine. Paths are taken as strings."""
+    for f in fields(obj):
+        kinds = [k.strip() for k in str(f.type).split("|")]
+        if not all(k in _SIMPLE or k == "None" for k in kinds):
+            continue  # a nested section or a tuple: checked by its own code
+        v = getattr(obj, f.name)
+        if isinstance(v, PurePath) and "str" in kinds:
+            object.__setattr__(obj, f.name, v := str(v))
+        if v is None and "None" in kinds:
+            continue
+        ok = any(isinstance(v, _SIMPLE[k]) and (k == "bool" or not isinstance(v, bool)) for k in kinds if k != "None")
+        _check(ok, f"{section}.{f.name}" if section else f.name, f"must be {' or '.join(kinds)}, got {v!r}")
 
 
 def _check(ok: bool, name: str, what: str) -> None:
