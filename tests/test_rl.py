@@ -257,6 +257,24 @@ def test_requests_racing_a_sleep_are_aborted_not_refused(ray_cluster, engine):
     assert gen(ray, engine) == before
 
 
+def test_stop_strings_on_the_rollout_handle(ray_cluster, engine):
+    """stop strings apply on the handle (they were accepted and ignored): the tokens through the one that completes
+    the stop, stop_reason completed, as vLLM returns a rollout's token ids; min_tokens holds them back."""
+    from mtp_ray.llm import load_tokenizer
+
+    ray = ray_cluster
+    tok = load_tokenizer(BUNDLED_MODEL)
+    full = ray.get(engine.generate.remote(PROMPTS[1], GREEDY), timeout=120)["token_ids"]
+    stop = tok.decode(full[5:7])
+    cut = ray.get(engine.generate.remote(PROMPTS[1], {**GREEDY, "stop": [stop]}), timeout=120)
+    n = len(cut["token_ids"])
+    assert cut["stop_reason"] == "completed" and cut["token_ids"] == full[:n] and n <= 7
+    assert stop in tok.decode(full[:n]) and stop not in tok.decode(full[: n - 1])
+    assert len(cut["log_probs"]) == n
+    held = ray.get(engine.generate.remote(PROMPTS[1], {**GREEDY, "stop": [stop], "min_tokens": 16}), timeout=120)
+    assert held["token_ids"] == full and held["stop_reason"] == "length"
+
+
 def test_pause_and_resume_generation(ray_cluster, engine, refs):
     ray = ray_cluster
     running = engine.generate.remote([5, 6, 7], {"temperature": 0, "max_tokens": 3000, "ignore_eos": True})

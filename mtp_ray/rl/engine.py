@@ -8,7 +8,9 @@ import time
 import ray
 
 from mtp_ray.config.engine import EngineConfig
+from mtp_ray.engine.detok import Detokenizer
 from mtp_ray.engine.sampling_params import SamplingParams
+from mtp_ray.llm import tokenizer_or_none
 from mtp_ray.runtime.batcher import detached
 from mtp_ray.runtime.group import EngineGroup
 
@@ -20,6 +22,7 @@ class RolloutEngine:
         cfg = config if isinstance(config, EngineConfig) else EngineConfig.from_dict(config)
         self.group = EngineGroup(cfg, placement_group, bundle_offset)
         self._started: asyncio.Task | None = None
+        self._tok = None  # loaded for the first request with stop strings
 
     async def start(self) -> dict:
         if self._started is None:
@@ -39,11 +42,30 @@ class RolloutEngine:
     async def _one(self, ids: list[int], params: SamplingParams) -> dict:
         if params.n != 1:
             raise ValueError("n must be 1 per prompt on the rollout handle (repeat the prompt instead)")
+        detok = await self._stop_strings(params)
         c = await self.group.collect(ids, params)  # whole results: no per-step wake-up of 256 coroutines
-        last = c.last
-        return {"token_ids": c.token_ids, "log_probs": c.log_probs,
-                "stop_reason": STOP_REASON.get(last.finish_reason, "completed"), "finish_reason": last.finish_reason,
-                "spec": last.spec}
+        last, tokens, lps, reason = c.last, c.token_ids, c.log_probs, c.last.finish_reason
+        if detok is not None:  # stop strings, read back from the whole output: its tokens through the stop
+            for t in tokens:
+                detok.add([t])
+                if detok.stopped_by is not None:
+                    n = detok.stop_tokens or len(detok.token_ids)
+                    tokens, lps, reason = tokens[:n], lps[:n], "stop"
+                    break
+        return {"token_ids": tokens, "log_probs": lps, "stop_reason": STOP_REASON.get(reason, "completed"),
+                "finish_reason": reason, "spec": last.spec}
+
+    async def _stop_strings(self, params: SamplingParams) -> Detokenizer | None:
+        """A Detokenizer for a request with stop strings (the tokenizer loaded on first use), else None."""
+        if not params.stop:
+            return None
+        if self._tok is None:
+            cfg = self.group.cfg
+            self._tok = await asyncio.to_thread(tokenizer_or_none, cfg.tokenizer or cfg.model)
+            if self._tok is None:
+                raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
+        return Detokenizer(self._tok, params.stop, params.skip_special_tokens, params.include_stop_str_in_output,
+                           min_tokens=params.min_tokens)
 
     # ---- RL control (verl / OpenRLHF / SGLang names) ----
     async def abort_all_requests(self) -> int:
