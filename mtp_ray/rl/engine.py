@@ -45,7 +45,9 @@ class RolloutEngine:
         detok = await self._stop_strings(params)
         c = await self.group.collect(ids, params)  # whole results: no per-step wake-up of 256 coroutines
         last, tokens, lps, reason = c.last, c.token_ids, c.log_probs, c.last.finish_reason
-        if detok is not None:  # stop strings, read back from the whole output: its tokens through the stop
+        if detok is not None and any(x in detok.decode(tokens) for x in params.stop):
+            # stop strings, read back from the whole output (one decode when none is in it): its tokens through the
+            # one completing the first stop
             for t in tokens:
                 detok.add([t])
                 if detok.stopped_by is not None:
