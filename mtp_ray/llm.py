@@ -81,6 +81,13 @@ def tokenizer_or_none(path: str):
     return load_tokenizer(path)
 
 
+def _shown(x: Any) -> str:
+    """What a refused prompt was, in a few words (the types inside a list: a bool or a float among the ids)."""
+    if isinstance(x, list):
+        return f"a list of {sorted({type(t).__name__ for t in x}) or 'nothing'}"
+    return type(x).__name__
+
+
 class LLM:
     def __init__(self, model: str = BUNDLED_MODEL, *, config: EngineConfig | None = None, **kw: Any):
         self.config = config or engine_config(model, **kw)
@@ -92,7 +99,13 @@ class LLM:
         self.tokenizer = tokenizer_or_none(path)
         self._ids = itertools.count()
 
+    def get_tokenizer(self):
+        """The tokenizer (None: the model has no tokenizer files), as vLLM's LLM.get_tokenizer."""
+        return self.tokenizer
+
     def encode(self, prompt: Any) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
+            prompt = prompt["prompt"]
         if isinstance(prompt, str):  # emptiness (here and for id lists) is check_request's, in generate()
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer files; pass token ids (or tokenizer=...)")
@@ -101,15 +114,22 @@ class LLM:
             prompt = prompt["prompt_token_ids"]
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
-        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        raise ValueError("prompt must be a string, a list of int token ids, or {\"prompt\": ...} / "
+                         f"{{\"prompt_token_ids\": ...}}, got {_shown(prompt)}")
 
-    def generate(self, prompts: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
+    def generate(self, prompts: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """vLLM's LLM.generate: one prompt or a list (strings, token-id lists, {"prompt"} / {"prompt_token_ids"}
+        dicts), with one SamplingParams or one per prompt. use_tqdm: accepted for vLLM callers (no progress bar)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got {_shown(prompts)}")
         params = sampling_params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        if not all(isinstance(sp, SamplingParams) for sp in plist):
+            raise ValueError("sampling_params must be a SamplingParams (or a list of them, one per prompt)")
         if len(plist) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
         encoded = [self.encode(p) for p in prompts]  # validate everything before anything is queued

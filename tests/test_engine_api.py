@@ -187,6 +187,21 @@ def test_bad_constructor_arguments_name_the_field(kw, field):
         LLM(**kw)
 
 
+def test_vllm_prompt_forms_and_clear_refusals(llm):
+    """vLLM's prompt forms ({"prompt": text}, {"prompt_token_ids": ids}), use_tqdm and get_tokenizer; prompts of
+    no known form are a ValueError saying what they were (a bool among the ids, None, a dict of params)."""
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    ids = llm.get_tokenizer().encode(PROMPT, add_special_tokens=False)
+    outs = llm.generate([PROMPT, {"prompt": PROMPT}, {"prompt_token_ids": ids}], sp, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
+    for bad, said in (([1, True], "'bool'"), (None, "NoneType"), (5, "int")):
+        with pytest.raises(ValueError, match=said):
+            llm.generate(bad, sp)
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams"):
+        llm.generate([PROMPT], {"temperature": 0})
+    assert not llm.engine.has_unfinished()
+
+
 def test_a_generate_that_fails_leaves_the_llm_usable(llm, monkeypatch):
     """A seed whose n-th child overflows, a flag of the wrong type, an exception raised while stepping (here from
     the detokenizer, as a Ctrl-C would): a clear error, nothing left queued, the next generate as before."""
