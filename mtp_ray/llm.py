@@ -25,6 +25,7 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: int | str | None
     spec: dict = field(default_factory=dict)  # drafted / accepted / mean acceptance length
+    error: str | None = None  # finish_reason "error": why (e.g. a constraint that failed while generating)
 
 
 @dataclass
@@ -190,5 +191,5 @@ class LLM:
         elif out.finished:
             co.finish_reason = "stop" if dt.stopped_by else out.finish_reason
             co.stop_reason = dt.stopped_by or out.stop_reason
-            co.spec = out.spec
+            co.spec, co.error = out.spec, out.error
         ro.finished = all(c.finish_reason is not None for c in ro.outputs)

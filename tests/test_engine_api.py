@@ -231,6 +231,16 @@ def test_a_bad_prompt_in_a_batch_queues_nothing(llm):
     assert not llm.engine.has_unfinished()
 
 
+def test_a_request_that_fails_while_generating_says_why(llm):
+    """A constraint that validates but fails once tokens arrive (llguidance's lexer limit) ends with finish_reason
+    "error" and the reason on the output (as the server's 400 gives it); the other prompt of the batch completes."""
+    bad = SamplingParams(temperature=0, max_tokens=4, structured_outputs={"regex": "(a{1000}){1000}"})
+    out = llm.generate([PROMPT, PROMPT], [bad, SamplingParams(temperature=0, max_tokens=4)])
+    failed, ok = out[0].outputs[0], out[1].outputs[0]
+    assert failed.finish_reason == "error" and "structured_outputs" in failed.error, failed
+    assert ok.finish_reason == "length" and ok.error is None and len(ok.token_ids) == 4
+
+
 def test_incremental_detokenizer_equals_full_decode(llm):
     """The detokenizer decodes only a window of recent tokens (linear in the output length); its text equals a
     full decode after every chunk, across multi-byte characters, and stop strings still cut the text."""
