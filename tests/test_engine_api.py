@@ -179,6 +179,7 @@ def test_warmup_forwards_stay_inside_max_model_len(monkeypatch):
     ({"max_model_len": -1}, "scheduler.max_model_len"), ({"num_speculative_tokens": None}, "num_speculative_tokens"),
     ({"num_speculative_tokens": True}, "num_speculative_tokens"), ({"seed": "x"}, "seed"), ({"seed": 2**70}, "seed"),
     ({"enable_prefix_caching": "no"}, "prefix_caching"),
+    ({"max_model_len": 4097}, "max_position_embeddings (4096)"),  # the bundled model's; vLLM refuses it too
 ])
 def test_bad_constructor_arguments_name_the_field(kw, field):
     """A value of the wrong type or range is a ValueError naming the field before anything is built (a string or a
