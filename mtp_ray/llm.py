@@ -10,7 +10,7 @@ from mtp_ray.config.engine import BUNDLED_MODEL, CacheConfig, EngineConfig, Grap
 from mtp_ray.engine.core import EngineCore
 from mtp_ray.engine.detok import Detokenizer
 from mtp_ray.engine.grammar import check_grammar
-from mtp_ray.engine.outputs import StepOutput
+from mtp_ray.engine.outputs import StepOutput, prompt_logprob_dicts
 from mtp_ray.engine.request import check_request
 from mtp_ray.engine.sampling_params import SamplingParams
 
@@ -175,8 +175,7 @@ class LLM:
     def _apply(self, out: StepOutput, detok: dict) -> None:
         ro, co, dt = detok[out.request_id]
         if out.prompt_logprobs is not None and ro.prompt_logprobs is None:
-            ro.prompt_logprobs = [None if e is None else {t: e[0], **dict(e[1])}
-                                  for e, t in zip(out.prompt_logprobs, ro.prompt_token_ids, strict=True)]
+            ro.prompt_logprobs = prompt_logprob_dicts(out.prompt_logprobs, ro.prompt_token_ids)
         if out.num_cached_tokens is not None:
             ro.num_cached_tokens = max(ro.num_cached_tokens or 0, out.num_cached_tokens)
         co.token_ids += out.new_token_ids

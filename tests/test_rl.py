@@ -275,6 +275,23 @@ def test_stop_strings_on_the_rollout_handle(ray_cluster, engine):
     assert held["token_ids"] == full and held["stop_reason"] == "length"
 
 
+def test_top_and_prompt_log_probs_on_the_rollout_handle(ray_cluster, engine):
+    """logprobs = n and prompt_logprobs = n are returned (they were accepted and dropped): per token {token:
+    logprob} holding the sampled token and the top n, per prompt position None (the first) or the prompt token and
+    its top n; greedy, so the sampled token is the most likely one."""
+    ray = ray_cluster
+    out = ray.get(engine.generate.remote(PROMPTS[2], {**GREEDY, "logprobs": 3, "prompt_logprobs": 2}), timeout=120)
+    tops, pl = out["top_log_probs"], out["prompt_log_probs"]
+    assert len(tops) == len(out["token_ids"]) == len(out["log_probs"]) == GREEDY["max_tokens"]
+    for t, lp, top in zip(out["token_ids"], out["log_probs"], tops, strict=True):
+        assert 3 <= len(top) <= 4 and top[t] == pytest.approx(lp, abs=1e-5) and lp == pytest.approx(max(top.values()))
+    assert len(pl) == len(PROMPTS[2]) and pl[0] is None
+    assert all(t in e and 2 <= len(e) <= 3 and all(v <= 0 for v in e.values()) for t, e in zip(PROMPTS[2][1:], pl[1:]))
+    plain = ray.get(engine.generate.remote(PROMPTS[2], GREEDY), timeout=120)
+    assert "top_log_probs" not in plain and "prompt_log_probs" not in plain
+    assert plain["token_ids"] == out["token_ids"]
+
+
 def test_pause_and_resume_generation(ray_cluster, engine, refs):
     ray = ray_cluster
     running = engine.generate.remote([5, 6, 7], {"temperature": 0, "max_tokens": 3000, "ignore_eos": True})

@@ -45,6 +45,12 @@ class StepOutput:
                           later.num_cached_tokens)
 
 
+def prompt_logprob_dicts(entries: list, prompt_ids: list[int]) -> list[dict[int, float] | None]:
+    """StepOutput.prompt_logprobs as vLLM's offline form: per position None (the first) or {token: logprob} of the
+    prompt's token and the top-n alternatives."""
+    return [None if e is None else {t: e[0], **dict(e[1])} for e, t in zip(entries, prompt_ids, strict=True)]
+
+
 class OutputProcessor:
     def __init__(self, scheduler: Scheduler, requests: dict[str, Request], eos_ids: tuple[int, ...],
                  max_model_len: int, stats: EngineStats):

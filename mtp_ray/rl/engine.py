@@ -9,6 +9,7 @@ import ray
 
 from mtp_ray.config.engine import EngineConfig
 from mtp_ray.engine.detok import Detokenizer
+from mtp_ray.engine.outputs import prompt_logprob_dicts
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.llm import tokenizer_or_none
 from mtp_ray.runtime.batcher import detached
@@ -44,7 +45,7 @@ class RolloutEngine:
             raise ValueError("n must be 1 per prompt on the rollout handle (repeat the prompt instead)")
         detok = await self._stop_strings(params)
         c = await self.group.collect(ids, params)  # whole results: no per-step wake-up of 256 coroutines
-        last, tokens, lps, reason = c.last, c.token_ids, c.log_probs, c.last.finish_reason
+        last, tokens, lps, tops, reason = c.last, c.token_ids, c.log_probs, c.top_log_probs, c.last.finish_reason
         if detok is not None and any(x in detok.decode(tokens) for x in params.stop):
             # stop strings, read back from the whole output (one decode when none is in it): its tokens through the
             # one completing the first stop
@@ -52,10 +53,15 @@ class RolloutEngine:
                 detok.add([t])
                 if detok.stopped_by is not None:
                     n = detok.stop_tokens or len(detok.token_ids)
-                    tokens, lps, reason = tokens[:n], lps[:n], "stop"
+                    tokens, lps, tops, reason = tokens[:n], lps[:n], tops[:n], "stop"
                     break
-        return {"token_ids": tokens, "log_probs": lps, "stop_reason": STOP_REASON.get(reason, "completed"),
-                "finish_reason": reason, "spec": last.spec}
+        out = {"token_ids": tokens, "log_probs": lps, "stop_reason": STOP_REASON.get(reason, "completed"),
+               "finish_reason": reason, "spec": last.spec}
+        if params.alternatives:  # logprobs = n (or logprob_token_ids): per token {token: logprob}
+            out["top_log_probs"] = tops
+        if params.prompt_logprobs is not None:
+            out["prompt_log_probs"] = prompt_logprob_dicts(c.prompt_log_probs, ids)
+        return out
 
     async def _stop_strings(self, params: SamplingParams) -> Detokenizer | None:
         """A Detokenizer for a request with stop strings (the tokenizer loaded on first use), else None."""

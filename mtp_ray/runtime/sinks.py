@@ -40,12 +40,17 @@ class Collector:
     def __init__(self) -> None:
         self.token_ids: list[int] = []
         self.log_probs: list[float] = []
+        self.top_log_probs: list[dict[int, float]] = []  # per token, when the request asked for logprobs = n
+        self.prompt_log_probs: list | None = None  # with prompt_logprobs: StepOutput.prompt_logprobs
         self.last: StepOutput | None = None
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
 
     def put(self, out: StepOutput) -> None:
         self.token_ids += out.new_token_ids
         self.log_probs += out.new_logprobs
+        self.top_log_probs += out.new_top_logprobs
+        if out.prompt_logprobs is not None and self.prompt_log_probs is None:
+            self.prompt_log_probs = out.prompt_logprobs
         if out.finished:
             self.last = out
             if not self.done.done():
