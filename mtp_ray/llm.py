@@ -89,6 +89,20 @@ def _shown(x: Any) -> str:
     return type(x).__name__
 
 
+def _message(m: Any, i: int) -> dict:
+    """A chat message for the template: text content parts joined (as the server does), the rest as given."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ValueError(f"messages[{i}] must be a dict with a string 'role', got {_shown(m)}")
+    c = m.get("content")
+    if isinstance(c, list):
+        if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str) for x in c):
+            raise ValueError(f"messages[{i}].content: only text parts are supported")
+        m = {**m, "content": "".join(x["text"] for x in c)}
+    elif c is not None and not isinstance(c, str):
+        raise ValueError(f"messages[{i}].content must be a string or a list of text parts, got {_shown(c)}")
+    return m
+
+
 class LLM:
     def __init__(self, model: str = BUNDLED_MODEL, *, config: EngineConfig | None = None, **kw: Any):
         self.config = config or engine_config(model, **kw)
@@ -171,6 +185,27 @@ class LLM:
                 self.engine.abort_request(cid)
             raise
         return [results[r] for r in order]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of them, rendered by
+        the tokenizer's chat template (or `chat_template`), then generated as `generate` does."""
+        if self.tokenizer is None:
+            raise ValueError("messages: this model has no tokenizer files, so no chat template; use generate()")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(convs, list) or not convs or not all(isinstance(c, list) and c for c in convs):
+            raise ValueError("messages must be a non-empty list of {\"role\", \"content\"} messages, or a list of "
+                             "such conversations")
+        texts = [self.tokenizer.apply_chat_template(
+            [_message(m, i) for i, m in enumerate(conv)], tools=tools, chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            tokenize=False, **(chat_template_kwargs or {})) for conv in convs]
+        return self.generate(texts, sampling_params, use_tqdm)
 
     def _apply(self, out: StepOutput, detok: dict) -> None:
         ro, co, dt = detok[out.request_id]

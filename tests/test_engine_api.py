@@ -242,6 +242,31 @@ def test_a_request_that_fails_while_generating_says_why(llm):
     assert ok.finish_reason == "length" and ok.error is None and len(ok.token_ids) == 4
 
 
+def test_chat_renders_the_template_and_generates(llm):
+    """vLLM's LLM.chat: one conversation or a list, text content parts joined, the template's options passed on;
+    its outputs are generate's on the rendered prompt."""
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def fib(n):"}]
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    text = llm.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+    ref = llm.generate([text], greedy)[0]
+    one = llm.chat(conv, greedy)
+    assert len(one) == 1 and one[0].prompt == text and one[0].outputs[0].token_ids == ref.outputs[0].token_ids
+    split = [{"type": "text", "text": "def "}, {"type": "text", "text": "fib(n):"}]
+    parts = [conv[0], {"role": "user", "content": split}]
+    two = llm.chat([parts, conv + [{"role": "assistant", "content": "return"}]], greedy,
+                   add_generation_prompt=False, continue_final_message=True)
+    assert two[0].prompt == llm.tokenizer.apply_chat_template(conv, add_generation_prompt=False, tokenize=False,
+                                                              continue_final_message=True)
+    assert two[1].prompt.rstrip().endswith("return") and len(two[1].outputs[0].token_ids) == 8
+    for bad, match in (([], "messages"), ([{"content": "x"}], r"messages\[0\]"),
+                       ([{"role": "user", "content": [{"type": "image_url"}]}], "text parts")):
+        with pytest.raises(ValueError, match=match):
+            llm.chat(bad, greedy)
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(conv, greedy, continue_final_message=True)
+    assert not llm.engine.has_unfinished()
+
+
 def test_incremental_detokenizer_equals_full_decode(llm):
     """The detokenizer decodes only a window of recent tokens (linear in the output length); its text equals a
     full decode after every chunk, across multi-byte characters, and stop strings still cut the text."""
