@@ -8,7 +8,7 @@ from typing import Any
 
 from mtp_ray.config.engine import BUNDLED_MODEL, CacheConfig, EngineConfig, GraphConfig, SchedulerConfig, SpecConfig
 from mtp_ray.engine.core import EngineCore
-from mtp_ray.engine.detok import Detokenizer
+from mtp_ray.engine.detok import STOP_NEEDS_TOKENIZER, Detokenizer
 from mtp_ray.engine.grammar import check_grammar
 from mtp_ray.engine.outputs import StepOutput, prompt_logprob_dicts
 from mtp_ray.engine.request import check_request
@@ -157,7 +157,7 @@ class LLM:
             if sp.structured_outputs is not None:
                 check_grammar(sp.structured_outputs)
             if sp.stop and self.tokenizer is None:
-                raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
+                raise ValueError(STOP_NEEDS_TOKENIZER)
         results: dict[str, RequestOutput] = {}
         detok: dict[str, tuple[RequestOutput, CompletionOutput, Detokenizer]] = {}
         order = []

@@ -22,6 +22,10 @@ def decoder(tokenizer) -> Callable[[list[int], bool], str]:
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
+# stop strings are matched in text: a model without tokenizer files stops on token ids only
+STOP_NEEDS_TOKENIZER = "stop: stop strings need a tokenizer; use stop_token_ids"
+
+
 @dataclass
 class Detokenizer:
     tokenizer: object

@@ -8,12 +8,13 @@ import time
 import ray
 
 from mtp_ray.config.engine import EngineConfig
-from mtp_ray.engine.detok import Detokenizer
+from mtp_ray.engine.detok import STOP_NEEDS_TOKENIZER, Detokenizer
 from mtp_ray.engine.outputs import prompt_logprob_dicts
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.llm import tokenizer_or_none
 from mtp_ray.runtime.batcher import detached
 from mtp_ray.runtime.group import EngineGroup
+from mtp_ray.runtime.weight_sync import check_backend
 
 STOP_REASON = {"stop": "completed", "length": "length", "abort": "aborted"}
 
@@ -71,7 +72,7 @@ class RolloutEngine:
             cfg = self.group.cfg
             self._tok = await asyncio.to_thread(tokenizer_or_none, cfg.tokenizer or cfg.model)
             if self._tok is None:
-                raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
+                raise ValueError(STOP_NEEDS_TOKENIZER)
         return Detokenizer(self._tok, params.stop, params.skip_special_tokens, params.include_stop_str_in_output,
                            min_tokens=params.min_tokens)
 
@@ -114,8 +115,7 @@ class RolloutEngine:
                                         backend: str = "gloo") -> list[dict]:
         """The trainer (its own ranks, rank_offset of them first) and every engine rank join one process group; the
         ranks wait (up to 300 s) for the trainer to join the rendezvous, so the arguments are checked here first."""
-        if backend not in ("nccl", "gloo"):
-            raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+        check_backend(backend)
         dp = self.group.dp
         if not (isinstance(rank_offset, int) and rank_offset >= 0 and isinstance(world_size, int)
                 and world_size >= rank_offset + dp):

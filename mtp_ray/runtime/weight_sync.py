@@ -74,11 +74,16 @@ def dtype_of(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
+def check_backend(backend: str) -> None:
+    """Before any rendezvous: a store waits for every rank (300 s), so a backend none could join must fail first."""
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+
+
 def make_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
                backend: str, timeout_s: float = 300.0):
     """A process group of its own (trainer + engine ranks), independent of the ranks' DP group."""
-    if backend not in ("nccl", "gloo"):  # before the store: its rendezvous waits for every rank
-        raise ValueError(f"backend must be nccl or gloo, got {backend!r}")
+    check_backend(backend)
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
     prefixed = dist.PrefixStore(group_name, store)
