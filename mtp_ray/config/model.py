@@ -63,10 +63,22 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """An HF config.json's fields -> ModelConfig; a missing or null required field is a ValueError naming it."""
+        try:
+            return cls._from_hf(raw)
+        except KeyError as e:
+            raise ValueError(f"invalid model config: the required field {e.args[0]!r} is missing") from e
+        except TypeError as e:  # e.g. int(None): a required field given as null / of the wrong type
+            raise ValueError(f"invalid model config: a field has the wrong type or is null ({e})") from e
+
+    @classmethod
+    def _from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
         mt = raw.get("model_type", "")
         if mt in MULTIMODAL_TYPES or "text_config" in raw:
             text = dict(raw.get("text_config") or {})
-            text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+            # the wrapper model ties by its own flag (default False), whatever text_config says (save_pretrained
+            # writes text_config's too, False): as transformers' ForConditionalGeneration
+            text["tie_word_embeddings"] = raw.get("tie_word_embeddings", False)
             text.setdefault("model_type", "qwen3_5_moe_text")
             raw = text
             mt = raw["model_type"]
@@ -134,10 +146,10 @@ class ModelConfig:
         p = Path(path) / "config.json"
         if not p.is_file():
             raise FileNotFoundError(f"no config.json in model directory {path}")
-        cfg = cls.from_hf_dict(json.loads(p.read_text()))
+        cfg = cls.from_hf_dict(_json_object(p))
         gen = Path(path) / "generation_config.json"
         if gen.is_file():  # generation_config may add end tokens (e.g. the chat end token)
-            eos = json.loads(gen.read_text()).get("eos_token_id")
+            eos = _json_object(gen).get("eos_token_id")
             ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             merged = tuple(dict.fromkeys(cfg.eos_token_ids + ids))
             cfg = dataclasses.replace(cfg, eos_token_ids=merged)
@@ -162,3 +174,13 @@ class ModelConfig:
         need(not self.dense_layers or self.intermediate_size > 0, "intermediate_size for dense layers")
         act = self.extra.get("hidden_act", "silu")
         need(act in ("silu", "swish"), f"hidden_act {act!r} is not supported (silu)")
+
+
+def _json_object(p: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(p.read_text())
+    except ValueError as e:  # (JSONDecodeError, UnicodeDecodeError): the message alone does not say which file
+        raise ValueError(f"{p}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{p}: expected a JSON object, got {type(raw).__name__}")
+    return raw

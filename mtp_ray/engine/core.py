@@ -55,6 +55,9 @@ class EngineCore:
             raise ValueError(f"scheduler.max_model_len ({want}) is more than the model's max_position_embeddings "
                              f"({mc.max_position_embeddings}); leave it unset for the model's length")
         self.max_model_len = want or mc.max_position_embeddings
+        if cfg.spec.k > 0 and mc.mtp_num_hidden_layers == 0:
+            raise ValueError(f"spec.num_speculative_tokens ({cfg.spec.k}) needs the model's MTP head, but its "
+                             "config has mtp_num_hidden_layers 0; use num_speculative_tokens 0")
         self.k = cfg.spec.k
         self.runner = ModelRunner(cfg, self.max_model_len, expert_range, dispatch, self.sync.barrier)
         self.eos_ids = tuple(self.runner.model_config.eos_token_ids)

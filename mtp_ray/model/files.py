@@ -5,6 +5,7 @@ whose `get_slice(name)` reads like a safetensors slice: get_dtype() (safetensors
 
 from __future__ import annotations
 
+import json
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -51,13 +52,39 @@ class _TorchShard:
         return _TensorSlice(self.sd[name])
 
 
+def _indexed(path: Path, files: list[Path], index_name: str) -> list[Path]:
+    """With an index (`*.index.json`, as save_pretrained writes for shards), only the files its weight_map names,
+    as transformers and vLLM read them (a stale file beside them is not part of the checkpoint); every one of them
+    must exist."""
+    index = path / index_name
+    if not index.is_file():
+        return files
+    try:
+        listed = set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index}: not a weight index (a JSON object with a weight_map): {e}") from e
+    absent = sorted(listed - {f.name for f in files})
+    if absent:
+        raise FileNotFoundError(f"{index} names file(s) missing from {path}: {', '.join(absent)}")
+    return [f for f in files if f.name in listed]
+
+
+def _open_safetensors(f: Path, stack: ExitStack) -> Any:
+    try:
+        return stack.enter_context(safe_open(str(f), framework="pt"))
+    except Exception as e:  # a truncated or corrupt file: safetensors' message does not say which
+        raise ValueError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from e
+
+
 def open_tensors(path: str | Path, stack: ExitStack) -> dict[str, Any]:
     """Tensor name -> the open handle of the file holding it (closed with `stack`)."""
-    files = sorted(Path(path).glob("*.safetensors"))
+    path = Path(path)
+    files = _indexed(path, sorted(path.glob("*.safetensors")), "model.safetensors.index.json")
     if files:
-        handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+        handles = [_open_safetensors(f, stack) for f in files]
     else:
-        handles = [_TorchShard(f) for f in sorted(Path(path).glob("pytorch_model*.bin"))]
+        bins = _indexed(path, sorted(path.glob("pytorch_model*.bin")), "pytorch_model.bin.index.json")
+        handles = [_TorchShard(f) for f in bins]
     if not handles:
         raise FileNotFoundError(f"no *.safetensors (or pytorch_model*.bin) files in {path}")
     index: dict[str, Any] = {}

@@ -159,8 +159,8 @@ class Fp8Reader:
 
     def raw(self, rows: slice | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(q e4m3, scale), the scale's shape checked (fused experts: the rows' own scales)."""
-        q = self.sl[:] if rows is None else self.sl[rows]
-        scale = self.scale[:] if rows is None or self.block is None else self.scale[rows]
+        q = self.sl[...] if rows is None else self.sl[rows]  # (...: a 0-dim tensor too)
+        scale = self.scale[...] if rows is None or self.block is None else self.scale[rows]
         self.fmt.check_scale(self.name, q, scale)
         return q, scale
 

@@ -11,6 +11,8 @@ missing or mis-shaped tensor is an error that names it.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import re
 import zlib
@@ -39,6 +41,10 @@ from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+log = logging.getLogger(__name__)
+_SHARED = re.compile(r"\.mlp\.shared_expert(_gate)?\.")
+_TIED = {"lm_head.weight", "model.embed_tokens.weight"}
+_NOT_FLOAT = {"I64", "I32", "I16", "I8", "U8", "BOOL"}  # safetensors dtype names no weight may have
 _SKIP = re.compile(r"(^|\.)(visual|vision_tower|rotary_emb)\.|\.inv_freq$")
 
 # A lazily read tensor: called with an optional row slice of dim 0, returns the (sliced) tensor.
@@ -68,8 +74,8 @@ class WeightLoader:
 
     def wants(self, name: str) -> bool:
         name = canonical_name(name)
-        if _SKIP.search(name):
-            return False
+        if _SKIP.search(name) or (self.cfg.shared_expert_intermediate_size == 0 and _SHARED.search(name)):
+            return False  # (transformers builds a zero-width shared expert + its gate: they add nothing)
         return not (name.startswith("mtp.") and self.model.mtp is None)
 
     def load(self, name: str, shape: list[int], read: Reader) -> None:
@@ -98,6 +104,9 @@ class WeightLoader:
         without it would change the output."""
         raw = name
         name = canonical_name(name)
+        if shape is not None and "shared_expert." in name and self.cfg.shared_expert_intermediate_size == 0 \
+                and 0 not in shape:  # a real shared expert the config leaves out: serving without it is wrong
+            raise ValueError(f"weight {raw!r} has shape {list(shape)} but shared_expert_intermediate_size is 0")
         if not self.wants(name):
             return
         if dtype is not None and not dtype.is_floating_point:
@@ -209,8 +218,8 @@ class WeightLoader:
                     out += [f"{prefix}.{i + self.start}.{pt}.weight" for pt in parts
                             if (name, i, pt) not in self.filled]
             elif name not in done_plain:
-                if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
-                    continue
+                if self.cfg.tie_word_embeddings and name in _TIED and done_plain & _TIED:
+                    continue  # one tensor fills both (transformers ties from whichever the checkpoint has)
                 out.append(name)
         return out
 
@@ -234,7 +243,7 @@ def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, list[int], Reade
                 read = Fp8Reader(name, sl, index, fp8, path)
             else:
                 def read(rows: slice | None, sl=sl) -> torch.Tensor:
-                    return sl[:] if rows is None else sl[rows]
+                    return sl[...] if rows is None else sl[rows]  # (...: a 0-dim tensor too)
 
             yield name, list(sl.get_shape()), read
 
@@ -250,10 +259,15 @@ def load_model(
 ) -> Qwen3_5MoeForCausalLM:
     """dummy_seed: random weights (init_dummy_weights) instead of the checkpoint; only config.json is read."""
     cfg = ModelConfig.from_pretrained(path)
+    dtypes = checkpoint_dtypes(path) if dummy_seed is None else {}  # every tensor's name and dtype, listed once
+    names = {canonical_name(n) for n in dtypes}
+    # tied by the config but both stored: loaded apart and tied only if equal (transformers unties them otherwise)
+    both = cfg.tie_word_embeddings and _TIED <= names
+    if both:
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     with torch.device("meta"):
         model = Qwen3_5MoeForCausalLM(cfg, expert_range, with_mtp, dispatch)
     model = model.to(dtype)  # cast on meta: never a full-precision copy on the device
-    dtypes = checkpoint_dtypes(path) if dummy_seed is None else {}  # every tensor's name and dtype, listed once
     fmt = fp8_format(path)
     if fmt is not None:  # FP8-resident weights where the checkpoint (or, for random weights, its config) has them
         make_fp8(model, fmt, config_fp8(fmt) if dummy_seed is not None else checkpoint_fp8(dtypes, canonical_name))
@@ -264,15 +278,23 @@ def load_model(
         init_dummy_weights(model, dummy_seed)
         return model.eval()
     if with_mtp and cfg.mtp_num_hidden_layers > 0:
-        if not any(canonical_name(n).startswith("mtp.") for n in dtypes):
+        if not any(n.startswith("mtp.") for n in names):
             raise ValueError(f"{path}: with_mtp=True but the checkpoint has no mtp.* tensors")
     loader = WeightLoader(model)
     for name, shape, read in checkpoint_tensors(path):
+        if dtypes[name] in _NOT_FLOAT and loader.wants(name):
+            raise ValueError(f"checkpoint {path}: tensor {name!r} is {dtypes[name]}; weights are floating-point")
         loader.load(name, shape, read)
     missing = loader.missing()
     if missing:
         more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
         raise ValueError(f"checkpoint {path} is missing tensor(s): {', '.join(missing[:10])}{more}")
+    if both and torch.equal(model.lm_head.weight, model.model.embed_tokens.weight):
+        model.lm_head.weight = model.model.embed_tokens.weight  # (a .bin of a tied model stores both names)
+        model.config = dataclasses.replace(cfg, tie_word_embeddings=True)
+    elif both:
+        log.warning("%s: config.json ties the embeddings but the checkpoint stores a different lm_head.weight; "
+                    "serving them untied, as transformers does", path)
     return model.eval()
 
 
