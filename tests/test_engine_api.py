@@ -210,7 +210,7 @@ def test_a_generate_that_fails_leaves_the_llm_usable(llm, monkeypatch):
 
     ref = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="seed"):
-        llm.generate(["x"], SamplingParams(seed=2**64 - 1, n=2))
+        llm.generate(["x"], SamplingParams(seed=2**63 - 1, n=2))
     with pytest.raises(ValueError, match="skip_special_tokens"):
         llm.generate(["x"], SamplingParams(skip_special_tokens=None, max_tokens=2))
     assert not llm.engine.has_unfinished()
@@ -435,7 +435,7 @@ def test_extreme_sampling_values_never_fail_a_step(k):
                {"frequency_penalty": 2, "presence_penalty": -2, "temperature": 0.01, "seed": -5}):
         outs = llm.generate(p, SamplingParams(max_tokens=8, ignore_eos=True, **kw))
         assert all(len(o.outputs[0].token_ids) == 8 for o in outs), kw
-    for kw in ({"repetition_penalty": float("inf")}, {"seed": 2**64}):
+    for kw in ({"repetition_penalty": float("inf")}, {"seed": 2**63}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             SamplingParams(**kw)
 

@@ -160,8 +160,9 @@ class SamplingParams:
         need(is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k",
              f"must be -1 or >= 0, got {self.top_k!r}")
         need(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
-        need(self.seed is None or (is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
-             f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        need(self.seed is None or (is_int(self.seed) and -2**63 <= self.seed < 2**63), "seed",  # as vLLM's
+             f"must be a signed 64-bit integer (greater_than_equal -2**63, less_than_equal 2**63 - 1), "
+             f"got {self.seed!r}")
         need(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
              f"must be an integer >= 1, got {self.max_tokens!r}")
         need(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens!r}")

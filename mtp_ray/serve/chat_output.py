@@ -54,11 +54,13 @@ class ChatOutput:
         self.auto_calls = 0  # calls the auto tool parser has streamed (parallel_tool_calls false: the first goes)
         self.ended = False
 
-    def whole(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
-        """(reasoning, content, tool calls) of a finished choice."""
+    def whole(self, text: str, cut: bool = False) -> tuple[str | None, str | None, list[ToolCall]]:
+        """(reasoning, content, tool calls) of a finished choice; cut: it ended at max_tokens."""
         reasoning, content = self.reasoning.split(text) if self.reasoning else (None, text)
         calls: list[ToolCall] = []
-        if self.forced and content is not None:
+        if self.forced and cut:  # a call cut short is no call, nor content (vLLM, as OpenAI): both empty
+            content = ""
+        elif self.forced and content is not None:
             found = forced_calls(content, self.opts)
             if found is not None:
                 content, calls = None, found

@@ -220,8 +220,8 @@ class Ingress:
         return JSONResponse(shell.whole(out) if shell else out)
 
     def _model_card(self, max_len: int) -> dict:
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "mtp-ray", "root": self.model_name,
-                "parent": None, "max_model_len": max_len}
+        return {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "mtp-ray",
+                "root": self.model_name, "parent": None, "max_model_len": max_len}  # (created: now, as vLLM's)
 
     @app.get("/v1/models")
     async def models(self, request: Request):

@@ -181,6 +181,8 @@ def parse_common(body: dict, prompts: list[list[int]], texts: list[str | None], 
         prompts = [p[-truncate:] if side == "left" else p[:truncate] for p in prompts]
         texts = [None] * len(texts)
     plp = _int_field(body, "prompt_logprobs", 0, 20)
+    if plp and stream:  # (as vLLM: a stream has no place for them)
+        raise bad("'prompt_logprobs' are not available when 'stream' is true", "prompt_logprobs")
     params = sampling_params(body, max_tokens_key, top_logprobs, limits, tool_schema)
     want_plp = max((x for x in (plp, prompt_logprobs) if x is not None), default=None)
     if want_plp is not None:

@@ -257,14 +257,15 @@ def final_response(rid: str, model: str, chat: bool, choices: list[Choice], req:
         text = "" if req.drop_output else c.detok.text
         if chat:
             lp = r.chat_logprobs(c, 0) if req.top_logprobs is not None else None
-            reasoning, content, calls = c.chat.whole(text) if c.chat is not None else (None, text, [])
+            cut = c.finish_reason == "length"
+            reasoning, content, calls = c.chat.whole(text, cut) if c.chat is not None else (None, text, [])
             if c.echo:
                 content = c.echo + (content or "")
             if calls and content is None and c.chat is not None and c.chat.opts.tool_choice == "named":
                 content = ""  # vLLM: a named call's message has empty content
             msg: dict = {"role": "assistant", "content": content}
-            if calls:  # as vLLM: no key without calls
-                msg["tool_calls"] = _tool_calls(calls)
+            if calls or (cut and c.chat is not None and c.chat.forced):  # else no key, as OpenAI (vLLM: [])
+                msg["tool_calls"] = _tool_calls(calls)  # (a forced call cut short: [], as vLLM's tests ask)
             if c.chat is not None and c.chat.reasoning is not None:
                 msg["reasoning"] = msg["reasoning_content"] = reasoning  # vLLM's name, and the older one
             body = {"index": c.index, "message": msg, "logprobs": lp, "finish_reason": _finish(c, bool(calls)),
@@ -306,7 +307,7 @@ def error_response(e: ApiError) -> JSONResponse:
 
 
 def choice_params(p: SamplingParams, index: int) -> SamplingParams:
-    """One choice's own request (n = 1): a seeded request's choices draw from seed, seed + 1, ... (wrapping at
-    2**64, so every seed the parameters accept stays valid)."""
+    """One choice's own request (n = 1): a seeded request's choices draw from seed, seed + 1, ... (wrapping past
+    2**63 - 1 to -2**63, so every seed the parameters accept stays valid)."""
     seed = p.seed if p.seed is None else p.seed + index % p.n
-    return dataclasses.replace(p, n=1, seed=seed - 2**64 if seed is not None and seed >= 2**64 else seed)
+    return dataclasses.replace(p, n=1, seed=seed - 2**64 if seed is not None and seed >= 2**63 else seed)
