@@ -201,10 +201,15 @@ class LLM:
         if not isinstance(convs, list) or not convs or not all(isinstance(c, list) and c for c in convs):
             raise ValueError("messages must be a non-empty list of {\"role\", \"content\"} messages, or a list of "
                              "such conversations")
-        texts = [self.tokenizer.apply_chat_template(
-            [_message(m, i) for i, m in enumerate(conv)], tools=tools, chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-            tokenize=False, **(chat_template_kwargs or {})) for conv in convs]
+        texts = []
+        for conv in convs:
+            msgs = [_message(m, i) for i, m in enumerate(conv)]
+            try:
+                texts.append(self.tokenizer.apply_chat_template(
+                    msgs, tools=tools, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, tokenize=False, **(chat_template_kwargs or {})))
+            except Exception as e:  # a template that rejects the roles / order, or kwargs it cannot take
+                raise ValueError(f"messages: the chat template failed: {type(e).__name__}: {e}") from e
         return self.generate(texts, sampling_params, use_tqdm)
 
     def _apply(self, out: StepOutput, detok: dict) -> None:

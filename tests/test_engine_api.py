@@ -264,6 +264,8 @@ def test_chat_renders_the_template_and_generates(llm):
             llm.chat(bad, greedy)
     with pytest.raises(ValueError, match="continue_final_message"):
         llm.chat(conv, greedy, continue_final_message=True)
+    with pytest.raises(ValueError, match="chat template failed"):  # (a raw TypeError from transformers before)
+        llm.chat(conv, greedy, chat_template_kwargs={"tokenize": True})
     assert not llm.engine.has_unfinished()
 
 
