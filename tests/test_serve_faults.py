@@ -86,7 +86,8 @@ def stream_one(max_tokens: int) -> dict:
 def test_killed_rank_fails_over_requests_without_tokens(app):
     """Two groups, one request every 0.1 s for 8 s, rank 0 of one group killed after 2 s: no request that had no
     token yet fails (it is admitted by, or sent again to, the other group); a stream that had tokens on the failed
-    group ends with an error naming the rank."""
+    group ends with an error naming the rank. Once Serve has replaced the group, /metrics still holds every count
+    from before (the metrics hub had been created inside a group's placement group and died with it)."""
     ray = app
     groups = rank_actors(ray)
     assert len(groups) == 2, groups
@@ -99,6 +100,8 @@ def test_killed_rank_fails_over_requests_without_tokens(app):
         while time.monotonic() - t0 < 8:
             futs.append(pool.submit(stream_one, 64))
             if not killed and time.monotonic() - t0 > 2:
+                time.sleep(1.2)  # the hub has a report from each group
+                before = scrape()
                 kill(ray, victim)
                 killed = True
             time.sleep(0.1)
@@ -111,6 +114,15 @@ def test_killed_rank_fails_over_requests_without_tokens(app):
     assert all("rank 0" in r["error"] and r["tokens"] > 0 for r in cut), cut[:3]
     ok = [r for r in results if r["status"] == 200 and r["done"] and r["error"] is None]
     assert len(ok) + len(cut) == len(results)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (len(rank_actors(ray)) < 2 or victim.split("_")[3] in rank_actors(ray)):
+        time.sleep(1)
+    stream_one(8)
+    time.sleep(1.5)  # a report from the new group
+    after = scrape()
+    tokens = [sum(v for s, v in sc.items() if s.startswith("mtp_ray:rank_generation_tokens_total"))
+              for sc in (before, after)]
+    assert 0 < tokens[0] <= tokens[1], tokens
 
 
 @pytest.mark.parametrize("app", [1], indirect=True)
@@ -218,3 +230,34 @@ def test_metrics_cover_every_group_and_stay_monotonic(app):
                  "request_decode_time_seconds_count", "request_inference_time_seconds_count",
                  "iteration_tokens_total_bucket", "iteration_tokens_total_count"):
         assert any(s.startswith(f"mtp_ray:{name}") for s in last), name
+
+
+def test_the_metrics_hub_outlives_the_placement_group_of_the_replica_that_made_it(ray_cluster):
+    """A group replica's children are captured into its placement group; the hub (made by whichever replica asks
+    first) must not be, or Serve replacing that group removes it with every count it held (`serve run`: /metrics
+    went backwards after a rank died)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from mtp_ray.serve.metrics_hub import hub_for
+
+    ray = ray_cluster
+
+    @ray.remote(num_cpus=0.1)
+    class Replica:
+        def make_hub(self) -> None:
+            ray.get(hub_for("pg_test").report.remote("group", "g1", {"totals": {"x": 5.0}}))
+
+    pg = placement_group([{"CPU": 0.1}])
+    ray.get(pg.ready())
+    replica = Replica.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        pg, placement_group_capture_child_tasks=True)).remote()
+    ray.get(replica.make_hub.remote())
+    ray.kill(replica)
+    remove_placement_group(pg)
+    time.sleep(1.0)
+    hub = hub_for("pg_test")
+    try:
+        assert ray.get(hub.view.remote(), timeout=30)["live"]["group"]["g1"]["totals"] == {"x": 5.0}
+    finally:
+        ray.kill(hub)

@@ -50,9 +50,11 @@ class MetricsHub:
 
 
 def hub_for(app_name: str):
-    """The application's hub (created by whoever asks first; detached, so replacing any replica keeps it)."""
+    """The application's hub (created by whoever asks first; detached, so replacing any replica keeps it). Outside
+    any placement group: a group replica's children are captured into its placement group, and the hub would die
+    with that group when Serve replaces it (every counter it held lost: /metrics going backwards)."""
     return ray.remote(MetricsHub).options(name=f"hub_{app_name}", namespace=NAMESPACE, get_if_exists=True,
-                                          lifetime="detached", num_cpus=0).remote()
+                                          lifetime="detached", num_cpus=0, scheduling_strategy="DEFAULT").remote()
 
 
 class HubReporter:
