@@ -306,6 +306,37 @@ def test_killed_rank_fails_inflight_requests_and_group_restarts(ray_cluster, ref
         ray.get(h.shutdown.remote())
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_rank_lost_while_asleep_restarts_asleep(ray_cluster, ref, level):
+    """A rank dies while the engine sleeps: the restarted ranks sleep again at the same level, so wake_up (after
+    an update for level 2) works and requests held meanwhile are served; they hung when the group said asleep and
+    its new ranks were not (wake_up refused: 'not asleep')."""
+    import ray
+
+    h = launch_engine(cfg(2, 2, timeouts={"collective_s": 8, "progress_s": 15}))
+    try:
+        ray.get(h.sleep.remote(level))
+        ray.kill(ray.get(h.worker_handles.remote())[0])
+        deadline = time.monotonic() + 120
+        while ray.get(h.health.remote())["restarts"] < 1 or not ray.get(h.health.remote())["healthy"]:
+            assert time.monotonic() < deadline, ray.get(h.health.remote())
+            time.sleep(0.5)
+        assert ray.get(h.health.remote())["sleeping"] == level
+        mem = ray.get(h.get_stats.remote())["memory"]  # per rank: the restarted ranks hold what sleep frees
+        assert all(m["asleep"] and m["cache_bytes"] == 0 for m in mem), mem
+        assert all(m["weights_bytes"] == 0 for m in mem) == (level == 2), mem
+        held = h.generate.remote(PROMPTS[0], {"max_tokens": MAX_TOKENS[0], **GREEDY})
+        if level == 2:  # the weights are gone: the same ones again, as a trainer would send them
+            from mtp_ray.config.engine import BUNDLED_MODEL
+            from mtp_ray.model.loader import checkpoint_tensors
+
+            ray.get(h.update_weights.remote([(n, read(None)) for n, _, read in checkpoint_tensors(BUNDLED_MODEL)]))
+        ray.get(h.wake_up.remote(), timeout=120)
+        assert ray.get(held, timeout=120)["token_ids"] == ref[0]
+    finally:
+        ray.get(h.shutdown.remote())
+
+
 def test_injected_local_ep_decision_is_named_not_hung(ray_cluster):
     t0 = time.monotonic()
     with pytest.raises(Exception, match="rank 1 used|odd one out: rank 1"):

@@ -131,6 +131,7 @@ class EngineGroup:
             addr, port = await self.workers[0].rendezvous_address.remote()
             infos = await asyncio.wait_for(asyncio.gather(*[w.init.remote(addr, port, self.workers)
                                                             for w in self.workers]), self.cfg.timeouts.start_s)
+            await asyncio.wait_for(self.commands.restore(self.workers), self.cfg.timeouts.start_s)
         except BaseException as e:
             self.kill_workers()
             self.end("failed")

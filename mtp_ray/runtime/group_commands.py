@@ -71,6 +71,15 @@ class GroupCommands:
             then()
         return list(res)
 
+    async def restore(self, workers: list) -> None:
+        """A restarted group's new ranks (awake, from the checkpoint) take the state the commands had left: asleep
+        at the same level, so wake_up works and requests stay held (they hung: the group said asleep, the ranks
+        were not, and wake_up was refused)."""
+        if self.sleeping:
+            self._seq += 1
+            cmd = GroupCommand(self._seq, "sleep", (self.sleeping, "abort"))
+            await asyncio.gather(*[w.command.remote(cmd) for w in workers])
+
     async def sleep(self, level: int = 1, in_flight: str = "abort") -> list:
         if level not in (1, 2) or isinstance(level, bool):  # here: the ranks abort what runs before they check
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
