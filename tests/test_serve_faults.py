@@ -5,6 +5,7 @@ timeout instead of an unbounded wait."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,10 +18,10 @@ BASE = f"http://127.0.0.1:{PORT}"
 QUEUE_S = 2.0
 
 
-def app_args(groups: int) -> dict:
+def app_args(groups: int, dp: int = 1) -> dict:
     return {
         "served_model_name": "tiny",
-        "engine": {"device": "cpu", "parallel": {"dp": 1, "cpus_per_rank": 0.2},
+        "engine": {"device": "cpu", "parallel": {"dp": dp, "cpus_per_rank": 0.2},
                    "spec": {"num_speculative_tokens": 1}, "scheduler": {"max_model_len": 512},
                    "timeouts": {"queue_s": QUEUE_S, "collective_s": 10, "progress_s": 20}},
         "group": {"num_replicas": groups, "health_check_period_s": 2},
@@ -35,7 +36,8 @@ def app(ray_cluster, request):
     from mtp_ray.serve.app import build_app
 
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    serve.run(build_app(app_args(request.param)), name="faults", route_prefix="/")
+    groups, dp = request.param if isinstance(request.param, tuple) else (request.param, 1)
+    serve.run(build_app(app_args(groups, dp)), name="faults", route_prefix="/")
     yield ray_cluster
     serve.delete("faults")
     serve.shutdown()
@@ -52,13 +54,13 @@ def kill(ray, name: str) -> None:
                                                if a["name"] == name)))
 
 
-def stream_one(max_tokens: int) -> dict:
+def stream_one(max_tokens: int, prompt: str = "def f(x):") -> dict:
     """One streamed completion: its status, whether a token came, the error event's message, the time taken."""
     t0 = time.monotonic()
     out = {"status": None, "tokens": 0, "error": None, "done": False, "retry_after": None}
     try:
         with requests.post(f"{BASE}/v1/completions", stream=True, timeout=60, json={
-                "model": "tiny", "prompt": "def f(x):", "max_tokens": max_tokens, "ignore_eos": True,
+                "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
                 "stream": True}) as r:
             out["status"], out["retry_after"] = r.status_code, r.headers.get("Retry-After")
             if r.status_code != 200:
@@ -123,6 +125,46 @@ def test_killed_rank_fails_over_requests_without_tokens(app):
     tokens = [sum(v for s, v in sc.items() if s.startswith("mtp_ray:rank_generation_tokens_total"))
               for sc in (before, after)]
     assert 0 < tokens[0] <= tokens[1], tokens
+
+
+@pytest.mark.parametrize("app", [(1, 2)], indirect=True)
+def test_streams_on_the_rank_that_did_not_fail_name_the_cause(app):
+    """dp = 2, rank 0 killed while both ranks stream: every stream ends with an error (none hangs), and the
+    streams on rank 1 carry the group's cause; they read "rank 1 ... is gone" (their own rank, killed by the
+    group after the fault) before."""
+    ray = app
+    victim = next(iter(rank_actors(ray).values()))
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        futs = [pool.submit(stream_one, 480, f"def f{i}(x):\n    return {i}") for i in range(8)]
+        time.sleep(3.0)
+        kill(ray, victim)
+        results = [f.result() for f in futs]
+    assert all(r["error"] is not None and r["tokens"] > 0 for r in results), results
+    wrong = [r["error"] for r in results if re.search(r"rank 1 of engine group \S+ is gone", r["error"])]
+    assert not wrong, wrong
+
+
+@pytest.mark.parametrize("app", [1], indirect=True)
+def test_a_stopped_rank_is_named_within_the_queue_timeout(app):
+    """A rank that cannot take a request (its process stopped: a hung rank before the collective timeout) is
+    named in the 503, within the queue time: the admission gives up on it after a quarter of queue_s, so another
+    group could be tried meanwhile (it waited on it for all of queue_s, and the 503 said only that none admitted)."""
+    import os
+    import signal
+
+    ray = app
+    name = next(iter(rank_actors(ray).values()))
+    rank = ray.get_actor(name, namespace=next(a["namespace"] for a in ray.util.list_named_actors(True)
+                                               if a["name"] == name))
+    pid = ray.get(rank.__ray_call__.remote(lambda self: os.getpid()))
+    assert stream_one(4)["done"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        r = stream_one(4)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert r["status"] == 503 and r["s"] < QUEUE_S + 1.5, r
+    assert re.search(r"rank 0 of engine group \S+ did not take the request within 0.5s", r["error"]), r
 
 
 @pytest.mark.parametrize("app", [1], indirect=True)

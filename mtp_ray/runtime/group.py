@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -293,8 +294,19 @@ class EngineGroup:
                 else min(range(self.dp), key=lambda r: self.load[r]))
         self.reqs[rid] = (rank, sink)
         self.load[rank] += 1
+        # a rank acks in milliseconds; one that does not within a quarter of the queue time is stuck (stopped, or
+        # in a collective that will time out): the caller may send the request to another group meanwhile
+        ack_s = max(0.5, self.cfg.timeouts.queue_s / 4)
         try:
-            await self.adds[rank].submit(AddRequest(rid, list(prompt_ids), params, subscriber))
+            await asyncio.wait_for(self.adds[rank].submit(AddRequest(rid, list(prompt_ids), params, subscriber)),
+                                   ack_s)
+        except asyncio.TimeoutError as e:
+            self._release(rid, rank, finished=False)
+            raise GroupUnavailable(f"rank {rank} of engine group {self.group_id} did not take the request within "
+                                   f"{ack_s:g}s") from e
+        except (RayActorError, ActorUnavailableError) as e:  # a rank gone since the last health check
+            self._release(rid, rank, finished=False)
+            raise GroupUnavailable(f"rank {rank} of engine group {self.group_id} is gone: {type(e).__name__}") from e
         except BaseException:
             self._release(rid, rank, finished=False)
             raise

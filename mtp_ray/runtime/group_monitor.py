@@ -81,15 +81,21 @@ class GroupMonitor:
         g = self.group
         if epoch != g.epoch or g.state != "ready":
             return
-        g.state = "restarting"
+        restart = g.restart_on_failure and not g.commands.weights_updated
+        # (Serve: failed at once, so that no admission waits for a group that will not serve again; it waited
+        # queue_s while the report below was read, a 503 although another group could take the request)
+        g.state = "restarting" if restart else "failed"
         g.ready.clear()
+        self.last_failure = reason  # (what a refused admission names while the report is read)
         report = await self._rank_report()
         self.last_failure = f"{reason}\n{report}"
-        log.error("engine group failed; restarting all %d ranks\n%s", g.dp, self.last_failure)
+        log.error("engine group failed; %s\n%s", f"restarting all {g.dp} ranks" if restart else "not restarted",
+                  self.last_failure)
         then = "the group is restarting" if g.restart_on_failure else "the group will be replaced"
         err = GroupFailed(f"engine group failed, request aborted; {then}. Cause: {reason}")
         for _, sink in list(g.reqs.values()):
             sink.fail(err)
+        await self._tell_ranks(reason.splitlines()[0])
         g.epoch += 1
         g.kill_workers()
         if g.commands.weights_updated:  # a restart would reload the checkpoint: never serve other weights silently
@@ -106,6 +112,16 @@ class GroupMonitor:
             g.end("failed")
             self.last_failure += f"\nrestart failed: {e}"
             log.exception("group restart failed")
+
+    async def _tell_ranks(self, cause: str) -> None:
+        """The live ranks hand the cause to their subscribers (the ingress's pulls) before they are killed: a stream
+        on a rank that did not fail ends with what did (it read "rank N is gone" of its own rank)."""
+        calls = [w.group_failed.remote(cause) for w in self.group.workers]
+        try:  # (a dead rank answers with an error, a stopped one not at all)
+            await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 1.0)
+        except asyncio.TimeoutError:
+            pass
+        await asyncio.sleep(0.2)  # the woken pulls return before the kill
 
     async def _rank_report(self) -> str:
         lines = []

@@ -60,6 +60,7 @@ class RankWorker:
         self.running = False
         self.waves_s, self.wave_t0 = 0.0, 0.0  # wall time in waves (stepping, or between steps of a wave)
         self.error: str | None = None
+        self.group_failure: str | None = None  # the group failed elsewhere (another rank): why, for subscribers
         self.stopped = False
         self.peers: list = []
         # group commands (sleep, wake_up, weight updates): run on every rank at the same step, in order
@@ -182,8 +183,14 @@ class RankWorker:
     def pull(self, subscriber: str, timeout: float = 1.0) -> dict:
         """A subscriber's long poll (an ingress replica): the step messages of its requests since its last pull,
         and the rank's error once its engine failed."""
-        msgs = self.outboxes.take(subscriber, timeout, lambda: bool(self.error) or self.stopped)
-        return {"rank": self.rank, "msgs": msgs, "error": self.error, "stopped": self.stopped}
+        msgs = self.outboxes.take(subscriber, timeout, lambda: bool(self.error or self.group_failure) or self.stopped)
+        return {"rank": self.rank, "msgs": msgs, "error": self.group_failure or self.error, "stopped": self.stopped}
+
+    def group_failed(self, cause: str) -> None:
+        """The group failed and is about to kill this rank: its subscribers' pulls return the group's cause (they
+        read "this rank is gone" instead, when it went first)."""
+        self.group_failure = cause
+        self.outboxes.wake_all()
 
     def stats(self) -> dict:
         core = self.core
