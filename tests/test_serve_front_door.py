@@ -225,3 +225,31 @@ def test_many_messages_past_the_context_are_refused_before_the_template(server):
     r = post({"model": "tiny", "messages": msgs, "max_tokens": 2}, "/v1/chat/completions")
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "messages" and "too long" in err["message"], r.text
+
+
+def _counters(prefix: str, where: str = "") -> float:
+    text = requests.get(f"{BASE}/metrics", headers=AUTH, timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(prefix) and where in line)
+
+
+def test_a_client_gone_mid_body_is_an_abort_not_a_server_error(server):
+    """A client that drops its connection while the body is read (it promised more bytes) is counted aborted;
+    it was an 'internal error' with a traceback and request_failed_total{status="500"}."""
+    import socket
+
+    failed, aborted = _counters("mtp_ray:request_failed_total", 'status="500"'), _counters("mtp_ray:request_aborted")
+    body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 4}).encode()
+    for _ in range(3):
+        s = socket.create_connection(("127.0.0.1", PORT))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: "
+                  b"Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body) + 100).encode() + b"\r\n\r\n"
+                  + body)
+        time.sleep(0.5)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")  # close with a reset
+        s.close()
+    time.sleep(3.0)  # (a report to the hub)
+    assert _counters("mtp_ray:request_failed_total", 'status="500"') == failed
+    # (Serve may drop one before it reaches the replica: the replica counts what it saw)
+    assert _counters("mtp_ray:request_aborted") >= aborted + 1
+    assert post({"model": "tiny", "prompt": "x", "max_tokens": 2}).status_code == 200

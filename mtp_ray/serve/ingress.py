@@ -9,9 +9,11 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
+from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from mtp_ray import __version__
 from mtp_ray.config.server import ServerConfig
@@ -78,6 +80,8 @@ class Ingress:
         if unavailable(e):
             return self.groups.unavailable_error(e)
         cause = cause_of(e)
+        if isinstance(cause, TaskCancelledError):  # Serve cancelled the request: its client went away
+            return ApiError(499, "the client closed the request", type_="client_closed_request")
         if isinstance(cause, ValueError):
             return bad(first_line(cause), getattr(cause, "param", None))
         ref = uuid.uuid4().hex[:12]  # the details go to the log, not to the client
@@ -85,7 +89,8 @@ class Ingress:
         return ApiError(500, f"internal error (reference {ref} in the server log)")
 
     def refused(self, e: ApiError) -> JSONResponse:
-        self.metrics.count(f'request_failed_total{{status="{e.status}"}}')
+        gone = e.status == 499  # (its client went away: an abort, not a failure)
+        self.metrics.count("request_aborted_total" if gone else f'request_failed_total{{status="{e.status}"}}')
         return error_response(e)
 
     async def limits(self) -> Limits:
@@ -180,6 +185,12 @@ class Ingress:
                 check_request(ids, req.params, info["vocab_size"], info["max_model_len"])
         except ApiError as e:
             return self.refused(e)
+        except asyncio.CancelledError:  # the client went away while its request was read
+            self.metrics.count("request_aborted_total")
+            raise
+        except (ClientDisconnect, TaskCancelledError):  # gone while its body was read (Serve cancels the task): an
+            self.metrics.count("request_aborted_total")  # abort, not a server error (a 500 and a traceback before)
+            return Response(status_code=499)  # (nginx's "client closed request"; nobody reads it)
         except Exception as e:
             return self.refused(self.classify(e))
         self.metrics.admitted(req.params.n, req.params.max_tokens)
@@ -193,6 +204,7 @@ class Ingress:
         try:
             opened = await asyncio.gather(*tasks, return_exceptions=True)
         except asyncio.CancelledError:  # the client went away: abort the choices already admitted, stop the rest
+            self.metrics.count("request_aborted_total")
             for t in tasks:
                 if t.done() and not t.cancelled() and t.exception() is None:
                     t.result().cancel()
@@ -250,7 +262,8 @@ class Ingress:
     async def health(self):
         """Open to load balancers: healthy or not, and the group's state; the details are at /admin/health."""
         try:
-            h = await asyncio.wait_for(self.group.health.remote(), 10)
+            # (a load balancer's probe waits ~5 s: while no group replica exists, the 503 comes before that)
+            h = await asyncio.wait_for(self.group.health.remote(), 3)
         except Exception as e:
             log.warning("health: no group answered: %s", first_line(cause_of(e)))
             return JSONResponse({"healthy": False, "state": "unavailable",
