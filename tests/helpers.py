@@ -86,6 +86,23 @@ def make_checkpoint(out: Path, name: str, seed: int = 0, mtp: bool = True, fused
     return model, head
 
 
+def edit_checkpoint(src: Path, out: Path, tensors=None, config=None) -> Path:
+    """A copy of a one-file checkpoint with `tensors(state_dict)` / `config(config_dict)` applied in place."""
+    import json
+    import shutil
+
+    shutil.copytree(src, out)
+    if tensors:
+        sd = load_file(out / "model.safetensors")
+        tensors(sd)
+        save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+    if config:
+        cfg = json.loads((out / "config.json").read_text())
+        config(cfg)
+        (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
 def fuse_experts(ckpt: Path) -> None:
     """Rewrite per-expert tensors as fused experts.gate_up_proj [E, 2I, H] / experts.down_proj [E, H, I]."""
     sd = load_file(ckpt / "model.safetensors")

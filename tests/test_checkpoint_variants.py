@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from mtp_ray import LLM, SamplingParams
 from mtp_ray.model.loader import load_model
-from tests.helpers import hf_config, make_checkpoint, randomise
+from tests.helpers import edit_checkpoint, hf_config, make_checkpoint, randomise
 
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 8]]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -25,19 +25,6 @@ def ckpt(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("variants") / "base"
     make_checkpoint(path, "gqa2_int2", seed=21)
     return path
-
-
-def edit(src: Path, out: Path, tensors=None, config=None) -> Path:
-    shutil.copytree(src, out)
-    if tensors:
-        sd = load_file(out / "model.safetensors")
-        tensors(sd)
-        save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
-    if config:
-        cfg = json.loads((out / "config.json").read_text())
-        config(cfg)
-        (out / "config.json").write_text(json.dumps(cfg))
-    return out
 
 
 def greedy(path: Path, k: int = 0) -> list[list[int]]:
@@ -54,10 +41,10 @@ def test_tied_embeddings_in_every_stored_form(ckpt, tmp_path):
              "head_only": lambda s: s.pop("model.embed_tokens.weight"),
              "both_equal": lambda s: s.update({"lm_head.weight": s["model.embed_tokens.weight"].clone()})}
     for form, change in forms.items():
-        m = load_model(edit(ckpt, tmp_path / form, tensors=change, **tie))
+        m = load_model(edit_checkpoint(ckpt, tmp_path / form, tensors=change, **tie))
         assert m.lm_head.weight is m.model.embed_tokens.weight, form
         assert torch.equal(m.lm_head.weight, head if form == "head_only" else emb), form
-    m = load_model(edit(ckpt, tmp_path / "both_different", **tie))
+    m = load_model(edit_checkpoint(ckpt, tmp_path / "both_different", **tie))
     assert m.lm_head.weight is not m.model.embed_tokens.weight
     assert torch.equal(m.lm_head.weight, head) and torch.equal(m.model.embed_tokens.weight, emb)
     assert greedy(tmp_path / "both_different") == greedy(ckpt)  # the untied checkpoint's output
@@ -100,7 +87,7 @@ def test_a_zero_width_shared_expert_loads_as_transformers_builds_it(tmp_path):
     assert out == ref
     real = tmp_path / "real"
     make_checkpoint(real, "gqa2_int2", mtp=False)
-    edit(real, tmp_path / "says_zero", config=lambda c: c.update(shared_expert_intermediate_size=0))
+    edit_checkpoint(real, tmp_path / "says_zero", config=lambda c: c.update(shared_expert_intermediate_size=0))
     with pytest.raises(ValueError, match=r"shared_expert\..*shared_expert_intermediate_size is 0"):
         load_model(tmp_path / "says_zero", with_mtp=False)
 
@@ -113,9 +100,10 @@ def test_per_tensor_fp8_scales_of_one_element_or_none(ckpt, tmp_path, shape):
     sd = load_file(ckpt / "model.safetensors")
     s = sd[w].abs().amax() / 448.0
     q = (sd[w] / s).to(torch.float8_e4m3fn)
-    fp8 = edit(ckpt, tmp_path / "fp8", tensors=lambda d: d.update({w: q, w + "_scale_inv": s.reshape(shape)}),
-               config=lambda c: c.update(quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"}))
-    deq = edit(ckpt, tmp_path / "deq", tensors=lambda d: d.update({w: q.float() * s}))
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    fp8 = edit_checkpoint(ckpt, tmp_path / "fp8", config=lambda c: c.update(quantization_config=qc),
+                          tensors=lambda d: d.update({w: q, w + "_scale_inv": s.reshape(shape)}))
+    deq = edit_checkpoint(ckpt, tmp_path / "deq", tensors=lambda d: d.update({w: q.float() * s}))
     assert torch.equal(load_model(fp8).state_dict()[w], load_model(deq).state_dict()[w])
     assert greedy(fp8, k=2) == greedy(deq, k=2)
 

@@ -16,7 +16,7 @@ from mtp_ray import LLM, SamplingParams
 from mtp_ray.layers.fp8 import Fp8Weight, dequantize
 from mtp_ray.model.fp8 import fp8_weights
 from mtp_ray.model.loader import load_model
-from tests.helpers import make_checkpoint
+from tests.helpers import edit_checkpoint, make_checkpoint
 
 BLOCK = [16, 12]  # small blocks so that the tiny weights span several, with partial ones at the edges
 KEEP = ("embed_tokens", "lm_head", "mlp.gate.", "shared_expert_gate", "norm", "conv1d")  # modules_to_not_convert
@@ -195,19 +195,6 @@ def test_an_fp8_weight_update_is_refused_by_name(ckpts):
         loader.check("model.norm.weight", [32], torch.float8_e4m3fn)
 
 
-def _edit(src: Path, out: Path, tensors=None, config=None) -> Path:
-    shutil.copytree(src, out)
-    if tensors:
-        sd = load_file(out / "model.safetensors")
-        tensors(sd)
-        save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
-    if config:
-        cfg = json.loads((out / "config.json").read_text())
-        config(cfg)
-        (out / "config.json").write_text(json.dumps(cfg))
-    return out
-
-
 W = "model.layers.0.mlp.experts.1.down_proj.weight"
 
 
@@ -231,7 +218,7 @@ def test_malformed_fp8_checkpoints_are_errors_naming_the_field(ckpts, tmp_path, 
         "block": dict(config=lambda c: c["quantization_config"].update(weight_block_size=[128])),
         "e5m2": dict(tensors=lambda sd: sd.update({W: sd[W].float().to(torch.float8_e5m2)})),
     }
-    bad = _edit(fp8, tmp_path / case, **edits[case])
+    bad = edit_checkpoint(fp8, tmp_path / case, **edits[case])
     with pytest.raises(ValueError, match=match):
         load_model(bad)
     with pytest.raises(ValueError, match=match):  # the public entry point says the same
