@@ -237,6 +237,9 @@ class GroupStream:
                 self.cancel()
                 raise
             except Exception as e:
+                if got_tokens and unavailable(e):  # it cannot go elsewhere now: the failure itself, first line
+                    raise ApiError(503, first_line(cause_of(e)), headers={"Retry-After": str(self.client.retry_after_s)}
+                                   ) from e  # ("engine group failed, request aborted; ... Cause: rank 0 died: ...")
                 if got_tokens or not unavailable(e) or self.resends >= self.client.max_resends:
                     raise
                 self.resends += 1
