@@ -300,15 +300,14 @@ class EngineGroup:
         try:
             await asyncio.wait_for(self.adds[rank].submit(AddRequest(rid, list(prompt_ids), params, subscriber)),
                                    ack_s)
-        except asyncio.TimeoutError as e:
+        except BaseException as e:
             self._release(rid, rank, finished=False)
-            raise GroupUnavailable(f"rank {rank} of engine group {self.group_id} did not take the request within "
-                                   f"{ack_s:g}s") from e
-        except (RayActorError, ActorUnavailableError) as e:  # a rank gone since the last health check
-            self._release(rid, rank, finished=False)
-            raise GroupUnavailable(f"rank {rank} of engine group {self.group_id} is gone: {type(e).__name__}") from e
-        except BaseException:
-            self._release(rid, rank, finished=False)
+            if isinstance(e, asyncio.TimeoutError):
+                raise GroupUnavailable(f"rank {rank} of engine group {self.group_id} did not take the request "
+                                       f"within {ack_s:g}s") from e
+            if isinstance(e, (RayActorError, ActorUnavailableError)):  # a rank gone since the last health check
+                raise GroupUnavailable(f"rank {rank} of engine group {self.group_id} is gone: "
+                                       f"{type(e).__name__}") from e
             raise
         return rid, rank
 

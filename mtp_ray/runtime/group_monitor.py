@@ -98,12 +98,10 @@ class GroupMonitor:
         await self._tell_ranks(reason.splitlines()[0])
         g.epoch += 1
         g.kill_workers()
-        if g.commands.weights_updated:  # a restart would reload the checkpoint: never serve other weights silently
+        if not restart:
             g.end("failed")
-            self.last_failure += "\nnot restarted: weights were updated since start (recreate the engine)"
-            return
-        if not g.restart_on_failure:
-            g.end("failed")
+            if g.commands.weights_updated:  # a restart would reload the checkpoint: never other weights silently
+                self.last_failure += "\nnot restarted: weights were updated since start (recreate the engine)"
             return
         self.restarts += 1
         try:

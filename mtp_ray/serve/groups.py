@@ -127,9 +127,11 @@ class GroupClient:
         self.queue_s, self.retry_after_s, self.max_resends = queue_s, retry_after_s, max_resends
         self.count = count  # metrics: request_retried_total (sent again: its group could not serve it)
 
-    def unavailable_error(self, cause: BaseException | str) -> ApiError:
+    def unavailable_error(self, cause: BaseException | str, mid_stream: bool = False) -> ApiError:
+        """503 + Retry-After; mid_stream (tokens sent: it cannot go elsewhere): the failure's first line alone
+        ("engine group failed, request aborted; ... Cause: rank 0 died: ...")."""
         text = first_line(cause_of(cause)) if isinstance(cause, BaseException) else cause
-        return ApiError(503, f"no engine group can serve the request right now: {text}",
+        return ApiError(503, text if mid_stream else f"no engine group can serve the request right now: {text}",
                         headers={"Retry-After": str(self.retry_after_s)})
 
     async def admit(self, prompt: list[int], params: SamplingParams) -> Admitted:
@@ -237,9 +239,8 @@ class GroupStream:
                 self.cancel()
                 raise
             except Exception as e:
-                if got_tokens and unavailable(e):  # it cannot go elsewhere now: the failure itself, first line
-                    raise ApiError(503, first_line(cause_of(e)), headers={"Retry-After": str(self.client.retry_after_s)}
-                                   ) from e  # ("engine group failed, request aborted; ... Cause: rank 0 died: ...")
+                if got_tokens and unavailable(e):  # it cannot go elsewhere now: the failure itself
+                    raise self.client.unavailable_error(e, mid_stream=True) from e
                 if got_tokens or not unavailable(e) or self.resends >= self.client.max_resends:
                     raise
                 self.resends += 1

@@ -9,7 +9,7 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -80,7 +80,7 @@ class Ingress:
         if unavailable(e):
             return self.groups.unavailable_error(e)
         cause = cause_of(e)
-        if isinstance(cause, TaskCancelledError):  # Serve cancelled the request: its client went away
+        if isinstance(cause, (ClientDisconnect, TaskCancelledError)):  # its client went away (Serve cancels it)
             return ApiError(499, "the client closed the request", type_="client_closed_request")
         if isinstance(cause, ValueError):
             return bad(first_line(cause), getattr(cause, "param", None))
@@ -188,10 +188,7 @@ class Ingress:
         except asyncio.CancelledError:  # the client went away while its request was read
             self.metrics.count("request_aborted_total")
             raise
-        except (ClientDisconnect, TaskCancelledError):  # gone while its body was read (Serve cancels the task): an
-            self.metrics.count("request_aborted_total")  # abort, not a server error (a 500 and a traceback before)
-            return Response(status_code=499)  # (nginx's "client closed request"; nobody reads it)
-        except Exception as e:
+        except Exception as e:  # (a client gone while its body was read: classify's 499, counted as an abort)
             return self.refused(self.classify(e))
         self.metrics.admitted(req.params.n, req.params.max_tokens)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
