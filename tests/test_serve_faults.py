@@ -86,7 +86,7 @@ def stream_one(max_tokens: int, prompt: str = "def f(x):") -> dict:
 
 @pytest.mark.parametrize("app", [2], indirect=True)
 def test_killed_rank_fails_over_requests_without_tokens(app):
-    """Two groups, one request every 0.1 s for 8 s, rank 0 of one group killed after 2 s: no request that had no
+    """Two groups, 80 requests 0.1 s apart, rank 0 of one group killed after the 21st: no request that had no
     token yet fails (it is admitted by, or sent again to, the other group); a stream that had tokens on the failed
     group ends with an error naming the rank. Once Serve has replaced the group, /metrics still holds every count
     from before (the metrics hub had been created inside a group's placement group and died with it)."""
@@ -97,20 +97,17 @@ def test_killed_rank_fails_over_requests_without_tokens(app):
     results: list[dict] = []
     with ThreadPoolExecutor(max_workers=96) as pool:
         futs = []
-        t0 = time.monotonic()
-        killed = False
-        while time.monotonic() - t0 < 8:
+        # Counted, not timed: on a loaded 2-core machine a timed loop sent too few requests after the kill.
+        for i in range(80):
             futs.append(pool.submit(stream_one, 64))
-            if not killed and time.monotonic() - t0 > 2:
+            if i == 20:
                 before, waited = scrape(), time.monotonic()
                 while gen_tokens(before) == 0 and time.monotonic() - waited < 10:  # reports reached the hub
                     time.sleep(0.5)
                     before = scrape()
                 kill(ray, victim)
-                killed = True
             time.sleep(0.1)
         results = [f.result() for f in futs]
-    assert len(results) >= 60
     failed_without_tokens = [r for r in results if r["tokens"] == 0 and not (r["status"] == 200 and r["done"]
                                                                            and r["error"] is None)]
     assert not failed_without_tokens, failed_without_tokens[:3]
