@@ -306,6 +306,41 @@ def test_killed_rank_fails_inflight_requests_and_group_restarts(ray_cluster, ref
         ray.get(h.shutdown.remote())
 
 
+def test_a_stopped_idle_rank_fails_the_group_within_the_collective_timeout(ray_cluster, ref):
+    """A rank whose process stops while the group is idle (no request, so no collective times out): its unanswered
+    poll fails the group within timeouts.collective_s and the group restarts and serves; it was noticed only when
+    a request met it."""
+    import os
+    import signal
+
+    import ray
+
+    h = launch_engine(cfg(1, 1, timeouts={"collective_s": 3, "progress_s": 15}))
+    pid = None
+    try:
+        worker = ray.get(h.worker_handles.remote())[0]
+        pid = ray.get(worker.__ray_call__.remote(lambda self: os.getpid()))
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        while ray.get(h.health.remote())["state"] == "ready":
+            assert time.monotonic() - t0 < 3 + 5, ray.get(h.health.remote())
+            time.sleep(0.2)
+        deadline = time.monotonic() + 120
+        while not ray.get(h.health.remote())["healthy"]:
+            assert time.monotonic() < deadline, ray.get(h.health.remote())
+            time.sleep(0.5)
+        health = ray.get(h.health.remote())
+        assert health["restarts"] == 1 and "rank 0 did not answer the group's poll for 3s" in health["last_failure"]
+        assert run(h, PROMPTS[:1], MAX_TOKENS[:1])[0]["token_ids"] == ref[0]
+    finally:
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:  # killed by the restart, as it should be
+                pass
+        ray.get(h.shutdown.remote())
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_a_rank_lost_while_asleep_restarts_asleep(ray_cluster, ref, level):
     """A rank dies while the engine sleeps: the restarted ranks sleep again at the same level, so wake_up (after

@@ -164,7 +164,40 @@ def test_a_stopped_rank_is_named_within_the_queue_timeout(app):
     finally:
         os.kill(pid, signal.SIGCONT)
     assert r["status"] == 503 and r["s"] < QUEUE_S + 1.5, r
-    assert re.search(r"rank 0 of engine group \S+ did not take the request within 0.5s", r["error"]), r
+    assert re.search(r"rank 0 of engine group \S+ did not take (the|a) request within 0.5s", r["error"]), r
+
+
+@pytest.mark.parametrize("app", [2], indirect=True)
+def test_a_stopped_rank_costs_one_wait_and_its_group_is_replaced(app):
+    """Two groups, a rank of one stopped: the first request sent to it waits the ack time (a quarter of queue_s)
+    and goes to the other group; the stuck group then refuses at once and its routing stats say it cannot serve,
+    so no later request waits on it again (each request routed there waited again). Its unanswered polls fail it
+    within timeouts.collective_s, idle, and Serve replaces it."""
+    import os
+    import signal
+
+    ray = app
+    groups = rank_actors(ray)
+    victim = sorted(groups.values())[0]
+    rank = ray.get_actor(victim, namespace=next(a["namespace"] for a in ray.util.list_named_actors(True)
+                                                 if a["name"] == victim))
+    pid = ray.get(rank.__ray_call__.remote(lambda self: os.getpid()))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        results = [stream_one(4) for _ in range(16)]
+        assert all(r["status"] == 200 and r["done"] and r["error"] is None for r in results), results
+        slow = [r for r in results if r["s"] >= 0.5]  # waited out the 0.5 s ack time
+        assert len(slow) <= 1, [round(r["s"], 2) for r in results]
+        deadline = time.monotonic() + 90  # collective_s 10, Serve's health check, a new group's start
+        while victim.split("_")[3] in rank_actors(ray) or len(rank_actors(ray)) < 2:
+            assert time.monotonic() < deadline, rank_actors(ray)
+            time.sleep(1)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert stream_one(4)["done"]
 
 
 @pytest.mark.parametrize("app", [1], indirect=True)

@@ -74,6 +74,9 @@ class EngineGroup:
         self.epoch = 0  # bumps on every (re)start; pollers of an older epoch exit
         self.state = "new"  # new -> starting -> ready -> (restarting -> starting -> ready | failed) ... stopped
         self.max_model_len = 0
+        # a rank acks a request in milliseconds; one that does not within a quarter of the queue time is stuck
+        # (stopped, or in a collective that will time out): the caller may send the request to another group
+        self.ack_s = max(0.5, cfg.timeouts.queue_s / 4)
         self.ready = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self.commands = GroupCommands(self)
@@ -287,6 +290,7 @@ class EngineGroup:
             raise GroupUnavailable("the engine is asleep (call wake_up first)")
         await self.commands.accepting.wait()
         self.check_not_ended()  # (it may have ended while the request was held)
+        self.monitor.check_answering(self.ack_s)
         rid = request_id or uuid.uuid4().hex
         if rid in self.reqs:
             raise ValueError(f"request_id {rid!r} is already in flight")
@@ -294,17 +298,15 @@ class EngineGroup:
                 else min(range(self.dp), key=lambda r: self.load[r]))
         self.reqs[rid] = (rank, sink)
         self.load[rank] += 1
-        # a rank acks in milliseconds; one that does not within a quarter of the queue time is stuck (stopped, or
-        # in a collective that will time out): the caller may send the request to another group meanwhile
-        ack_s = max(0.5, self.cfg.timeouts.queue_s / 4)
         try:
             await asyncio.wait_for(self.adds[rank].submit(AddRequest(rid, list(prompt_ids), params, subscriber)),
-                                   ack_s)
+                                   self.ack_s)
         except BaseException as e:
             self._release(rid, rank, finished=False)
             if isinstance(e, asyncio.TimeoutError):
+                self.monitor.went_silent(rank)
                 raise GroupUnavailable(f"rank {rank} of engine group {self.group_id} did not take the request "
-                                       f"within {ack_s:g}s") from e
+                                       f"within {self.ack_s:g}s") from e
             if isinstance(e, (RayActorError, ActorUnavailableError)):  # a rank gone since the last health check
                 raise GroupUnavailable(f"rank {rank} of engine group {self.group_id} is gone: "
                                        f"{type(e).__name__}") from e

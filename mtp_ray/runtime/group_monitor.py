@@ -33,17 +33,43 @@ class GroupMonitor:
         self.last_poll: list[dict] = [{} for _ in range(dp)]  # each rank's last poll answer (health)
         self.restarts = 0
         self.last_failure: str | None = None
+        # rank -> when a request's add to it went unanswered; the answer to a poll sent after that clears it.
+        # Meanwhile the group refuses new requests at once (and tells Serve's router it cannot serve), so a request
+        # sent again is not routed to the same stuck rank to wait out the ack time twice
+        self.silent: dict[int, float] = {}
 
     def reset(self) -> None:
         """A (re)started group: every rank at step 0 now."""
         self.progress = [(0, time.monotonic())] * self.group.dp
+        self.silent = {}
+
+    def went_silent(self, rank: int) -> None:
+        self.silent.setdefault(rank, time.monotonic())
+
+    def check_answering(self, ack_s: float) -> None:
+        """GroupUnavailable while a rank has not answered since a request's add to it went unanswered."""
+        if self.silent:
+            rank, since = min(self.silent.items(), key=lambda kv: kv[1])
+            quiet = time.monotonic() - since + ack_s
+            raise GroupUnavailable(f"rank {rank} of engine group {self.group.group_id} did not take a request "
+                                   f"within {ack_s:g}s and has not answered for {quiet:.1f}s")
 
     async def poll(self, epoch: int, rank: int) -> None:
+        """The rank's outputs to their sinks, its progress, its failure. A rank whose poll (an answer within 0.5 s)
+        is not answered within timeouts.collective_s is stuck (a stopped process, a hung node): it fails the group
+        even when idle; it was noticed only once a request reached it."""
         g = self.group
-        worker = g.workers[rank]
+        worker, limit = g.workers[rank], g.cfg.timeouts.collective_s
         while g.epoch == epoch:
+            sent = time.monotonic()
             try:
-                res = await worker.poll.remote(0.5)
+                res = await asyncio.wait_for(worker.poll.remote(0.5), limit)
+            except asyncio.TimeoutError:
+                if g.epoch == epoch:
+                    await self.fail(epoch, f"rank {rank} did not answer the group's poll for {limit:g}s "
+                                           "(timeouts.collective_s): its process is stopped or hung, or its node is "
+                                           "unreachable")
+                return
             except Exception as e:  # the actor died (RayActorError) or its node is gone
                 if g.epoch == epoch:
                     await self.fail(epoch, f"rank {rank} died: {type(e).__name__}: {str(e).splitlines()[0]}")
@@ -51,6 +77,8 @@ class GroupMonitor:
             if g.epoch != epoch:
                 return
             self.last_poll[rank] = res
+            if self.silent.get(rank, sent) < sent:  # answered a call made after it went silent
+                del self.silent[rank]
             if res["step"] != self.progress[rank][0]:
                 self.progress[rank] = (res["step"], time.monotonic())
             for msg in res["msgs"]:
@@ -135,6 +163,7 @@ class GroupMonitor:
     def health(self) -> dict:
         g = self.group
         return {"healthy": g.state == "ready", "state": g.state, "restarts": self.restarts,
+                "silent_ranks": sorted(self.silent),
                 "sleeping": g.commands.sleeping,
                 "in_flight": len(g.reqs), "load": list(g.load), "last_failure": self.last_failure,
                 "add_calls": [b.calls for b in g.adds],  # actor calls that carried new requests, per rank

@@ -55,9 +55,10 @@ class GroupDeployment(RolloutEngine):
         return {REQUESTS_IN_FLIGHT: float(len(self.group.reqs))}
 
     async def record_routing_stats(self) -> dict:
-        """Read by Serve's request router (serve/routing.py) every few seconds: a group that cannot serve is
-        passed over while another can."""
-        return {"serving": self.group.state == "ready"}
+        """Read by Serve's request router (serve/routing.py) every second: a group that cannot serve (failed,
+        restarting, or a rank that did not take a request and has not answered since) is passed over while another
+        can."""
+        return {"serving": self.group.state == "ready" and not self.group.monitor.silent}
 
     async def info(self) -> dict:
         mc = self.group.model_config
