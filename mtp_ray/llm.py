@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mtp_ray.config.engine import BUNDLED_MODEL, CacheConfig, EngineConfig, GraphConfig, SchedulerConfig, SpecConfig
+from mtp_ray.engine.chat_content import content_text
 from mtp_ray.engine.core import EngineCore
 from mtp_ray.engine.detok import STOP_NEEDS_TOKENIZER, Detokenizer
 from mtp_ray.engine.grammar import check_grammar
@@ -94,13 +95,11 @@ def _message(m: Any, i: int) -> dict:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise ValueError(f"messages[{i}] must be a dict with a string 'role', got {_shown(m)}")
     c = m.get("content")
-    if isinstance(c, list):
-        if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str) for x in c):
-            raise ValueError(f"messages[{i}].content: only text parts are supported")
-        m = {**m, "content": "".join(x["text"] for x in c)}
-    elif c is not None and not isinstance(c, str):
-        raise ValueError(f"messages[{i}].content must be a string or a list of text parts, got {_shown(c)}")
-    return m
+    try:
+        text = content_text(c, f"messages[{i}].content")
+    except ValueError as e:
+        raise ValueError(f"{e}, got {_shown(c)}") from None
+    return m if text is c else {**m, "content": text}
 
 
 class LLM:

@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from mtp_ray.engine.chat_content import content_text
 from mtp_ray.serve.intake import unicode_text
 from mtp_ray.serve.openai_protocol import (
     NO_LIMITS,
@@ -64,15 +65,11 @@ def think_ids(tok) -> tuple[int, int] | None:
 
 
 def _content(c: Any, i: int, limits: Limits) -> str:
-    if isinstance(c, list):  # content parts: text only
-        if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str) for x in c):
-            raise bad(f"messages[{i}].content: only text parts are supported", "messages")
-        c = "".join(x["text"] for x in c)
-    if c is None:
-        return ""
-    if not isinstance(c, str):
-        raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
-    return prompt_text(c, "messages", limits)
+    try:
+        text = content_text(c, f"messages[{i}].content")
+    except ValueError as e:
+        raise bad(str(e), "messages") from None
+    return "" if text is None else prompt_text(text, "messages", limits)
 
 
 def _tool_calls(calls: Any, i: int) -> list[dict]:
