@@ -69,6 +69,20 @@ def test_a_subscriber_that_stops_pulling_is_dropped_and_its_requests_returned_fo
     assert rows(box.take("live", 0, never)) == [out("b", [4])]
 
 
+def test_a_new_request_keeps_its_idle_subscriber():
+    """A subscriber idle here for nearly expire_s sends a new request: it is not dropped (with the request aborted)
+    before its first pull for it."""
+    box = Outboxes(expire_s=0.2)
+    box.route("a", "ing")
+    box.take("ing", 0, never)
+    box.publish(1, [StepOutput("a", [5], [0.0], [], True, "length")])  # its only request ended
+    box.take("ing", 0, never)
+    time.sleep(0.15)
+    box.route("b", "ing")  # a new one, 0.15 s after its last pull
+    time.sleep(0.1)
+    assert box.expire() == [] and box.subscribers() == {"ing": 1}
+
+
 class FakeRank:
     """A rank actor's `pull` as Ray's handle offers it (`worker.pull.remote(...)` is awaitable)."""
 

@@ -35,7 +35,9 @@ class Reader:
 
 
 class Outboxes:
-    def __init__(self, expire_s: float = 30.0):
+    # a live subscriber pulls at least every second while it has requests here (serve/delivery.py: PULL_S); one
+    # silent for 10 s is gone (a dead replica's requests ran 30 s for nobody before)
+    def __init__(self, expire_s: float = 10.0):
         self.lock = threading.Lock()
         self.expire_s = expire_s
         self.group = Reader(threading.Condition(self.lock), time.monotonic())
@@ -52,11 +54,15 @@ class Outboxes:
         return sub
 
     def route(self, rid: str, subscriber: str) -> None:
-        """Before the request can produce output (engine thread, when it is added)."""
+        """Before the request can produce output (engine thread, when it is added). A new request is news of its
+        subscriber: an idle one's last pull may be near expire_s old, and its first pull for this request is yet to
+        come (it was dropped meanwhile, with the new request aborted)."""
         if subscriber == GROUP:
             return
         with self.lock:
-            self._reader(subscriber).rids.add(rid)
+            sub = self._reader(subscriber)
+            sub.rids.add(rid)
+            sub.seen = max(sub.seen, time.monotonic())
             self.sub_of[rid] = subscriber
 
     def publish(self, step: int, outs: list[StepOutput]) -> None:

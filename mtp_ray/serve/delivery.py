@@ -21,7 +21,7 @@ from mtp_ray.runtime.group_monitor import GroupFailed
 from mtp_ray.runtime.messages import Admission, unpack_step
 
 log = logging.getLogger("mtp_ray.ingress")
-PULL_S = 1.0  # a pull waits at most this long for its first message (the rank drops a subscriber silent for 30 s)
+PULL_S = 1.0  # a pull waits at most this long for its first message (the rank drops a subscriber silent for 10 s)
 # streams on one rank from which its pulls are spaced by the stream interval: below it every step goes out as soon
 # as the rank has it (a single stream's time per token is the engine's step, not the interval)
 SPACED_STREAMS = 8
