@@ -87,6 +87,36 @@ def test_min_tokens_holds_back_stop_tokens(llm):
     assert len(o.token_ids) >= 5 and first not in o.token_ids[:5]
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_stops_as_vllm_ends_them_whatever_k(k):
+    """vLLM's detokenizer rules, the same tokens whatever k: a stop string ends token_ids at the token completing it
+    (with k > 0 the step's later drafts leaked into token_ids); min_tokens holds back a stop string ending at or
+    before its last token (one ending exactly there stopped; with k > 0 one inside the step's drafts did); a stop
+    token is in token_ids but not in the text unless include_stop_str_in_output; min_tokens masks the end token even
+    with ignore_eos (vLLM: all_stop_token_ids)."""
+    llm = LLM(num_speculative_tokens=k)
+    tok = llm.tokenizer
+    greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = llm.generate(PROMPT, SamplingParams(**greedy))[0].outputs[0].token_ids
+    texts = [tok.decode(ids[:n]) for n in range(13)]
+    i = next(i for i in range(3, 8) if tok.decode(ids[i : i + 1]).strip() and ids[i] not in ids[:i])
+    word = tok.decode(ids[i : i + 1])  # the text of token i exactly
+    o = llm.generate(PROMPT, SamplingParams(**greedy, stop=[word]))[0].outputs[0]
+    assert o.finish_reason == "stop" and o.token_ids == ids[: i + 1] and len(o.logprobs) == i + 1
+    assert o.text == texts[i + 1][: texts[i + 1].rindex(word)]
+    o = llm.generate(PROMPT, SamplingParams(**greedy, stop=[word], min_tokens=i + 1))[0].outputs[0]
+    assert len(o.text) >= len(texts[i + 1]), (o.text, texts[i + 1])  # a stop must end past min_tokens' text
+    for include in (False, True):
+        o = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[ids[i]],
+                                                include_stop_str_in_output=include))[0].outputs[0]
+        assert o.token_ids == ids[: i + 1] and o.stop_reason == ids[i]
+        assert o.text == texts[i + 1 if include else i], (include, o.text)
+    eos = llm.engine.eos_ids[0]
+    o = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, min_tokens=4,
+                                            logit_bias={eos: 100.0}))[0].outputs[0]
+    assert not set(o.token_ids[:4]) & set(llm.engine.eos_ids) and o.token_ids[4:] == [eos] * 4, o.token_ids
+
+
 def test_token_id_prompts_and_prompt_dicts(llm):
     ids = llm.tokenizer.encode(PROMPT)
     a = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6))[0]
@@ -215,7 +245,7 @@ def test_a_generate_that_fails_leaves_the_llm_usable(llm, monkeypatch):
         llm.generate(["x"], SamplingParams(skip_special_tokens=None, max_tokens=2))
     assert not llm.engine.has_unfinished()
 
-    def interrupted(self, ids):
+    def interrupted(self, ids, stop_token=False):
         raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
@@ -399,6 +429,20 @@ def test_presence_and_frequency_penalties():
     for name in ("presence_penalty", "frequency_penalty"):
         with pytest.raises(ValueError, match=name):
             SamplingParams(**{name: 2.5})
+
+
+def test_logit_bias_applies_before_the_repetition_penalty():
+    """vLLM's order (its Sampler: logits processors, logit_bias among them, then the penalties): a repetition penalty
+    scales the biased logit by its sign; the bias was added after the penalty, which made a penalized prompt token
+    win (1.0 / 2 + 5 = 5.5 > 5.0, where vLLM has (1.0 + 5) / 2 = 3.0)."""
+    from mtp_ray.engine.sampler import Row, process
+
+    logits = torch.zeros(20)
+    logits[10], logits[5], logits[7] = 1.0, 5.0, -1.0
+    p = SamplingParams(temperature=0, repetition_penalty=2.0, logit_bias={10: 5.0, 7: 0.5})
+    got = process(logits, Row(p, [10, 7, 3], 0, ()))
+    assert got[10].item() == 3.0 and got[7].item() == -1.0 and got[5].item() == 5.0  # (-1 + 0.5) * 2
+    assert int(got.argmax()) == 5
 
 
 @pytest.mark.parametrize("k", [0, 3])

@@ -277,8 +277,9 @@ def test_stop_strings_on_the_rollout_handle(ray_cluster, engine):
 
 def test_top_and_prompt_log_probs_on_the_rollout_handle(ray_cluster, engine):
     """logprobs = n and prompt_logprobs = n are returned (they were accepted and dropped): per token {token:
-    logprob} holding the sampled token and the top n, per prompt position None (the first) or the prompt token and
-    its top n; greedy, so the sampled token is the most likely one."""
+    logprob} holding the sampled token and the top n (the sampled one was missing when not among them), per prompt
+    position None (the first) or the prompt token and its top n; greedy, so the sampled token is the most likely
+    one."""
     ray = ray_cluster
     out = ray.get(engine.generate.remote(PROMPTS[2], {**GREEDY, "logprobs": 3, "prompt_logprobs": 2}), timeout=120)
     tops, pl = out["top_log_probs"], out["prompt_log_probs"]
@@ -290,6 +291,12 @@ def test_top_and_prompt_log_probs_on_the_rollout_handle(ray_cluster, engine):
     plain = ray.get(engine.generate.remote(PROMPTS[2], GREEDY), timeout=120)
     assert "top_log_probs" not in plain and "prompt_log_probs" not in plain
     assert plain["token_ids"] == out["token_ids"]
+    # sampled far from greedy: the sampled token is there too when it is not among the top n (vLLM's n + 1)
+    hot = ray.get(engine.generate.remote(PROMPTS[2], {"temperature": 2.0, "seed": 11, "max_tokens": 16,
+                                                      "ignore_eos": True, "logprobs": 1}), timeout=120)
+    pairs = list(zip(hot["token_ids"], hot["log_probs"], hot["top_log_probs"], strict=True))
+    assert all(top.get(t) == pytest.approx(lp, abs=1e-5) and 1 <= len(top) <= 2 for t, lp, top in pairs), pairs
+    assert any(len(top) == 2 for _, _, top in pairs)  # (at temperature 2 some draws are not the top token)
 
 
 def test_pause_and_resume_generation(ray_cluster, engine, refs):

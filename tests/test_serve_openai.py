@@ -339,6 +339,29 @@ def test_min_tokens_holds_back_stop_strings(client, stream):
     assert text.startswith(base[:4]) and reason in ("length", "stop"), (text, base, stop, reason)  # not cut early
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_token_and_min_tokens_text_as_vllm(client, offline, stream):
+    """vLLM: a stop token (stop_token_ids) ends the text before it unless include_stop_str_in_output (its text was
+    in the output either way); a stop string ending exactly at the min_tokens-th token is not a stop (it was)."""
+    tok = offline.tokenizer
+    ids = offline.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0]
+    ids = ids.token_ids
+    i = next(i for i in range(2, 8) if tok.decode(ids[i : i + 1]).strip() and ids[i] not in ids[:i])
+
+    def text(**extra) -> tuple[str, str]:
+        kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=0, stream=stream, extra_body=extra)
+        if not stream:
+            c = client.completions.create(**kw).choices[0]
+            return c.text, c.finish_reason
+        chunks = [c.choices[0] for c in client.completions.create(**kw) if c.choices]
+        return "".join(c.text for c in chunks), next(c.finish_reason for c in chunks if c.finish_reason)
+
+    assert text(stop_token_ids=[ids[i]]) == (tok.decode(ids[:i]), "stop")
+    assert text(stop_token_ids=[ids[i]], include_stop_str_in_output=True) == (tok.decode(ids[: i + 1]), "stop")
+    got, _ = text(ignore_eos=True, min_tokens=i + 1, stop=[tok.decode(ids[i : i + 1])])
+    assert len(got) >= len(tok.decode(ids[: i + 1])), got
+
+
 def test_truncate_prompt_tokens(client, offline):
     """vLLM's truncate_prompt_tokens: the last n prompt tokens (usage counts them; the output is that prompt's),
     a prompt string of any length tokenised whole first; -1 = the context length; 0 is refused."""

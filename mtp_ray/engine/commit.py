@@ -153,7 +153,8 @@ class Committer:
     def _row(self, req: Request, extra: list[int], num_output: int, allowed: torch.Tensor | None) -> Row:
         p = req.params
         history = req.all_ids + extra if p.penalized else []
-        return Row(p, history, num_output, stop_ids(p, self.eos_ids), allowed)
+        # min_tokens holds back every end token, ignore_eos or not (vLLM: _all_stop_token_ids)
+        return Row(p, history, num_output, self.eos_ids + tuple(p.stop_token_ids), allowed)
 
     def _score_prompts(self, sched: list[Scheduled], inp: StepInputs, hidden: torch.Tensor) -> None:
         """prompt_logprobs: the rows of a prefill piece score the prompt tokens after them, where the logits are

@@ -38,7 +38,8 @@ class Detokenizer:
     stopped_on: str | None = None  # what matched: the stop string, or the stop_regex pattern (SGLang's matched_stop)
     stop_regex: list[str] = field(default_factory=list)  # SGLang's stop_regex: a match ends the text like a stop
     stop_tokens: int | None = None  # tokens up to the one that completed the stop (the rest are not output)
-    min_tokens: int = 0  # stops are looked for only past this many tokens (vLLM, SGLang: min_tokens holds them back)
+    min_tokens: int = 0  # a stop counts only if it ends past the text of this many tokens (vLLM's min_tokens)
+    checked: int = 0  # text searched for stops (or held back by min_tokens): a stop must end past it
     emitted: int = 0  # characters already handed out by delta()
     # text of token_ids[:committed] (decoding only the tail keeps a long generation linear, not quadratic)
     committed: int = 0
@@ -73,10 +74,18 @@ class Detokenizer:
         self.committed, self.committed_text, self.ctx_text = split, self.committed_text + head, ctx_text
         return rest
 
-    def add(self, new_ids: list[int]) -> None:
-        """Append tokens; on a stop string set stopped_by and cut the text there."""
+    def add(self, new_ids: list[int], stop_token: bool = False) -> None:
+        """Append tokens; on a stop string set stopped_by and cut the text there. stop_token: the last one is the
+        stop / end token that ended the request: kept in token_ids, its text only with include_stop_str_in_output
+        (vLLM)."""
         if self.stopped_by is not None:
             return
+        if stop_token and new_ids and not self.include_stop_str_in_output:
+            self.add(new_ids[:-1])
+            if self.stopped_by is None:
+                self.token_ids.append(new_ids[-1])  # (the request ended: no later add decodes it)
+            return
+        before = len(self.token_ids)
         self.token_ids.extend(new_ids)
         if self.tokenizer is None:  # token ids only: no text, no stop strings
             return
@@ -87,7 +96,15 @@ class Detokenizer:
         if len(self.token_ids) - self.committed > WINDOW:
             tail = self._commit(tail)
         full = self.committed_text + tail
-        hit = self._find_stop(full) if len(self.token_ids) > self.min_tokens else None
+        if len(self.token_ids) <= self.min_tokens:  # held back: a stop must end in later text (vLLM)
+            self.text, self.checked = full, len(full.rstrip("\ufffd"))
+            return
+        if before < self.min_tokens:  # this add crossed min_tokens (k > 0: several tokens a step)
+            self.checked = len(self.decode(self.token_ids[: self.min_tokens]).rstrip("\ufffd"))
+        else:  # (a character still incomplete at the end of the text before is not searched yet)
+            self.checked = min(self.checked, len(self.text.rstrip("\ufffd")))
+        hit = self._find_stop(full)
+        self.checked = len(full)
         if hit is not None:
             i, j, self.stopped_by, self.stopped_on = hit
             self.stop_tokens = self._tokens_through(j, len(self.token_ids) - len(new_ids))
@@ -95,14 +112,14 @@ class Detokenizer:
         self.text = full
 
     def _find_stop(self, full: str) -> tuple[int, int, str, str] | None:
-        """The first stop in the new text -> (start, end, the text matched, the stop string or pattern)."""
-        hits = []
-        if self.stop:
-            start = max(0, len(self.text) - max(len(s) for s in self.stop))
-            hits = [(i, i + len(s), s, s) for s in self.stop if (i := full.find(s, start)) >= 0]
+        """The first stop ending in the new text (past `checked`) -> (start, end, the text matched, the stop string
+        or pattern)."""
+        hits = [(i, i + len(s), s, s) for s in self.stop
+                if (i := full.find(s, max(0, self.checked - len(s) + 1))) >= 0]
         for pattern in self.stop_regex:
-            m = re.compile(pattern).search(full, max(0, len(self.text) - 256))
-            if m is not None and m.end() > m.start():
+            m = next((m for m in re.compile(pattern).finditer(full, max(0, self.checked - 256))
+                      if m.end() > max(m.start(), self.checked)), None)
+            if m is not None:
                 hits.append((m.start(), m.end(), m.group(), pattern))
         return min(hits) if hits else None
 

@@ -33,6 +33,9 @@ class StepOutput:
     prompt_logprobs: list | None = None
     # prompt tokens taken from the prefix cache (None: prefix caching is off): usage.prompt_tokens_details
     num_cached_tokens: int | None = None
+    # the last token is the stop token or end token that ended it: in token_ids, not in the text unless
+    # include_stop_str_in_output (vLLM's detokenizer)
+    stop_token: bool = False
 
     def then(self, later: StepOutput) -> StepOutput:
         """This delta followed by a later one of the same request, as one (its end state is the later one's)."""
@@ -42,7 +45,7 @@ class StepOutput:
                           later.finished, later.finish_reason, later.stop_reason, later.num_prompt_tokens, later.spec,
                           later.error, later.timings,
                           self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
-                          later.num_cached_tokens)
+                          later.num_cached_tokens, later.stop_token)
 
 
 def prompt_logprob_dicts(entries: list, prompt_ids: list[int]) -> list[dict[int, float] | None]:
@@ -105,8 +108,9 @@ class OutputProcessor:
             reason = None
             if t in p.stop_token_ids:
                 reason, req.stop_reason = "stop", t  # vLLM: the stop token id; None for the end-of-sequence token
+                req.stop_token = True
             elif t in self.eos_ids and not p.ignore_eos:
-                reason = "stop"
+                reason, req.stop_token = "stop", True
             elif req.grammar is not None and (failed := req.grammar.commit(t)) is not None:
                 # a token the constraint cannot run past ends the request with an error, not a plausible "stop"
                 del req.output_ids[-1], req.output_logprobs[-1], req.top_logprobs[-1]
@@ -134,6 +138,7 @@ class OutputProcessor:
             finished=req.finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             num_prompt_tokens=len(req.prompt_ids), spec=req.spec_stats() if req.finished else {},
             timings=req.timings() if req.finished else {}, num_cached_tokens=self._cached(req), error=req.error,
+            stop_token=req.stop_token,
         )
 
     def _cached(self, req: Request) -> int | None:

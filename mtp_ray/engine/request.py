@@ -31,6 +31,7 @@ class Request:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    stop_token: bool = False  # its last token is the stop / end token that ended it (its text is not output)
     # KV and state ownership
     block_ids: list[int] = field(default_factory=list)
     state_slots: list[int] = field(default_factory=list)  # [main, spec_0..spec_k]

@@ -1,9 +1,9 @@
 """Logit processing and sampling, one row per (request, position).
 
-A row's target distribution: repetition penalty over its history, presence / frequency penalties over its output
-tokens, the logit bias, min_tokens masking of stop tokens, temperature, top-k, top-p, min-p. Greedy rows take the
-argmax of the processed logits. Logprobs are reported from the raw model distribution (log_softmax of the logits),
-as vLLM does by default.
+A row's target distribution, in vLLM's order: the logit bias, repetition penalty over its history, presence /
+frequency penalties over its output tokens, min_tokens masking of stop tokens, temperature, top-k, top-p, min-p.
+Greedy rows take the argmax of the processed logits. Logprobs are reported from the raw model distribution
+(log_softmax of the logits), as vLLM does by default.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class Row:
     params: SamplingParams
     history: list[int]  # prompt + output (+ drafts before this position) for the penalties; [] without them
     num_output: int  # output tokens before this position (min_tokens)
-    stop_ids: tuple[int, ...]  # eos (unless ignore_eos) + stop_token_ids
+    stop_ids: tuple[int, ...]  # eos + stop_token_ids: masked until min_tokens
     allowed: torch.Tensor | None = None  # bool [V]: the only tokens it may sample (grammar, allowed_token_ids)
 
 
@@ -31,6 +31,9 @@ def process(logits: torch.Tensor, row: Row) -> torch.Tensor:
     if not (p.reshapes_logits or mask_stops or row.allowed is not None):
         return logits
     logits = logits.clone()  # one copy for every change below: the step's row stays as the model computed it
+    # vLLM's order: the bias, then the penalties (a repetition penalty scales by the sign of the biased logit)
+    if p.logit_bias:
+        logits[list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
     if p.repetition_penalty != 1.0 and row.history:
         idx = torch.tensor(sorted(set(row.history)), dtype=torch.long)
         vals = logits[idx]
@@ -39,8 +42,6 @@ def process(logits: torch.Tensor, row: Row) -> torch.Tensor:
         out = torch.tensor(row.history[len(row.history) - row.num_output:], dtype=torch.long)  # this row's outputs
         ids, counts = out.unique(return_counts=True)
         logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
-    if p.logit_bias:
-        logits[list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
     allowed = row.allowed
     if mask_stops:
         if allowed is None:

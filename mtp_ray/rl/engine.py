@@ -58,8 +58,9 @@ class RolloutEngine:
                     break
         out = {"token_ids": tokens, "log_probs": lps, "stop_reason": STOP_REASON.get(reason, "completed"),
                "finish_reason": reason, "spec": last.spec}
-        if params.alternatives:  # logprobs = n (or logprob_token_ids): per token {token: logprob}
-            out["top_log_probs"] = tops
+        if params.alternatives:  # logprobs = n (or logprob_token_ids): per token {token: logprob}, the sampled
+            # token first and the top n (vLLM's: n + 1 entries, or n when the sampled one is among them)
+            out["top_log_probs"] = [{t: lp, **top} for t, lp, top in zip(tokens, lps, tops, strict=True)]
         if params.prompt_logprobs is not None:
             out["prompt_log_probs"] = prompt_logprob_dicts(c.prompt_log_probs, ids)
         return out

@@ -17,7 +17,7 @@ import msgpack
 from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.sampling_params import SamplingParams
 
-VERSION = 4
+VERSION = 5
 # a StepOutput on the wire: its fields as a msgpack array in declaration order (one schema on both ends)
 _FIELDS = tuple(f.name for f in fields(StepOutput))
 _ROW = attrgetter(*_FIELDS)  # ~0.3 us a row (dataclasses.astuple deep-copies: ~16 us)

@@ -49,7 +49,7 @@ class Choice:
         self.token_ids += out.new_token_ids
         self.logprobs += out.new_logprobs
         self.top += [list(t.items()) for t in out.new_top_logprobs]
-        self.detok.add(out.new_token_ids)
+        self.detok.add(out.new_token_ids, out.stop_token)
         if self.detok.stop_tokens is not None:  # tokens past the stop string are not output (nor counted)
             n = self.detok.stop_tokens
             del self.token_ids[n:], self.logprobs[n:], self.top[n:]
