@@ -253,3 +253,22 @@ def test_a_client_gone_mid_body_is_an_abort_not_a_server_error(server):
     # (Serve may drop one before it reaches the replica: the replica counts what it saw)
     assert _counters("mtp_ray:request_aborted") >= aborted + 1
     assert post({"model": "tiny", "prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("args,field", [
+    ({"engine": {"model": "/nonexistent/model"}}, "engine.model: no config.json"),
+    ({"engine": {"parallel": {"dp": 16}}}, "parallel.dp=16 exceeds the model's num_experts=8"),
+    ({"engine": {"scheduler": {"max_model_len": 10**7}}}, "scheduler.max_model_len"),
+    ({"engine": {"spec": {"draft_vocab_size": 10**6}}}, "spec.draft_vocab_size"),
+    ({"engine": {"scheduler": "big"}}, "^scheduler must be a mapping"),
+    ({"engine": [1, 2]}, "args.engine must be a mapping"),
+    ({"server": "x"}, "args.server must be a mapping"),
+])
+def test_what_the_model_refuses_fails_the_deploy_not_the_replicas(args, field):
+    """Settings the model cannot take are refused by build_app (the deploy), naming the field: they failed only in
+    the new group replicas, after Serve had begun to stop the old ones, so a bad `serve deploy` update took a healthy
+    app down; a list where a mapping belongs was a TypeError naming nothing."""
+    from mtp_ray.serve.app import build_app
+
+    with pytest.raises(ValueError, match=field):
+        build_app(args)

@@ -540,6 +540,16 @@ def test_models_health_metrics_tokenize(server):
                  "waves_total", "group_restarts_total"):
         assert f"mtp_ray:{name}" in m, name
     assert 'rank="1"' in m
+    # Prometheus' own parser: every family typed (they were all untyped, each histogram three families), buckets in
+    # `le` order (they were in text order: +Inf first, 10.0 before 2.5)
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fams = {f.name: f for f in text_string_to_metric_families(m)}
+    assert fams["mtp_ray:time_to_first_token_seconds"].type == "histogram"
+    assert fams["mtp_ray:generation_tokens"].type == "counter" and fams["mtp_ray:num_requests_running"].type == "gauge"
+    assert not [f.name for f in fams.values() if f.type == "unknown"]
+    les = [s.labels["le"] for s in fams["mtp_ray:e2e_request_latency_seconds"].samples if s.name.endswith("_bucket")]
+    assert les[-1] == "+Inf" and [float(x) for x in les] == sorted(float(x) for x in les)
 
 
 def metric(name: str) -> float:

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path, PurePath
 from typing import Any
 
+from mtp_ray.config.model import ModelConfig
+
 BUNDLED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-qwen35-mtp")
 
 
@@ -165,6 +167,23 @@ class EngineConfig:
     def from_dict(cls, raw: dict[str, Any]) -> EngineConfig:
         return _build(cls, raw, "")
 
+    def check_fits(self, mc: ModelConfig) -> None:
+        """What the model allows of these settings, a ValueError naming the field: checked by build_app at deploy
+        time (a bad update fails there, not in new replicas after the old ones stopped), by the group before any
+        rank starts, and by EngineCore."""
+        dp, want, k, n = self.parallel.dp, self.scheduler.max_model_len, self.spec.k, self.spec.draft_vocab_size
+        if dp > mc.num_experts:
+            raise ValueError(f"parallel.dp={dp} exceeds the model's num_experts={mc.num_experts}: experts are "
+                             "sharded over the DP ranks (EP), and each rank holds at least one")
+        if want is not None and want > mc.max_position_embeddings:  # as vLLM: positions past it were never trained
+            raise ValueError(f"scheduler.max_model_len ({want}) is more than the model's max_position_embeddings "
+                             f"({mc.max_position_embeddings}); leave it unset for the model's length")
+        if k > 0 and mc.mtp_num_hidden_layers == 0:
+            raise ValueError(f"spec.num_speculative_tokens ({k}) needs the model's MTP head, but its config has "
+                             "mtp_num_hidden_layers 0; use num_speculative_tokens 0")
+        if n > mc.vocab_size:
+            raise ValueError(f"spec.draft_vocab_size {n} exceeds the model's vocab_size {mc.vocab_size}")
+
 
 _SIMPLE: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
 
@@ -192,7 +211,7 @@ def _check(ok: bool, name: str, what: str) -> None:
 
 def _build(cls: type, raw: dict[str, Any], path: str) -> Any:
     if not isinstance(raw, dict):
-        raise ValueError(f"{path or 'engine'} must be a mapping, got {type(raw).__name__}")
+        raise ValueError(f"{path.rstrip('.') or 'engine'} must be a mapping, got {type(raw).__name__}")
     known = {f.name: f for f in fields(cls)}
     unknown = set(raw) - set(known)
     if unknown:

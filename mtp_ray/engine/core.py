@@ -50,14 +50,8 @@ class EngineCore:
         self.meta_extra: dict[str, int] = {}  # fields the rank worker adds to each step's DPMeta (next_cmd)
         self.pending_outputs: list[StepOutput] = []  # outputs made outside a step (abort_all)
         mc = ModelConfig.from_pretrained(cfg.model)
-        want = cfg.scheduler.max_model_len
-        if want is not None and want > mc.max_position_embeddings:  # as vLLM: positions past it were never trained
-            raise ValueError(f"scheduler.max_model_len ({want}) is more than the model's max_position_embeddings "
-                             f"({mc.max_position_embeddings}); leave it unset for the model's length")
-        self.max_model_len = want or mc.max_position_embeddings
-        if cfg.spec.k > 0 and mc.mtp_num_hidden_layers == 0:
-            raise ValueError(f"spec.num_speculative_tokens ({cfg.spec.k}) needs the model's MTP head, but its "
-                             "config has mtp_num_hidden_layers 0; use num_speculative_tokens 0")
+        cfg.check_fits(mc)
+        self.max_model_len = cfg.scheduler.max_model_len or mc.max_position_embeddings
         self.k = cfg.spec.k
         self.runner = ModelRunner(cfg, self.max_model_len, expert_range, dispatch, self.sync.barrier)
         self.eos_ids = tuple(self.runner.model_config.eos_token_ids)

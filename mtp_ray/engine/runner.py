@@ -52,9 +52,7 @@ class ModelRunner:
         self.model = load_model(cfg.model, self.dtype, self.device, expert_range, with_mtp=self.k > 0,
                                 dispatch=dispatch, dummy_seed=cfg.seed if cfg.load_format == "dummy" else None)
         self.model_config: ModelConfig = self.model.config
-        vocab, n = self.model_config.vocab_size, cfg.spec.draft_vocab_size
-        if n > vocab:
-            raise ValueError(f"spec.draft_vocab_size {n} exceeds the model's vocab_size {vocab}")
+        vocab, n = self.model_config.vocab_size, cfg.spec.draft_vocab_size  # (n <= vocab: EngineConfig.check_fits)
         self.draft_vocab = n if n < vocab else 0  # ids the MTP drafts from: [0, draft_vocab), 0: all
         self.fuse_projections()
         self.slots_per_seq = 1 + (self.k + 1 if self.k else 0)

@@ -58,9 +58,7 @@ class EngineGroup:
         self.group_id = uuid.uuid4().hex[:8]
         self.dp = cfg.parallel.dp
         self.model_config = ModelConfig.from_pretrained(cfg.model)
-        if self.dp > self.model_config.num_experts:  # before any actor starts: the ranks would each raise it
-            raise ValueError(f"parallel.dp={self.dp} exceeds the model's num_experts={self.model_config.num_experts}: "
-                             "experts are sharded over the DP ranks (EP), and each rank holds at least one")
+        cfg.check_fits(self.model_config)  # before any actor starts: the ranks would each raise it
         self.pg, self.own_pg, self.bundle_offset = pg, pg is None, bundle_offset
         self.workers: list = []
         self.reqs: dict[str, tuple[int, Sink]] = {}

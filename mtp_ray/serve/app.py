@@ -17,6 +17,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from mtp_ray.config.engine import EngineConfig
+from mtp_ray.config.model import ModelConfig
 from mtp_ray.config.server import ServerConfig
 from mtp_ray.runtime.group import rank_bundles
 from mtp_ray.serve.deployment import GroupDeployment
@@ -41,13 +42,28 @@ def ingress_logging(cfg: Any) -> Any:
     return cfg  # a LoggingConfig object: as the caller made it
 
 
+def check_model(cfg: EngineConfig) -> None:
+    """The model's own limits, at deploy time (the build runs on the head node, which must read the model as every
+    rank node does): a bad update is refused there, where the group would fail in new replicas after Serve began
+    to replace the old ones."""
+    try:
+        mc = ModelConfig.from_pretrained(cfg.model)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"engine.model: {e}") from None
+    cfg.check_fits(mc)
+
+
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     args = dict(args or {})
     unknown = set(args) - {"engine", "served_model_name", "group", "ingress", "server"}
     if unknown:
         raise ValueError(f"unknown application args {sorted(unknown)}")
+    for name in ("engine", "group", "ingress", "server"):
+        if not isinstance(args.get(name) or {}, dict):
+            raise ValueError(f"args.{name} must be a mapping, got {type(args[name]).__name__}")
     engine = dict(args.get("engine") or {})
     cfg = EngineConfig.from_dict(engine)  # validate now: a bad YAML fails at deploy time, not in a replica
+    check_model(cfg)
     server = ServerConfig.from_dict(args.get("server"))
     name = args.get("served_model_name") or Path(cfg.model).name
     group_opts = {"max_ongoing_requests": 512, "health_check_period_s": 5, "health_check_timeout_s": 30,

@@ -58,6 +58,10 @@ class Ingress:
         self.groups = GroupClient(group, queue_s, retry_after_s=max(1, round(queue_s)), count=self.metrics.count,
                                   stream_interval_s=self.server.stream_interval_ms / 1e3,
                                   admission_gap_s=self.server.admission_gap_ms / 1e3)
+        # (MTP_RAY_API_KEY is read where the app is built, on the cluster: `serve deploy` does not pass the CLI's
+        # environment, so say which it is)
+        log.info("API key: %s", "required on /v1 and /admin" if self.server.api_key else
+                 "none set, the server is open (args.server.api_key, or MTP_RAY_API_KEY on the cluster)")
         self.reporter_id = uuid.uuid4().hex[:8]
         self.reporter = HubReporter("ingress", self.reporter_id, self.metrics.snapshot)
         self.model_name = model_name

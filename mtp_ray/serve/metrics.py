@@ -49,7 +49,7 @@ class Metrics:
         self.totals: dict[str, float] = defaultdict(float)
         for name in ("prompt_tokens_total", "generation_tokens_total", "spec_decode_num_drafts_total",
                      "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
-                     "request_aborted_total", "request_failed_total", "request_retried_total",
+                     "request_aborted_total", "request_retried_total",
                      "ingress_abort_calls_total", "ingress_abort_errors_total", "ingress_admission_calls_total"):
             self.totals[name] = 0.0  # exported from the start, as Prometheus counters should be
         self.running = 0
@@ -159,8 +159,9 @@ def with_labels(series: str, labels: str) -> str:
 
 def render(view: dict[str, Any], model_name: str) -> str:
     """The exposition text of a hub view: ingress series summed over the ingress replicas (live and retired),
-    group series per group."""
-    L = f'model_name="{model_name}"'
+    group series per group; each family once, typed (# TYPE), its histogram buckets in `le` order."""
+    esc = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    L = f'model_name="{esc}"'
     ingress: dict[str, float] = defaultdict(float, view["retired"].get("ingress", {}))
     running = 0
     for snap in view["live"].get("ingress", {}).values():
@@ -179,4 +180,37 @@ def render(view: dict[str, Any], model_name: str) -> str:
     rl = f'{L},group="retired"'
     out += [f"{PREFIX}{with_labels(s, rl)} {v}" for s, v in sorted(view["retired"].get("group", {}).items())]
     out.append(f"{PREFIX}num_requests_waiting{{{L}}} {waiting}")
+    return typed(out)
+
+
+HISTOGRAMS = frozenset(Metrics().hist) | {"iteration_tokens_total"}
+_PART = {"_bucket": 0, "_sum": 1, "_count": 2}
+
+
+def _family(name: str) -> tuple[str, str, int]:
+    """A series' metric name -> (its family, the family's type, its place in a histogram: bucket, sum, count)."""
+    bare = name.removeprefix(PREFIX)
+    for suffix, part in _PART.items():
+        if bare.endswith(suffix) and bare[: -len(suffix)] in HISTOGRAMS:
+            return name[: -len(suffix)], "histogram", part
+    return name, "counter" if bare.endswith("_total") else "gauge", 0
+
+
+def typed(lines: list[str]) -> str:
+    """'name{labels} value' lines -> the exposition: families apart, each after its # TYPE line; within a histogram
+    each label set's buckets in increasing `le` (then _sum, _count), as Prometheus' parsers require."""
+    families: dict[str, tuple[str, list[tuple]]] = {}
+    for line in lines:
+        series, value = line.rsplit(" ", 1)
+        name, _, labels = series.partition("{")
+        fam, kind, part = _family(name)
+        le = next((x[4:-1] for x in labels.rstrip("}").split(",") if x.startswith('le="')), None)
+        rest = ",".join(x for x in labels.rstrip("}").split(",") if not x.startswith('le="'))
+        key = (rest, part, float(le) if le is not None else 0.0)
+        families.setdefault(fam, (kind, []))[1].append((key, line))
+    out = []
+    for fam in sorted(families):
+        kind, rows = families[fam]
+        out.append(f"# TYPE {fam} {kind}")
+        out += [line for _, line in sorted(rows, key=lambda r: r[0])]
     return "\n".join(out) + "\n"
