@@ -340,3 +340,53 @@ def test_the_metrics_hub_outlives_the_placement_group_of_the_replica_that_made_i
         assert ray.get(hub.view.remote(), timeout=30)["live"]["group"]["g1"]["totals"] == {"x": 5.0}
     finally:
         ray.kill(hub)
+
+
+def test_a_new_deploy_starts_the_metrics_from_zero_and_the_hub_ends_when_the_app_is_gone(ray_cluster):
+    """The hub is the app's, by name, and detached: it outlived `serve shutdown`, and the next deploy of the same app
+    name showed the old totals. A report stamped with a later deploy (build_app's) starts the totals from zero,
+    reports of an earlier deploy (replicas still draining) are not counted, and a hub nobody reports to for idle_s
+    ends itself."""
+    from mtp_ray.serve.metrics_hub import NAMESPACE, MetricsHub, end_this_actor
+
+    hub = MetricsHub()
+    hub.report("ingress", "a", {"totals": {"x": 5.0}}, deploy=1)
+    hub.report("group", "g", {"totals": {"y": 2.0}}, deploy=1)
+    hub.report("ingress", "b", {"totals": {"x": 1.0}}, deploy=2)
+    hub.report("group", "g", {"totals": {"y": 9.0}}, deploy=1)  # the old deploy's group, still draining
+    view = hub.view()
+    assert view["live"] == {"group": {}, "ingress": {"b": {"totals": {"x": 1.0}}}} and view["retired"] == {
+        "group": {}, "ingress": {}}
+
+    ray = ray_cluster
+    short = ray.remote(MetricsHub).options(name="hub_idle_test", namespace=NAMESPACE, lifetime="detached",
+                                           num_cpus=0).remote(idle_s=1.0, end=end_this_actor)  # (default: minutes)
+    ray.get(short.report.remote("ingress", "a", {"totals": {}}, 1))
+    deadline = time.monotonic() + 20
+    while any(a["name"] == "hub_idle_test" for a in ray.util.list_named_actors(all_namespaces=True)):
+        assert time.monotonic() < deadline, "the idle hub is still there"
+        time.sleep(0.5)
+
+
+def test_a_stream_outlives_its_group_being_stopped_within_the_grace_period(ray_cluster):
+    """Serve stops a group replica (an update, a scale-down, the app deleted) once its calls ended, or after
+    graceful_shutdown_timeout_s (Serve's 20 s; the app set 5, which cut streams of an update after 5 s): the
+    admission call stays open while its requests run, so a stream that ends within it is complete."""
+    from ray import serve
+
+    from mtp_ray.serve.app import build_app
+
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    app = build_app(app_args(1))
+    group = app._bound_deployment.init_args[0]._bound_deployment  # (the ingress's first arg: the group deployment)
+    assert group._deployment_config.graceful_shutdown_timeout_s == 20
+    serve.run(app, name="faults", route_prefix="/")
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            fut = pool.submit(stream_one, 480)
+            time.sleep(1.0)
+            serve.delete("faults")
+            r = fut.result(timeout=60)
+    finally:
+        serve.shutdown()
+    assert r["status"] == 200 and r["done"] and r["error"] is None and r["tokens"] > 100, r

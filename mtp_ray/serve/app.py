@@ -10,6 +10,7 @@ args (the YAML's `args:`):
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +66,10 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     cfg = EngineConfig.from_dict(engine)  # validate now: a bad YAML fails at deploy time, not in a replica
     check_model(cfg)
     server = ServerConfig.from_dict(args.get("server"))
+    deploy = time.time_ns()  # this build of the app: its metrics start from zero (serve/metrics_hub.py)
     name = args.get("served_model_name") or Path(cfg.model).name
+    # (graceful_shutdown_timeout_s: Serve's 20 s for running requests to end before a replaced group stops)
     group_opts = {"max_ongoing_requests": 512, "health_check_period_s": 5, "health_check_timeout_s": 30,
-                  "graceful_shutdown_timeout_s": 5,
                   # new requests pass over a group whose stats (every second) say it cannot serve (serve/routing.py)
                   "request_router_config": RequestRouterConfig(request_router_class=ServingGroupsRouter,
                                                                request_routing_stats_period_s=1.0,
@@ -78,10 +80,10 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         placement_group_bundles=group_bundles(cfg),
         placement_group_strategy=cfg.parallel.placement_strategy,
         **with_group_policy(group_opts),  # autoscaling on the groups' requests in flight (serve/scaling.py)
-    ).bind(engine)
+    ).bind(engine, deploy)
     ingress_args = dict(args.get("ingress") or {})
     ingress_opts = {"max_ongoing_requests": 1000, **ingress_args,
                     "logging_config": ingress_logging(ingress_args.get("logging_config"))}
     ingress = serve.deployment(Ingress, name="OpenAIIngress").options(
         ray_actor_options={"num_cpus": 0.1}, **ingress_opts)
-    return ingress.bind(group, name, cfg.tokenizer or cfg.model, server, cfg.timeouts.queue_s)
+    return ingress.bind(group, name, cfg.tokenizer or cfg.model, server, cfg.timeouts.queue_s, deploy)

@@ -22,14 +22,15 @@ from mtp_ray.serve.scaling import REQUESTS_IN_FLIGHT
 
 
 class GroupDeployment(RolloutEngine):
-    async def __init__(self, engine: dict):  # Serve runs async constructors
+    async def __init__(self, engine: dict, deploy: int = 0):  # Serve runs async constructors
         self.cfg = EngineConfig.from_dict(engine)
         pg = ray.util.get_current_placement_group()
         self.group = EngineGroup(self.cfg, pg, bundle_offset=1 if pg is not None else 0, restart_on_failure=False)
         self._started = None
         await self.start()
         # this group's counters and gauges to the application's metrics hub, once a second
-        self.reporter = HubReporter("group", self.group.group_id, lambda: group_snapshot(self.group.monitor.health()))
+        self.reporter = HubReporter("group", self.group.group_id, lambda: group_snapshot(self.group.monitor.health()),
+                                    deploy)
         self.reporter.start()
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None

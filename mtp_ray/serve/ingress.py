@@ -51,7 +51,7 @@ class Ingress:
     """FastAPI routes on a Serve ingress class."""
 
     def __init__(self, group, model_name: str, tokenizer: str, server: ServerConfig | None = None,
-                 queue_s: float = 5.0):
+                 queue_s: float = 5.0, deploy: int = 0):
         self.group = group
         self.server = server or ServerConfig()
         self.metrics = Metrics()
@@ -63,7 +63,7 @@ class Ingress:
         log.info("API key: %s", "required on /v1 and /admin" if self.server.api_key else
                  "none set, the server is open (args.server.api_key, or MTP_RAY_API_KEY on the cluster)")
         self.reporter_id = uuid.uuid4().hex[:8]
-        self.reporter = HubReporter("ingress", self.reporter_id, self.metrics.snapshot)
+        self.reporter = HubReporter("ingress", self.reporter_id, self.metrics.snapshot, deploy)
         self.model_name = model_name
         # None: a checkpoint without tokenizer files serves token ids in and out (NO_TOKENIZER says how)
         self.tok = tokenizer_or_none(tokenizer)

@@ -2,12 +2,16 @@
 once a second, so that /metrics shows all of them, whichever ingress replica answers the scrape (Serve routes a
 scrape to any one of them, and a group's own health call to any one group: counters went backwards between
 scrapes). A reporter that stops reporting (its replica was replaced or scaled away) is retired after `stale_s`:
-its counters stay in the totals, so every total is monotonic."""
+its counters stay in the totals, so every total is monotonic. Within one deploy of the app: a new deploy (build_app
+stamps its replicas with `deploy`) starts from zero, as a restarted vLLM does, and replicas of an earlier deploy are
+not counted; the hub ends itself once nobody has reported for `idle_s` (the app was deleted: it outlived `serve
+shutdown`, and the next app of the name showed the old totals)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -23,16 +27,37 @@ log = logging.getLogger("mtp_ray.metrics")
 
 
 class MetricsHub:
-    def __init__(self, stale_s: float = 15.0):
+    def __init__(self, stale_s: float = 15.0, idle_s: float = 120.0, end: Callable[[], None] | None = None):
         self.stale_s = stale_s
+        self.deploy = 0
+        self._reset()
+        self.last = time.monotonic()  # the last report
+        if end is not None:  # (in the actor: kill itself; tests drive `idle` by hand)
+            threading.Thread(target=self._watch, args=(idle_s, end), daemon=True).start()
+
+    def _reset(self) -> None:
         self.live: dict[str, dict[str, dict]] = {"group": {}, "ingress": {}}  # kind -> reporter id -> its report
         self.seen: dict[tuple[str, str], float] = {}
         self.retired: dict[str, dict[str, float]] = {"group": defaultdict(float), "ingress": defaultdict(float)}
 
-    def report(self, kind: str, reporter: str, snapshot: dict[str, Any]) -> None:
+    def report(self, kind: str, reporter: str, snapshot: dict[str, Any], deploy: int = 0) -> None:
         """snapshot["totals"]: the reporter's monotonic counters (name -> value); the rest is shown as it is."""
+        if deploy < self.deploy:  # a replica of an earlier deploy of the app, still draining
+            return
+        if deploy > self.deploy:  # the app was deployed again: its counters start from zero
+            self.deploy = deploy
+            self._reset()
         self.live[kind][reporter] = snapshot
-        self.seen[(kind, reporter)] = time.monotonic()
+        self.seen[(kind, reporter)] = self.last = time.monotonic()
+
+    def idle(self, idle_s: float) -> bool:
+        return time.monotonic() - self.last > idle_s
+
+    def _watch(self, idle_s: float, end: Callable[[], None]) -> None:
+        while not self.idle(idle_s):
+            time.sleep(min(5.0, idle_s / 4))
+        log.info("metrics hub: no report for %.0f s, the app is gone; ending", idle_s)
+        end()
 
     def retire(self, kind: str, reporter: str) -> None:
         snap = self.live[kind].pop(reporter, None)
@@ -49,20 +74,25 @@ class MetricsHub:
         return {"live": self.live, "retired": {k: dict(v) for k, v in self.retired.items()}}
 
 
+def end_this_actor() -> None:
+    ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+
 def hub_for(app_name: str):
     """The application's hub (created by whoever asks first; detached, so replacing any replica keeps it). Outside
     any placement group: a group replica's children are captured into its placement group, and the hub would die
     with that group when Serve replaces it (every counter it held lost: /metrics going backwards)."""
     return ray.remote(MetricsHub).options(name=f"hub_{app_name}", namespace=NAMESPACE, get_if_exists=True,
-                                          lifetime="detached", num_cpus=0, scheduling_strategy="DEFAULT").remote()
+                                          lifetime="detached", num_cpus=0, scheduling_strategy="DEFAULT"
+                                          ).remote(end=end_this_actor)
 
 
 class HubReporter:
     """Sends `snapshot()` to the application's hub once a second from a detached task (an ingress replica, a
     group replica), started on the first `start()` (a Serve replica's event loop must be running)."""
 
-    def __init__(self, kind: str, reporter: str, snapshot: Callable[[], dict[str, Any]]):
-        self.kind, self.reporter, self.snapshot = kind, reporter, snapshot
+    def __init__(self, kind: str, reporter: str, snapshot: Callable[[], dict[str, Any]], deploy: int = 0):
+        self.kind, self.reporter, self.snapshot, self.deploy = kind, reporter, snapshot, deploy
         self.hub = None
         self._task: asyncio.Task | None = None
 
@@ -74,7 +104,7 @@ class HubReporter:
     async def _loop(self) -> None:
         while True:
             try:
-                await self.hub.report.remote(self.kind, self.reporter, self.snapshot())
+                await self.hub.report.remote(self.kind, self.reporter, self.snapshot(), self.deploy)
             except Exception as e:  # the hub is being recreated: the next report goes to the new one
                 log.warning("metrics report to the hub failed: %s", e)
                 self.hub = hub_for(serve.get_replica_context().app_name)
