@@ -81,6 +81,18 @@ def test_no_access_log_line_per_request_unless_asked(server):
     assert cfg["enable_access_log"] is True and cfg["log_level"] == "DEBUG"
 
 
+def test_cors_preflight_as_vllm_answers_it(server):
+    """A browser's preflight (OPTIONS, no credentials) is answered for any origin, as vLLM's server does (it was a
+    405); the call itself still needs the key."""
+    r = requests.options(f"{BASE}/v1/chat/completions", timeout=30, headers={
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*", (r.status_code, r.headers)
+    r = requests.post(f"{BASE}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=30,
+                      headers={"Origin": "http://localhost:3000"})
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"
+
+
 def test_api_key_through_the_official_client(server):
     from openai import AuthenticationError, OpenAI
 

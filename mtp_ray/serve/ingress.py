@@ -9,6 +9,7 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 from ray.exceptions import TaskCancelledError
@@ -36,6 +37,10 @@ from mtp_ray.serve.tokenize_api import detokenize, tokenize
 
 # no /docs, /redoc or /openapi.json: the API is OpenAI's, and an open schema browser is one more thing to expose
 app = FastAPI(title="mtp-ray", docs_url=None, redoc_url=None, openapi_url=None)
+# browsers' cross-origin calls, as vLLM's server answers them by default (any origin, no credentials: a key still has
+# to be sent as a bearer token); the preflight OPTIONS was a 405
+app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=False, allow_methods=["*"],
+                   allow_headers=["*"])
 log = logging.getLogger("mtp_ray.ingress")
 
 
