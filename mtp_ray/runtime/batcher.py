@@ -47,13 +47,16 @@ class CallBatcher:
     stopped waiting) is not sent; `orphan` gets the result of one that was sent meanwhile (to undo it).
     `gap_s`: the next call leaves gap_s after the one before, returned or not (where a call costs more than it
     carries: fewer, fuller calls, and a slow call holds nothing back); None: the next leaves when the one in flight
-    returned."""
+    returned. `ways()`: how many calls a batch is split into, sent together (callees behind a router: each call may
+    go to another one)."""
 
     def __init__(self, send: Callable[[list[Any]], Awaitable[list[Any] | None]],
-                 gap_s: float | None = None, orphan: Callable[[Any], None] | None = None):
+                 gap_s: float | None = None, orphan: Callable[[Any], None] | None = None,
+                 ways: Callable[[], int] | None = None):
         self.send = send  # called with every pending item; looked up per call (a restarted group's new actor)
         self.gap_s = gap_s
         self.orphan = orphan
+        self.ways = ways
         self.pending: list[tuple[Any, asyncio.Future]] = []
         self.busy = False
         self.calls = 0  # calls made (tests, stats)
@@ -75,16 +78,21 @@ class CallBatcher:
         return fut
 
     def _leave(self) -> asyncio.Task | None:
-        """One call with every pending item still wanted, issued now; the task that hands out its results."""
+        """One call with every pending item still wanted (or `ways()` calls sharing them), issued now; the task that
+        hands out their results."""
         batch, self.pending = [p for p in self.pending if not p[1].done()], []
         if not batch:  # (their submitters all stopped waiting)
             return None
-        self.calls += 1
-        try:  # issued outside the submitting request's Ray task context, as a detached task's would be
-            answer = contextvars.Context().run(self.send, [item for item, _ in batch])
-        except Exception as e:
-            answer = _raise(e)
-        return detached(self._settle(batch, answer))
+        n = min(len(batch), max(1, self.ways() if self.ways is not None else 1))
+        settles = []
+        for part in (batch[i::n] for i in range(n)):
+            self.calls += 1
+            try:  # issued outside the submitting request's Ray task context, as a detached task's would be
+                answer = contextvars.Context().run(self.send, [item for item, _ in part])
+            except Exception as e:
+                answer = _raise(e)
+            settles.append(self._settle(part, answer))
+        return detached(settles[0] if n == 1 else _all(settles))
 
     async def _drain(self, call: asyncio.Task | None) -> None:
         """After the first call: the next ones, each with whatever queued meanwhile, until none queued."""
@@ -117,3 +125,7 @@ class CallBatcher:
 
 async def _raise(e: Exception) -> None:
     raise e
+
+
+async def _all(coros: list[Coroutine]) -> None:
+    await asyncio.gather(*coros)

@@ -6,6 +6,7 @@ update_weights, ...), plus `admit_batch` for the HTTP ingress and `stream` for h
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 import ray
@@ -18,6 +19,7 @@ from mtp_ray.runtime.group import EngineGroup
 from mtp_ray.runtime.messages import Admission, AdmitItem
 from mtp_ray.serve.metrics import group_snapshot
 from mtp_ray.serve.metrics_hub import HubReporter
+from mtp_ray.serve.routing import IN_FLIGHT, STAMP
 from mtp_ray.serve.scaling import REQUESTS_IN_FLIGHT
 
 
@@ -58,8 +60,9 @@ class GroupDeployment(RolloutEngine):
     async def record_routing_stats(self) -> dict:
         """Read by Serve's request router (serve/routing.py) every second: a group that cannot serve (failed,
         restarting, or a rank that did not take a request and has not answered since) is passed over while another
-        can."""
-        return {"serving": self.group.state == "ready" and not self.group.monitor.silent}
+        can; and how many requests it holds, for the router's least-requests choice."""
+        return {"serving": self.group.state == "ready" and not self.group.monitor.silent,
+                IN_FLIGHT: len(self.group.reqs), STAMP: time.monotonic()}
 
     async def info(self) -> dict:
         mc = self.group.model_config

@@ -33,6 +33,7 @@ from mtp_ray.serve.errors import ApiError
 
 log = logging.getLogger("mtp_ray.ingress")
 
+GROUPS_SEEN_S = 30.0  # a group that admitted nothing for this long no longer counts for splitting bursts
 # a group that cannot serve right now: failed or restarting, a rank or the group replica gone, Serve without a replica
 UNAVAILABLE = (GroupFailed, GroupUnavailable, RayActorError, ActorUnavailableError, DeploymentUnavailableError,
                ReplicaUnavailableError)
@@ -78,7 +79,17 @@ class Admissions:
     def __init__(self, send: Callable[[list[AdmitItem]], Any], count: Callable[[str], None], gap_s: float = 0.02):
         self.send = send  # items -> Serve's response generator of GroupDeployment.admit_batch
         self.count = count  # the ingress's metrics
-        self.batcher = CallBatcher(self._call, gap_s=gap_s or None, orphan=self._orphan)
+        # groups that admitted requests lately -> when: a burst is split into a call per group and one more (a group
+        # not seen yet, e.g. just scaled up), each routed to the group with the fewest requests (serve/routing.py);
+        # one call put a whole burst on one group of two
+        self.groups: dict[str, float] = {}
+        self.batcher = CallBatcher(self._call, gap_s=gap_s or None, orphan=self._orphan, ways=self._ways)
+
+    def _ways(self) -> int:
+        now = time.monotonic()
+        for g in [g for g, t in self.groups.items() if now - t > GROUPS_SEEN_S]:
+            del self.groups[g]
+        return len(self.groups) + 1
 
     def submit(self, item: AdmitItem) -> asyncio.Future:
         """A future of the item's result: its Admission, or the exception that refused it."""
@@ -100,6 +111,10 @@ class Admissions:
             call.cancel()
             raise
         detached(self._hold(call))
+        now = time.monotonic()
+        for r in results:
+            if isinstance(r, Admission):
+                self.groups[r.group_id] = now
         return results
 
     def _orphan(self, result: Admission | Exception) -> None:

@@ -1,8 +1,14 @@
-"""ServingGroupsRouter: Serve's request router for the engine-group deployment. It passes over a group replica
-whose last routing stats say it cannot serve (`GroupDeployment.record_routing_stats`: failed, or being replaced)
-while another can, so a failed group stops taking traffic within a stats period rather than after Serve's
-health checks replace it. With no group serving it still routes: the group answers GroupUnavailable at once and
-the ingress turns that into a 503 within its queue timeout (a router with no candidate would queue forever)."""
+"""ServingGroupsRouter: Serve's request router for the engine-group deployment.
+
+- It passes over a group replica whose last routing stats say it cannot serve (`GroupDeployment.record_routing_stats`:
+  failed, being replaced, a rank not answering) while another can, so a failed group stops taking traffic within a
+  stats period rather than after Serve's health checks replace it. With no group serving it still routes: the group
+  answers GroupUnavailable at once and the ingress turns that into a 503 within its queue timeout (a router with no
+  candidate would queue forever).
+- It sends each call to the group with the fewest requests: the group's own count from its stats (every second)
+  plus the requests this router sent it since. Serve's count is of calls, and one admission call carries a burst of
+  requests (serve/groups.py), so the fewest calls put a 16-request burst on one group of two and 1 on the other.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +16,42 @@ import random
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+IN_FLIGHT, STAMP = "in_flight", "at"  # routing stats' keys: the group's requests in flight, when it counted them
+
 
 class ServingGroupsRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, **kwargs) -> None:
+        # replica id -> (the stats stamp the count is on top of, requests sent to it since)
+        self.sent: dict[str, tuple[float | None, int]] = {}
+
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         pool = serving(candidate_replicas) or list(candidate_replicas)
-        # power of two choices among them: the router sends to the one with the shorter queue
-        return [random.sample(pool, 2) if len(pool) > 2 else pool]
+        if len(pool) <= 1:
+            return [pool]
+        loads = {r.replica_id.unique_id: self._load(r) for r in pool}
+        least = min(loads.values())
+        best = random.choice([r for r in pool if loads[r.replica_id.unique_id] == least])
+        # counted as it is chosen: the calls of a split burst are all chosen before the first is routed
+        rid, stamp = best.replica_id.unique_id, (best.routing_stats or {}).get(STAMP)
+        self.sent[rid] = (stamp, loads[rid] - self._stats_count(best) + requests_in(pending_request))
+        return [[best]]
+
+    @staticmethod
+    def _stats_count(r: RunningReplica) -> int:
+        return int((r.routing_stats or {}).get(IN_FLIGHT, 0))
+
+    def _load(self, r: RunningReplica) -> int:
+        """Its requests as of its last stats, and those sent to it since (a new stats stamp counts them)."""
+        stamp, sent = self.sent.get(r.replica_id.unique_id, (None, 0))
+        return self._stats_count(r) + (sent if stamp == (r.routing_stats or {}).get(STAMP) else 0)
+
+
+def requests_in(pending: PendingRequest) -> int:
+    """Requests a call carries: an admission call's items (GroupDeployment.admit_batch), else one."""
+    if pending.metadata.call_method == "admit_batch" and pending.args and isinstance(pending.args[0], list):
+        return max(1, len(pending.args[0]))
+    return 1
 
 
 def serving(replicas: list[RunningReplica]) -> list[RunningReplica]:
