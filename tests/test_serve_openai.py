@@ -580,7 +580,7 @@ def test_client_disconnect_aborts_the_request(server):
     request could end by itself: 1900 tokens take ~30 s on a 2-core machine, the abort ~0.1 s. Ten times: Serve
     cancels the gone client's stream with its child calls, and the abort sent from the stream's clean-up was
     one of them ~1 time in 12 until it was sent from a task of its own."""
-    n, before, sent = 10, aborted(), metric("ingress_abort_calls_total")
+    n, before, sent, tokens = 10, aborted(), metric("ingress_abort_calls_total"), metric("generation_tokens_total")
     for _ in range(n):
         with requests.post(f"{BASE}/v1/completions", stream=True, timeout=60, json={
                 "model": MODEL, "prompt": "def long(", "max_tokens": 1900, "stream": True, "ignore_eos": True}) as r:
@@ -598,6 +598,8 @@ def test_client_disconnect_aborts_the_request(server):
         time.sleep(0.2)
     assert metric("ingress_abort_calls_total") == sent + n and metric("ingress_abort_errors_total") == 0
     assert sum(r["aborts"].get("received", 0) for r in h["ranks"]) >= n, h
+    # the tokens each of them streamed count (they counted at a request's end only, not when it was aborted)
+    assert metric("generation_tokens_total") >= tokens + n, (tokens, metric("generation_tokens_total"))
     while time.time() < deadline + 10:
         h = requests.get(f"{BASE}/admin/health").json()
         if h["in_flight"] == 0 and all(r["num_running"] == 0 for r in h["ranks"]):

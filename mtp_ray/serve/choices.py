@@ -22,7 +22,7 @@ class ChoiceRunner:
 
     async def advance(self, c: Choice, stream: GroupStream, t0: float) -> AsyncIterator[None]:
         """Runs one choice to its end, yielding after each delta it took in (text, log-probs, the finish)."""
-        last = t0
+        last, counted = t0, False
         self.metrics.running += 1
         deltas = stream.deltas()
         try:
@@ -43,10 +43,13 @@ class ChoiceRunner:
                     break
             self.metrics.e2e.observe(time.monotonic() - t0)
             self.metrics.finished(len(c.prompt), len(c.token_ids), c.spec, c.finish_reason, c.timings)
+            counted = True
         except (asyncio.CancelledError, GeneratorExit):  # the client went away (the stream aborts its request)
             self.metrics.count("request_aborted_total")
             raise
         finally:
+            if not counted:  # aborted or failed: its tokens were computed and sent all the same (vLLM counts them)
+                self.metrics.tokens(len(c.prompt), len(c.token_ids))
             self.metrics.running -= 1
             await deltas.aclose()  # a consumer that stopped early: the request is aborted on its rank
 

@@ -81,11 +81,14 @@ class Metrics:
         if max_tokens is not None:
             self.hist["request_params_max_tokens"].observe(max_tokens)
 
+    def tokens(self, prompt_tokens: int, gen_tokens: int) -> None:
+        self.totals["prompt_tokens_total"] += prompt_tokens
+        self.totals["generation_tokens_total"] += gen_tokens
+
     def finished(self, prompt_tokens: int, gen_tokens: int, spec: dict, reason: str | None,
                  timings: dict[str, float] | None = None) -> None:
         c = self.totals
-        c["prompt_tokens_total"] += prompt_tokens
-        c["generation_tokens_total"] += gen_tokens
+        self.tokens(prompt_tokens, gen_tokens)
         c[f'request_success_total{{finished_reason="{reason or "unknown"}"}}'] += 1
         c["spec_decode_num_drafts_total"] += spec.get("num_drafts", 0)
         c["spec_decode_num_draft_tokens_total"] += spec.get("num_draft_tokens", 0)
