@@ -401,11 +401,13 @@ def test_a_burst_is_spread_over_the_groups(app):
     def admits() -> dict[str, float]:
         return {s: v for s, v in scrape().items() if s.startswith("mtp_ray:group_admits_total")}
 
-    for _ in range(3):  # (the first burst meets groups the ingress has not seen yet)
+    for burst in range(4):
         before = admits()
         with ThreadPoolExecutor(max_workers=16) as pool:
             assert all(r["done"] for r in pool.map(stream_one, [64] * 16))
         time.sleep(1.5)  # the groups' reports
         after = admits()
         got = sorted(after[s] - before.get(s, 0) for s in after)
-        assert sum(got) == 16 and len(got) == 2 and got[0] >= 6, got  # (it was 2-5 of 16, once 0)
+        assert sum(got) == 16, got
+        # (it was 2-5 of 16, once 0; the first burst may meet a group the ingress has not seen yet: one call for all)
+        assert burst == 0 or (len(got) == 2 and got[0] >= 6), (burst, got)

@@ -62,7 +62,7 @@ class GroupDeployment(RolloutEngine):
         restarting, or a rank that did not take a request and has not answered since) is passed over while another
         can; and how many requests it holds, for the router's least-requests choice."""
         return {"serving": self.group.state == "ready" and not self.group.monitor.silent,
-                IN_FLIGHT: len(self.group.reqs), STAMP: time.monotonic()}
+                IN_FLIGHT: len(self.group.reqs), STAMP: time.time()}
 
     async def info(self) -> dict:
         mc = self.group.model_config

@@ -79,9 +79,9 @@ class Admissions:
     def __init__(self, send: Callable[[list[AdmitItem]], Any], count: Callable[[str], None], gap_s: float = 0.02):
         self.send = send  # items -> Serve's response generator of GroupDeployment.admit_batch
         self.count = count  # the ingress's metrics
-        # groups that admitted requests lately -> when: a burst is split into a call per group and one more (a group
-        # not seen yet, e.g. just scaled up), each routed to the group with the fewest requests (serve/routing.py);
-        # one call put a whole burst on one group of two
+        # groups that admitted requests lately -> when: a burst is split into a call per group, each routed to the
+        # group with the fewest requests (serve/routing.py; a group not seen yet, e.g. just scaled up, has none, so
+        # the next call goes there); one call put a whole burst on one group of two
         self.groups: dict[str, float] = {}
         self.batcher = CallBatcher(self._call, gap_s=gap_s or None, orphan=self._orphan, ways=self._ways)
 
@@ -89,7 +89,7 @@ class Admissions:
         now = time.monotonic()
         for g in [g for g, t in self.groups.items() if now - t > GROUPS_SEEN_S]:
             del self.groups[g]
-        return len(self.groups) + 1
+        return max(1, len(self.groups))
 
     def submit(self, item: AdmitItem) -> asyncio.Future:
         """A future of the item's result: its Admission, or the exception that refused it."""

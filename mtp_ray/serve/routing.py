@@ -13,16 +13,16 @@
 from __future__ import annotations
 
 import random
+import time
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-IN_FLIGHT, STAMP = "in_flight", "at"  # routing stats' keys: the group's requests in flight, when it counted them
+IN_FLIGHT, STAMP = "in_flight", "at"  # routing stats' keys: the group's requests in flight, when (time.time())
 
 
 class ServingGroupsRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, **kwargs) -> None:
-        # replica id -> (the stats stamp the count is on top of, requests sent to it since)
-        self.sent: dict[str, tuple[float | None, int]] = {}
+        self.sent: dict[str, list[tuple[float, int]]] = {}  # replica id -> (when, requests) this router sent it
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -33,18 +33,17 @@ class ServingGroupsRouter(FIFOMixin, RequestRouter):
         least = min(loads.values())
         best = random.choice([r for r in pool if loads[r.replica_id.unique_id] == least])
         # counted as it is chosen: the calls of a split burst are all chosen before the first is routed
-        rid, stamp = best.replica_id.unique_id, (best.routing_stats or {}).get(STAMP)
-        self.sent[rid] = (stamp, loads[rid] - self._stats_count(best) + requests_in(pending_request))
+        self.sent.setdefault(best.replica_id.unique_id, []).append((time.time(), requests_in(pending_request)))
         return [[best]]
 
-    @staticmethod
-    def _stats_count(r: RunningReplica) -> int:
-        return int((r.routing_stats or {}).get(IN_FLIGHT, 0))
-
     def _load(self, r: RunningReplica) -> int:
-        """Its requests as of its last stats, and those sent to it since (a new stats stamp counts them)."""
-        stamp, sent = self.sent.get(r.replica_id.unique_id, (None, 0))
-        return self._stats_count(r) + (sent if stamp == (r.routing_stats or {}).get(STAMP) else 0)
+        """Its requests when it last counted them (wall clock: the group's process is another) and those this
+        router sent it since."""
+        stats = r.routing_stats or {}
+        counted = stats.get(STAMP, 0.0)
+        sent = [(t, n) for t, n in self.sent.get(r.replica_id.unique_id, []) if t > counted - 1.0]
+        self.sent[r.replica_id.unique_id] = sent  # (older ones are in its count; a second of clock skew kept)
+        return int(stats.get(IN_FLIGHT, 0)) + sum(n for t, n in sent if t > counted)
 
 
 def requests_in(pending: PendingRequest) -> int:
