@@ -221,9 +221,7 @@ class LLM:
         co.logprobs += out.new_logprobs
         co.top_logprobs += out.new_top_logprobs
         dt.add(out.new_token_ids, out.stop_token)
-        if dt.stop_tokens is not None:  # tokens past the stop string are not output (k > 0: a step's drafts)
-            n = dt.stop_tokens
-            del co.token_ids[n:], co.logprobs[n:], co.top_logprobs[n:]
+        dt.cut(co.token_ids, co.logprobs, co.top_logprobs)
         co.text = dt.text
         if dt.stopped_by is not None and not out.finished:
             aborted = self.engine.abort_request(out.request_id)

@@ -123,6 +123,13 @@ class Detokenizer:
                 hits.append((m.start(), m.end(), m.group(), pattern))
         return min(hits) if hits else None
 
+    def cut(self, *per_token: list) -> None:
+        """Drop the entries (token ids, log-probs, ...) past the token that completed a stop string: they are not
+        output, nor counted (with k > 0 a step's later drafts follow it)."""
+        if self.stop_tokens is not None:
+            for entries in per_token:
+                del entries[self.stop_tokens :]
+
     def _tokens_through(self, end: int, before: int) -> int:
         """The fewest tokens whose text reaches `end` (they hold the whole stop): usage counts only these."""
         for m in range(before + 1, len(self.token_ids)):

@@ -207,8 +207,9 @@ def typed(lines: list[str]) -> str:
         series, value = line.rsplit(" ", 1)
         name, _, labels = series.partition("{")
         fam, kind, part = _family(name)
-        le = next((x[4:-1] for x in labels.rstrip("}").split(",") if x.startswith('le="')), None)
-        rest = ",".join(x for x in labels.rstrip("}").split(",") if not x.startswith('le="'))
+        pairs = labels.rstrip("}").split(",")
+        le = next((x[4:-1] for x in pairs if x.startswith('le="')), None)
+        rest = ",".join(x for x in pairs if not x.startswith('le="'))
         key = (rest, part, float(le) if le is not None else 0.0)
         families.setdefault(fam, (kind, []))[1].append((key, line))
     out = []

@@ -32,7 +32,7 @@ class MetricsHub:
         self.deploy = 0
         self._reset()
         self.last = time.monotonic()  # the last report
-        if end is not None:  # (in the actor: kill itself; tests drive `idle` by hand)
+        if end is not None:  # (the actor: end_this_actor)
             threading.Thread(target=self._watch, args=(idle_s, end), daemon=True).start()
 
     def _reset(self) -> None:
@@ -50,11 +50,8 @@ class MetricsHub:
         self.live[kind][reporter] = snapshot
         self.seen[(kind, reporter)] = self.last = time.monotonic()
 
-    def idle(self, idle_s: float) -> bool:
-        return time.monotonic() - self.last > idle_s
-
     def _watch(self, idle_s: float, end: Callable[[], None]) -> None:
-        while not self.idle(idle_s):
+        while time.monotonic() - self.last <= idle_s:
             time.sleep(min(5.0, idle_s / 4))
         log.info("metrics hub: no report for %.0f s, the app is gone; ending", idle_s)
         end()

@@ -50,9 +50,7 @@ class Choice:
         self.logprobs += out.new_logprobs
         self.top += [list(t.items()) for t in out.new_top_logprobs]
         self.detok.add(out.new_token_ids, out.stop_token)
-        if self.detok.stop_tokens is not None:  # tokens past the stop string are not output (nor counted)
-            n = self.detok.stop_tokens
-            del self.token_ids[n:], self.logprobs[n:], self.top[n:]
+        self.detok.cut(self.token_ids, self.logprobs, self.top)
         if out.finished and self.finish_reason is None:
             stopped = self.detok.stopped_by
             self.finish_reason = "stop" if stopped is not None else out.finish_reason
