@@ -105,6 +105,23 @@ def test_mtp_under_preemption_is_unchanged():
     assert tight.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_seeded_mtp_sample_is_unchanged_by_preemption(k):
+    """A preempted request keeps its drafts (their draws are already taken from its seeded generator) and verifies
+    them after the recompute: a seeded sample at k > 0 is the same whether or not the cache ran out. (Before, the
+    recompute sampled afresh and the output changed from the preemption on.)"""
+    prompts = [[100 + i for i in range(30)], [700 + i for i in range(30)], list(range(40, 53))]
+    sp = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=24, ignore_eos=True) for i in range(2)]
+    sp.append(SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    common = dict(num_speculative_tokens=k, enable_prefix_caching=False, block_size=8, max_model_len=64,
+                  max_num_seqs=3)
+    base = [o.outputs[0].token_ids for o in LLM(**common).generate(prompts, sp)]
+    for num_blocks in (13, 15):
+        tight = LLM(num_blocks=num_blocks, **common)
+        assert [o.outputs[0].token_ids for o in tight.generate(prompts, sp)] == base, num_blocks
+        assert tight.engine.scheduler.num_preemptions > 0, num_blocks
+
+
 def test_checkpoint_without_tokenizer_serves_token_ids(random_ckpt):
     path, hf = random_ckpt
     llm = LLM(str(path))  # save_pretrained wrote no tokenizer files

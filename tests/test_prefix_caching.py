@@ -88,15 +88,20 @@ def test_a_prefix_left_by_a_one_token_request_drafts_as_a_fresh_prefill(request,
     assert after_one[:2] == after_full[:2] == fresh[:2]
 
 
-def test_a_small_cache_evicts_and_leaks_nothing():
+@pytest.mark.parametrize("seeded", [False, True])
+def test_a_small_cache_evicts_and_leaks_nothing(seeded):
+    """Seeded: the two runs preempt at other points (the cache changes what fits), and a preempted request verifies
+    the drafts it held after its recompute, so its seeded stream stays in step."""
     prompts = workload(1) * 2
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.9 if seeded else 0, seed=3, max_tokens=8, ignore_eos=True)
     small = dict(KW, num_blocks=48, max_model_len=200)  # a few sequences' worth: cached prefixes get evicted
-    off = rounds(LLM(num_speculative_tokens=3, **OFF, **small), prompts, params)
+    off_llm = LLM(num_speculative_tokens=3, **OFF, **small)
+    off = rounds(off_llm, prompts, params)
     llm = LLM(num_speculative_tokens=3, enable_prefix_caching=True, **small)
     assert rounds(llm, prompts, params) == off
     st = llm.engine.blocks.prefix_stats()
     assert st["evictions"] > 0 and st["prefix_cache_hits"] > 0, st
+    print("preemptions on / off:", llm.engine.scheduler.num_preemptions, off_llm.engine.scheduler.num_preemptions)
     settled(llm)
 
 

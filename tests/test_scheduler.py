@@ -72,6 +72,40 @@ def test_preemption_by_recompute_when_blocks_run_out():
     assert victim.num_preemptions > 0 and victim.output_ids  # tokens kept for recompute
 
 
+def test_preempted_request_keeps_drafts_and_recomputes_up_to_its_verify():
+    """Recompute preemption keeps the drafts: the re-prefill stops before the newest token (nothing sampled), then
+    the newest token and the drafts are one verify, as if the cache had never been dropped."""
+    s = make(k=2, max_num_batched_tokens=64, prefill_chunk=8)
+    r = req(0, 10)
+    s.add(r)
+    run_step(s)
+    run_step(s)  # prefill in two pieces of 8 and 2: one output token
+    r.drafts = [5, 6]
+    s._preempt(r)
+    assert r.drafts == [5, 6] and r.num_computed == 0 and r.status is Status.WAITING
+    pieces = []
+    while not (out := s.schedule()) or not out[0].verify:
+        assert not out[0].completes_prefill  # the recompute never samples
+        pieces.append(out[0].num_new)
+        r.num_computed += out[0].num_new
+    assert pieces == [8, 2] and r.num_computed == r.num_tokens - 1 == 10
+    assert out[0].num_new == 3  # the newest token + 2 drafts
+
+
+def test_cache_hit_of_a_preempted_request_schedules_its_verify():
+    """A recompute whose prefix-cache hit reaches its newest token is admitted straight into its verify."""
+    bm = BlockManager(64, 4, 1 + 8 * 4 + 2, 1 + 3, snapshot_slots=2, lookahead=1)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk=64), bm, lookahead=2)
+    r = req(0, 8)
+    s.add(r)
+    run_step(s)  # 8 prompt tokens + 1 output: its first 8 tokens (2 blocks) can be named now
+    assert len(bm.prefix_hashes(r)) == 2 and bm.publish(r, 8) is not None
+    r.drafts = [5, 6]
+    s._preempt(r)
+    out = s.schedule()
+    assert out[0].req is r and r.num_cached_tokens == 8 and out[0].verify and out[0].num_new == 3
+
+
 def test_verify_cost_and_lookahead_blocks():
     s = make(k=3, max_num_batched_tokens=64)
     r = req(0, 5)

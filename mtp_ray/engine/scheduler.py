@@ -69,8 +69,9 @@ class Scheduler:
         remaining = req.num_tokens - req.num_computed
         if remaining == 1:
             return self._decode_cost(req)
+        # a recompute that kept its drafts (_preempt) stops before the newest token, which its verify feeds.
         # prefix-cache snapshot points inside the piece do not cut it: the GDN layers take them in the same forward
-        return min(remaining, self.cfg.prefill_chunk, budget), False
+        return min(remaining - bool(req.drafts), self.cfg.prefill_chunk, budget), False
 
     def schedule(self, prefill_turn: bool | None = None) -> list[Scheduled]:
         """prefill_turn (split mode): the turn a DP group agreed on (None: this scheduler alternates alone). In a
@@ -130,7 +131,7 @@ class Scheduler:
             if hashes and self._awaits_prefix(hashes):
                 break  # its prefix is being computed by a running request: a few steps, then it hits
             hit = self._match(req, hashes)
-            n, _ = self._cost(req, budget)
+            n, verify = self._cost(req, budget)  # a verify: a recompute whose cache hit reaches its newest token
             if not self.blocks.ensure(req, self._need(req, n)):
                 if hit:  # not admitted after all: give the cached blocks back
                     self.blocks.free(req)
@@ -143,7 +144,7 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
             req.status = Status.RUNNING
             self.running.append(req)
-            out.append(Scheduled(req, n, False))
+            out.append(Scheduled(req, n, verify))
             budget -= n
         if out and all(s.verify and self._may_end_in_flight(s.req) for s in out):
             # every row's verify in flight may be its last (1..k + 1 tokens each): a step launched now would often
@@ -212,12 +213,14 @@ class Scheduler:
         return need > self.blocks.num_free_blocks
 
     def _preempt(self, req: Request) -> None:
-        """Recompute preemption: drop its cache, keep its tokens; it re-prefills prompt + output later."""
+        """Recompute preemption: drop its cache, keep its tokens and its drafts; it re-prefills prompt + output up
+        to the newest token later, then verifies the drafts it had. Dropping them would change a seeded sample's
+        output: their draws are already taken from its generator, and a recompute that samples the next token
+        afresh draws differently from a verify."""
         assert not req.num_inflight, "preempting a request with tokens in flight"
         self.running.remove(req)
         self.blocks.free(req)
         req.num_computed = 0
-        req.drafts, req.draft_probs = [], None
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = Status.WAITING
