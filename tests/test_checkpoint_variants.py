@@ -162,3 +162,20 @@ def test_broken_checkpoints_are_errors_naming_the_file_tensor_or_field(ckpt, tmp
         cfg_path.write_text(json.dumps(cfg))
     with pytest.raises((ValueError, FileNotFoundError), match=match):
         LLM(str(out), num_speculative_tokens=2)
+
+
+def test_tokenizer_end_token_read_from_the_files(tmp_path):
+    """The tokenizer's own end token (no stop_reason when it stops a request) from tokenizer_config.json's
+    eos_token, named in its added_tokens_decoder or in tokenizer.json's added tokens; None without the files."""
+    from mtp_ray.config.model import tokenizer_eos_id
+
+    assert tokenizer_eos_id(tmp_path) is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
+    assert tokenizer_eos_id(tmp_path) is None  # named, but no file gives its id
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"added_tokens": [{"id": 7, "content": "<|im_end|>"}]}))
+    assert tokenizer_eos_id(tmp_path) == 7
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "added_tokens_decoder": {"151645": {"content": "<|im_end|>"}}}))
+    assert tokenizer_eos_id(tmp_path) == 151645
+    (tmp_path / "tokenizer_config.json").write_text("[1]")
+    assert tokenizer_eos_id(tmp_path) is None

@@ -51,6 +51,16 @@ def test_stop_strings_stop_token_ids_and_max_tokens(llm):
     assert o.token_ids == base.token_ids[: base.token_ids.index(tid) + 1]
 
 
+def test_stop_reason_of_each_end_token(llm):
+    """As vLLM: the tokenizer's end token (the bundled model's <|endoftext|>, 0) stops with no stop_reason; an end
+    token generation_config.json adds (<|im_end|>, 2) stops with its id, as a stop_token_ids entry would."""
+    for tid, reason in ((0, None), (2, 2)):
+        o = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=5, logit_bias={tid: 100}))[0].outputs[0]
+        assert (o.token_ids, o.finish_reason, o.stop_reason) == ([tid], "stop", reason)
+    o = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3, logit_bias={2: 100}, ignore_eos=True))
+    assert o[0].outputs[0].token_ids == [2] * 3 and o[0].outputs[0].stop_reason is None
+
+
 def test_logprobs_are_raw_model_logprobs(llm):
     o = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, logprobs=3))[0].outputs[0]
     assert len(o.logprobs) == len(o.token_ids) == len(o.top_logprobs) == 8

@@ -342,8 +342,8 @@ def test_append_equals_a_per_token_reference():
         out = list(out)
         for i, t in enumerate(toks):
             out.append(t)
-            if (t in eos and not ignore_eos) or t in stop_ids:
-                return i + 1, "stop", t if t in stop_ids else None
+            if (t in eos and not ignore_eos) or t in stop_ids:  # the primary end token (eos[0]): no stop_reason
+                return i + 1, "stop", t if t in stop_ids or t != eos[0] else None
             if (max_tokens is not None and len(out) >= max_tokens) or len(prompt) + len(out) >= max_len:
                 return i + 1, "length", None
         return len(toks), None, None
@@ -353,7 +353,7 @@ def test_append_equals_a_per_token_reference():
         prompt = [5] * rng.randint(1, 6)
         out = [rng.randint(1, 9) for _ in range(rng.randint(0, 6))]
         toks = [rng.randint(0, 9) for _ in range(rng.randint(0, 5))]
-        eos = (0,)
+        eos = (0, 8)  # the tokenizer's end token, one more from generation_config
         stop_ids = rng.choice([[], [3], [3, 7]])
         ignore_eos = rng.random() < 0.3
         max_tokens = rng.choice([None, len(out) + rng.randint(1, 6)])

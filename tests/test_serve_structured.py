@@ -359,8 +359,12 @@ def test_usage_counts_only_returned_tokens_and_stop_reason(client):
         by_regex = requests.post(f"{BASE}/v1/completions", json={**body, "stop_regex": pattern}, timeout=60)
         by_token = requests.post(f"{BASE}/v1/completions", json={**body, "stop_token_ids": [ids[3]]}, timeout=60)
         by_end = requests.post(f"{BASE}/v1/completions", json={**body, "logit_bias": {"2": 100}}, timeout=60)
-        got = [last_choice(r, stream)["matched_stop"] for r in (by_regex, by_token, by_end)]
-        assert got == [pattern, ids[3], 2], (stream, got)  # 2: the bundled model's end token, <|im_end|>
+        by_eos = requests.post(f"{BASE}/v1/completions", json={**body, "logit_bias": {"0": 100}}, timeout=60)
+        got = [last_choice(r, stream)["matched_stop"] for r in (by_regex, by_token, by_end, by_eos)]
+        assert got == [pattern, ids[3], 2, 0], (stream, got)  # 2 and 0: the bundled model's end tokens
+        # vLLM's stop_reason: None for the tokenizer's end token (<|endoftext|>, 0), the id for generation_config's
+        # other end token (<|im_end|>, 2)
+        assert [last_choice(r, stream)["stop_reason"] for r in (by_end, by_eos)] == [2, None], stream
 
 
 def last_choice(r: requests.Response, stream: bool) -> dict:

@@ -184,3 +184,32 @@ def _json_object(p: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ValueError(f"{p}: expected a JSON object, got {type(raw).__name__}")
     return raw
+
+
+def tokenizer_eos_id(path: str | Path) -> int | None:
+    """The id of the tokenizer's own end token (tokenizer_config.json's eos_token, named in its added tokens), or
+    None where the files do not say. vLLM reports no stop_reason for this token and the token id for the other end
+    tokens generation_config.json adds (e.g. <|endoftext|> after a chat's <|im_end|>). Read from the files, not by
+    loading the tokenizer: the engine needs only this id."""
+    p = Path(path)
+    try:
+        cfg = _json_object(p / "tokenizer_config.json")
+    except (OSError, ValueError):
+        return None
+    eos = cfg.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if not isinstance(eos, str):
+        return None
+    added = cfg.get("added_tokens_decoder")
+    if isinstance(added, dict):
+        for i, tok in added.items():
+            if isinstance(tok, dict) and tok.get("content") == eos and str(i).isdigit():
+                return int(i)
+    try:
+        tokens = _json_object(p / "tokenizer.json").get("added_tokens")
+    except (OSError, ValueError):
+        return None
+    for tok in tokens if isinstance(tokens, list) else []:
+        if isinstance(tok, dict) and tok.get("content") == eos and isinstance(tok.get("id"), int):
+            return tok["id"]
+    return None

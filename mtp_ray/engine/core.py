@@ -19,7 +19,7 @@ from concurrent import futures
 import torch
 
 from mtp_ray.config.engine import EngineConfig
-from mtp_ray.config.model import ModelConfig
+from mtp_ray.config.model import ModelConfig, tokenizer_eos_id
 from mtp_ray.engine.block_manager import BlockManager
 from mtp_ray.engine.commit import Committer, plain_greedy, stop_ids
 from mtp_ray.engine.device_greedy import DeviceGreedy
@@ -68,7 +68,8 @@ class EngineCore:
         self.stats = EngineStats()
         self.proposer = MTPProposer(self.runner, self.blocks, self.k, self.sync, self.stats)
         self.clock = PhaseClock()  # host time per phase of a step (get_stats "phases")
-        self.out = OutputProcessor(self.scheduler, self.requests, self.eos_ids, self.max_model_len, self.stats)
+        self.out = OutputProcessor(self.scheduler, self.requests, self.eos_ids, self.max_model_len, self.stats,
+                                   tokenizer_eos_id(cfg.tokenizer or cfg.model))
         self.committer = Committer(self.runner, self.out, self.eos_ids, self.k)
         self.greedy = DeviceGreedy(self.runner, self.proposer, self.out, self.stats, cfg.scheduler.async_scheduling,
                                    cfg.scheduler.async_verify)

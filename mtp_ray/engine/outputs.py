@@ -56,9 +56,11 @@ def prompt_logprob_dicts(entries: list, prompt_ids: list[int]) -> list[dict[int,
 
 class OutputProcessor:
     def __init__(self, scheduler: Scheduler, requests: dict[str, Request], eos_ids: tuple[int, ...],
-                 max_model_len: int, stats: EngineStats):
+                 max_model_len: int, stats: EngineStats, primary_eos: int | None = None):
         self.scheduler, self.requests = scheduler, requests  # finished requests leave both
         self.eos_ids, self.max_model_len = eos_ids, max_model_len
+        # the end token whose stop has no stop_reason (the tokenizer's; else the model's first)
+        self.primary_eos = primary_eos if primary_eos is not None else (eos_ids[0] if eos_ids else None)
         self.stats = stats  # the engine's counters: verify steps here
 
     def emit(self, req: Request, emitted: list[int], info: list[tuple[float, dict[int, float]]]) -> StepOutput:
@@ -111,6 +113,8 @@ class OutputProcessor:
                 req.stop_token = True
             elif t in self.eos_ids and not p.ignore_eos:
                 reason, req.stop_token = "stop", True
+                if t != self.primary_eos:  # vLLM: generation_config's other end tokens are stop_token_ids
+                    req.stop_reason = t
             elif req.grammar is not None and (failed := req.grammar.commit(t)) is not None:
                 # a token the constraint cannot run past ends the request with an error, not a plausible "stop"
                 del req.output_ids[-1], req.output_logprobs[-1], req.top_logprobs[-1]
