@@ -108,6 +108,25 @@ def test_dp2_mtp3_near_max_model_len_finishes_and_equals_dp1(ray_cluster):
         ray.get(h.shutdown.remote())
 
 
+def test_dp2_seeded_mtp_samples_under_preemption_equal_dp1(ray_cluster):
+    """Ranks whose KV cache runs out preempt and recompute at their own points; a preempted request verifies the
+    drafts it held after the recompute, so seeded samples at k = 3 equal dp = 1 with room to spare (get_stats
+    counts each rank's preemptions)."""
+    import ray
+
+    prompts = [[100 + 7 * i + j for j in range(30)] for i in range(8)]
+    params = [{"temperature": 1.0, "seed": 5 + i, "max_tokens": 24, "ignore_eos": True} for i in range(8)]
+    want = [o.outputs[0].token_ids for o in LLM(num_speculative_tokens=3, max_model_len=64).generate(
+        prompts, [SamplingParams(**p) for p in params])]
+    h = launch_engine(cfg(2, 3, scheduler={"max_model_len": 64}, cache={"num_blocks": 20, "prefix_caching": False}))
+    try:
+        res = ray.get([h.generate.remote(pr, p) for pr, p in zip(prompts, params)], timeout=300)
+        assert [r["token_ids"] for r in res] == want
+        assert all(r["num_preemptions"] > 0 for r in stats(h)["ranks"])
+    finally:
+        ray.get(h.shutdown.remote())
+
+
 def test_group_of_one_computes_experts_in_place(ray_cluster, ref):
     """A dp = 1 group owns every expert: same tokens as the plain engine and no EP exchange with itself."""
     h = launch_engine(cfg(1, 2))

@@ -201,6 +201,7 @@ class RankWorker:
                 "waves_s": self.waves_s + (time.perf_counter() - self.wave_t0 if self.running else 0.0),
                 "stalls": self.stalls.snapshot(), "last_add_monotonic": self.last_add,
                 "prefix_cache": core.blocks.prefix_stats() if core else {},
+                "num_preemptions": core.scheduler.num_preemptions if core else 0,
                 "last_meta": self.ctx.local.describe() if self.ctx else ""}
 
     def profile_steps(self, steps: int, timeout: float = 120.0, device: bool = False) -> dict:
