@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mtp_ray.config.engine import BUNDLED_MODEL, CacheConfig, EngineConfig, GraphConfig, SchedulerConfig, SpecConfig
+from mtp_ray.config.model import sampling_defaults
 from mtp_ray.engine.chat_content import content_text
 from mtp_ray.engine.core import EngineCore
 from mtp_ray.engine.detok import STOP_NEEDS_TOKENIZER, Detokenizer
@@ -103,8 +104,13 @@ def _message(m: Any, i: int) -> dict:
 
 
 class LLM:
-    def __init__(self, model: str = BUNDLED_MODEL, *, config: EngineConfig | None = None, **kw: Any):
+    def __init__(self, model: str = BUNDLED_MODEL, *, config: EngineConfig | None = None,
+                 generation_config: str = "auto", **kw: Any):
+        """generation_config (vLLM's): where generate() without sampling_params takes its defaults: "auto", the
+        model's generation_config.json; "vllm", SamplingParams(); else a directory holding a generation_config.json."""
         self.config = config or engine_config(model, **kw)
+        self._defaults = sampling_defaults(generation_config, self.config.model)
+        SamplingParams(**self._defaults).validate()
         self.engine = EngineCore(self.config)
         if self.engine.runner.graphs is not None:
             self.engine.warmup()  # captures the CUDA graphs up front
@@ -112,6 +118,11 @@ class LLM:
         # a checkpoint without tokenizer files (e.g. a random model from save_pretrained) serves token ids only
         self.tokenizer = tokenizer_or_none(path)
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams of a generate() / chat() call that passes none, as vLLM's: the model's
+        generation_config.json sampling fields (max_new_tokens as max_tokens) over SamplingParams()."""
+        return SamplingParams(**self._defaults)
 
     def get_tokenizer(self):
         """The tokenizer (None: the model has no tokenizer files), as vLLM's LLM.get_tokenizer."""
@@ -140,7 +151,7 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a prompt or a list of prompts, got {_shown(prompts)}")
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if not all(isinstance(sp, SamplingParams) for sp in plist):
             raise ValueError("sampling_params must be a SamplingParams (or a list of them, one per prompt)")

@@ -284,3 +284,16 @@ def test_what_the_model_refuses_fails_the_deploy_not_the_replicas(args, field):
 
     with pytest.raises(ValueError, match=field):
         build_app(args)
+
+
+@pytest.mark.parametrize("content,error", [('{"top_k": 2.5}', "top_k must be"), ('{"temperature": "hot"}',
+                                           "temperature must be a number"), ("{", "not valid JSON")])
+def test_sampling_defaults_the_requests_would_fail_on_fail_the_deploy(tmp_path, content, error):
+    """server.generation_config's sampling defaults are read and checked by build_app: a bad one would otherwise
+    be a 400 for every request that leaves the field out."""
+    from mtp_ray.serve.app import build_app
+
+    (tmp_path / "generation_config.json").write_text(content)
+    with pytest.raises(ValueError, match=f"server.generation_config .*{error}"):
+        build_app({"server": {"generation_config": str(tmp_path)}})
+    build_app({"server": {"generation_config": "vllm"}})  # (none read)

@@ -21,6 +21,9 @@ def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("no_tokenizer")
     make_checkpoint(path, "gqa6_int3", seed=4)
     assert not any(path.glob("tokenizer*")) and not (path / "vocab.json").exists()
+    # sampling defaults as Qwen ships them, here top_k 1 (greedy at the default temperature) and 6 new tokens
+    gen = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**gen, "top_k": 1, "max_new_tokens": 6}))
     return path
 
 
@@ -74,6 +77,30 @@ def test_streamed_token_ids_add_up_to_the_offline_output(server, reference):
             for c in json.loads(line[6:])["choices"]:
                 got[c["index"]] += c["token_ids"]
     assert [got[0], got[1]] == reference
+
+
+def test_generation_config_sets_the_sampling_defaults_and_caps_max_tokens(server, reference, ckpt):
+    """As vLLM (--generation-config auto): a request that leaves temperature / top_k / max_tokens out samples with
+    the model's generation_config.json (top_k 1: greedy), whose max_new_tokens also caps a larger max_tokens; a
+    field the request sets wins. The offline LLM without sampling_params takes the same defaults."""
+    from mtp_ray import LLM, SamplingParams
+
+    for extra in ({}, {"max_tokens": 50}):
+        r = post({"model": "ids", "prompt": PROMPTS, "ignore_eos": True, **extra})
+        assert r.status_code == 200, r.text
+        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+        assert [c["token_ids"] for c in choices] == reference, extra
+        assert all(c["finish_reason"] == "length" for c in choices)
+    r = post({"model": "ids", "prompt": PROMPTS[0], "ignore_eos": True, "top_k": -1, "temperature": 5, "seed": 1})
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] != reference[0]  # sampled: top_k off
+    r = post({"model": "ids", "prompt": PROMPTS[0], "min_tokens": 8})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    llm = LLM(str(ckpt))
+    assert llm.get_default_sampling_params() == SamplingParams(top_k=1, max_tokens=6)
+    for o, want in zip(llm.generate(PROMPTS), reference):  # greedy, 6 tokens unless an end token came first
+        c = o.outputs[0]
+        assert c.token_ids == want[: len(c.token_ids)] and (c.finish_reason == "stop" or len(c.token_ids) == 6)
+    assert LLM(str(ckpt), generation_config="vllm").get_default_sampling_params() == SamplingParams()
 
 
 @pytest.mark.parametrize("path,body,param", [

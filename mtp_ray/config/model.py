@@ -213,3 +213,35 @@ def tokenizer_eos_id(path: str | Path) -> int | None:
         if isinstance(tok, dict) and tok.get("content") == eos and isinstance(tok.get("id"), int):
             return tok["id"]
     return None
+
+
+# generation_config.json key -> SamplingParams field: the sampling defaults vLLM takes from it (--generation-config
+# auto, its default); max_new_tokens is also a cap on every request's max_tokens there
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(generation_config: str, model: str | Path) -> dict[str, float | int]:
+    """vLLM's --generation-config: "auto", the model's generation_config.json; "vllm", none; else a directory
+    holding a generation_config.json."""
+    if generation_config == "vllm":
+        return {}
+    return generation_defaults(model if generation_config == "auto" else generation_config)
+
+
+def generation_defaults(path: str | Path) -> dict[str, float | int]:
+    """The sampling defaults a checkpoint's generation_config.json sets (e.g. Qwen's temperature 0.6, top_p 0.95,
+    top_k 20), as SamplingParams fields: what a request that leaves them out samples with, as in vLLM and SGLang.
+    {} without the file; a value that is not a number is an error naming the file and key."""
+    p = Path(path) / "generation_config.json"
+    if not p.is_file():
+        return {}
+    raw, out = _json_object(p), {}
+    for key, name in GENERATION_DEFAULTS.items():
+        v = raw.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{p}: {key} must be a number, got {v!r}")
+        out[name] = v
+    return out

@@ -31,6 +31,10 @@ class ServerConfig:
     # request that arrived meanwhile (a quiet spell's first at once); 0: the next leaves when the one in flight
     # answered (serve/groups.py: Admissions; a Serve call costs ~1.5 ms of routing, docs/performance.md)
     admission_gap_ms: float = 20.0
+    # the sampling defaults of requests that leave them out (vLLM's --generation-config): "auto", the model's
+    # generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps max_tokens);
+    # "vllm", none (temperature 1, ...); else a directory holding a generation_config.json
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
@@ -39,6 +43,9 @@ class ServerConfig:
             v = getattr(self, name)
             if v is not None and v not in known:
                 raise ValueError(f"server.{name} must be one of {sorted(known)}, got {v!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError('server.generation_config must be "auto", "vllm" or a directory, '
+                             f"got {self.generation_config!r}")
         if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template):
             raise ValueError("server.chat_template must be a file path or a Jinja template")
         for name in ("stream_interval_ms", "admission_gap_ms"):

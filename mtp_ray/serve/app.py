@@ -5,7 +5,7 @@ args (the YAML's `args:`):
   served_model_name:   the model id clients send (default: the model directory's name)
   group:               Serve options of the group deployment (autoscaling_config, num_replicas, ...)
   ingress:             Serve options of the HTTP ingress deployment
-  server:              ServerConfig fields (api_key, max_body_bytes, max_n, max_stop, max_prompts)
+  server:              ServerConfig fields (api_key, request limits, parsers, generation_config, ...)
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from mtp_ray.config.engine import EngineConfig
-from mtp_ray.config.model import ModelConfig
+from mtp_ray.config.model import ModelConfig, sampling_defaults
 from mtp_ray.config.server import ServerConfig
+from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.runtime.group import rank_bundles
 from mtp_ray.serve.deployment import GroupDeployment
 from mtp_ray.serve.ingress import Ingress
@@ -54,6 +55,17 @@ def check_model(cfg: EngineConfig) -> None:
     cfg.check_fits(mc)
 
 
+def check_defaults(server: ServerConfig, model: str) -> dict[str, float | int]:
+    """The sampling defaults requests get (server.generation_config), read and checked at deploy time: a bad value
+    would otherwise fail every request that leaves the field out."""
+    try:
+        defaults = sampling_defaults(server.generation_config, model)
+        SamplingParams(**defaults).validate()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"server.generation_config ({server.generation_config}): {e}") from None
+    return defaults
+
+
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     args = dict(args or {})
     unknown = set(args) - {"engine", "served_model_name", "group", "ingress", "server"}
@@ -66,6 +78,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     cfg = EngineConfig.from_dict(engine)  # validate now: a bad YAML fails at deploy time, not in a replica
     check_model(cfg)
     server = ServerConfig.from_dict(args.get("server"))
+    defaults = check_defaults(server, cfg.model)
     deploy = time.time_ns()  # this build of the app: its metrics start from zero (serve/metrics_hub.py)
     name = args.get("served_model_name") or Path(cfg.model).name
     # (graceful_shutdown_timeout_s: Serve's 20 s for running requests to end before a replaced group stops)
@@ -86,4 +99,4 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
                     "logging_config": ingress_logging(ingress_args.get("logging_config"))}
     ingress = serve.deployment(Ingress, name="OpenAIIngress").options(
         ray_actor_options={"num_cpus": 0.1}, **ingress_opts)
-    return ingress.bind(group, name, cfg.tokenizer or cfg.model, server, cfg.timeouts.queue_s, deploy)
+    return ingress.bind(group, name, cfg.tokenizer or cfg.model, server, cfg.timeouts.queue_s, deploy, defaults)

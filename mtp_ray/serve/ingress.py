@@ -29,7 +29,7 @@ from mtp_ray.serve.groups import GroupClient, GroupStream, cause_of, first_line,
 from mtp_ray.serve.intake import check_api_key, off_loop, read_body, read_json_object
 from mtp_ray.serve.metrics import Metrics, render
 from mtp_ray.serve.metrics_hub import HubReporter
-from mtp_ray.serve.openai_protocol import Limits, check_length, parse_completion
+from mtp_ray.serve.openai_protocol import Limits, cap_max_tokens, check_length, parse_completion
 from mtp_ray.serve.responses import choice_params, error_response, final_response, new_choices, sse_stream
 from mtp_ray.serve.responses_api import Events, Shell, chat_body
 from mtp_ray.serve.streaming import ChunkWriter
@@ -56,9 +56,14 @@ class Ingress:
     """FastAPI routes on a Serve ingress class."""
 
     def __init__(self, group, model_name: str, tokenizer: str, server: ServerConfig | None = None,
-                 queue_s: float = 5.0, deploy: int = 0):
+                 queue_s: float = 5.0, deploy: int = 0, defaults: dict[str, float | int] | None = None):
         self.group = group
         self.server = server or ServerConfig()
+        # sampling defaults of requests that leave them out (server.generation_config; read by build_app)
+        self.defaults = dict(defaults or {})
+        if self.defaults:
+            log.info("sampling defaults from generation_config.json (server.generation_config: %s): %s",
+                     self.server.generation_config, self.defaults)
         self.metrics = Metrics()
         self.groups = GroupClient(group, queue_s, retry_after_s=max(1, round(queue_s)), count=self.metrics.count,
                                   stream_interval_s=self.server.stream_interval_ms / 1e3,
@@ -108,7 +113,8 @@ class Ingress:
         if self._limits is None:
             s = self.server
             max_len = (await self.info())["max_model_len"]
-            self._limits = Limits(s.max_n, s.max_stop, s.max_prompts, max_len * self.longest_token, max_len)
+            self._limits = Limits(s.max_n, s.max_stop, s.max_prompts, max_len * self.longest_token, max_len,
+                                  self.defaults)
         return self._limits
 
     async def info(self) -> dict:
@@ -192,6 +198,7 @@ class Ingress:
             for ids in req.prompts:  # here, not only at the group: an echo decodes the prompt before admission
                 check_length(ids, req.params, info["max_model_len"])
                 check_request(ids, req.params, info["vocab_size"], info["max_model_len"])
+            cap_max_tokens(req.params, limits)
         except ApiError as e:
             return self.refused(e)
         except asyncio.CancelledError:  # the client went away while its request was read

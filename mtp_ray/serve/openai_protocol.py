@@ -70,6 +70,8 @@ class Limits:
     max_prompts: int = 256
     max_prompt_chars: int | None = None  # a longer prompt string certainly exceeds max_model_len (not tokenised)
     max_model_len: int | None = None  # truncate_prompt_tokens -1 truncates to it (vLLM)
+    # sampling defaults for fields a request leaves out (SamplingParams names; server.generation_config)
+    defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def for_body(limits: Limits, body: dict) -> Limits:
@@ -95,7 +97,7 @@ def _check_type(body: dict, key: str, types: tuple) -> Any:
 
 def sampling_params(body: dict, max_tokens_key: str, logprobs: int | None, limits: Limits = NO_LIMITS,
                     tool_schema: dict | None = None) -> SamplingParams:
-    kw: dict[str, Any] = {}
+    kw: dict[str, Any] = {k: v for k, v in limits.defaults.items() if k != "max_tokens"}
     for key, (field_name, types) in SAMPLING_FIELDS.items():
         if body.get(key) is not None:
             kw[field_name] = _check_type(body, key, types)
@@ -249,6 +251,18 @@ def parse_completion(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> Parse
     if tokenizer is None:
         ids_only(req)
     return req
+
+
+def cap_max_tokens(params: SamplingParams, limits: Limits) -> None:
+    """generation_config's max_new_tokens: the default max_tokens and a cap on any request's (vLLM), applied once
+    the request's own max_tokens passed the context-length check."""
+    cap = limits.defaults.get("max_tokens")
+    if cap is None or (params.max_tokens is not None and params.max_tokens <= cap):
+        return
+    if params.min_tokens > cap:
+        raise bad(f"'min_tokens' {params.min_tokens} is more than the server's max_tokens {cap} "
+                  "(generation_config.json's max_new_tokens)", "min_tokens")
+    params.max_tokens = cap
 
 
 def prompt_text(s: str, field: str, limits: Limits) -> str:
