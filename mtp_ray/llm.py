@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from mtp_ray.config.engine import BUNDLED_MODEL, CacheConfig, EngineConfig, GraphConfig, SchedulerConfig, SpecConfig
@@ -161,8 +161,6 @@ class LLM:
         vocab = self.engine.runner.model_config.vocab_size
         for (_, ids), sp in zip(encoded, plist, strict=False):
             sp.validate()
-            if sp.seed is not None and sp.n > 1:  # the children's seeds are seed .. seed + n - 1
-                replace(sp, n=1, seed=sp.seed + sp.n - 1).validate()
             check_request(ids, sp, vocab, self.engine.max_model_len)
             if sp.structured_outputs is not None:
                 check_grammar(sp.structured_outputs)
@@ -178,8 +176,7 @@ class LLM:
                 results[rid] = ro
                 order.append(rid)
                 for i in range(sp.n):
-                    # n > 1: independent samples; a seeded request gives each its own derived seed
-                    child = replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i)
+                    child = sp.child(i)  # n > 1: independent samples (seeded: each its own seed, as the server)
                     cid = f"{rid}-{i}"
                     co = CompletionOutput(i, "", [], [], [], None, None)
                     ro.outputs.append(co)

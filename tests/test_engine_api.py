@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -244,13 +245,13 @@ def test_vllm_prompt_forms_and_clear_refusals(llm):
 
 
 def test_a_generate_that_fails_leaves_the_llm_usable(llm, monkeypatch):
-    """A seed whose n-th child overflows, a flag of the wrong type, an exception raised while stepping (here from
-    the detokenizer, as a Ctrl-C would): a clear error, nothing left queued, the next generate as before."""
+    """A seed out of range, a flag of the wrong type, an exception raised while stepping (here from the
+    detokenizer, as a Ctrl-C would): a clear error, nothing left queued, the next generate as before."""
     from mtp_ray.engine import detok
 
     ref = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="seed"):
-        llm.generate(["x"], SamplingParams(seed=2**63 - 1, n=2))
+        llm.generate(["x"], SamplingParams(seed=2**63, n=2))
     with pytest.raises(ValueError, match="skip_special_tokens"):
         llm.generate(["x"], SamplingParams(skip_special_tokens=None, max_tokens=2))
     assert not llm.engine.has_unfinished()
@@ -264,6 +265,15 @@ def test_a_generate_that_fails_leaves_the_llm_usable(llm, monkeypatch):
             llm.generate([PROMPT, "x = 1"], SamplingParams(temperature=0, max_tokens=8))
     assert not llm.engine.has_unfinished()
     assert llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids == ref
+
+
+def test_seeds_of_n_samples_wrap_past_the_largest_as_the_server_does(llm):
+    """Sample i of a seeded request draws from seed + i, wrapping past 2**63 - 1 to -2**63 (the server's choices
+    do the same): a seed near the top with n > 1 is valid, and each sample equals that seed's single sample."""
+    sp = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    got = [c.token_ids for c in llm.generate([PROMPT], replace(sp, seed=2**63 - 2, n=3))[0].outputs]
+    want = [llm.generate([PROMPT], replace(sp, seed=s))[0].outputs[0].token_ids for s in (2**63 - 2, 2**63 - 1, -2**63)]
+    assert got == want
 
 
 def test_a_bad_prompt_in_a_batch_queues_nothing(llm):
@@ -335,6 +345,34 @@ def test_incremental_detokenizer_equals_full_decode(llm):
     for i in range(len(ids)):
         stop.add(ids[i : i + 1])
     assert stop.stopped_by == "return x" and stop.text == text[: text.index("return x")]
+
+
+def test_streamed_text_never_runs_past_what_a_stop_regex_keeps(llm):
+    """A stream is the final text's prefix at every step: text that may still become (part of) a stop_regex match is
+    held back like a stop string's prefix (it used to go out, and the match then cut it from the whole text)."""
+    import random
+
+    from mtp_ray.engine.detok import Detokenizer
+
+    tok, rng = llm.tokenizer, random.Random(3)
+    text = "def fib(n):\n    return fib(n - 1) + fib(n - 2)  # (x) 12 345 def g(a, b)\n" * 3
+    ids = tok.encode(text, add_special_tokens=False)
+    cut_at = 0
+    for pattern in (r"\(\w*\)", r"def \w", r"\d{3}", r"fib\(n - 2\)", r"[ab], [ab]", r"\(x\)\s+\d+\s+\d+",
+                    r"(?<=\# )\(", r"zzz"):
+        for min_tokens in (0, 7):
+            d = Detokenizer(tok, [], stop_regex=[pattern], min_tokens=min_tokens)
+            streamed, at = "", 0
+            while at < len(ids) and d.stopped_by is None:
+                n = rng.randint(1, 4)
+                d.add(ids[at : at + n])
+                at += n
+                streamed += d.delta(False)
+                assert d.text.startswith(streamed), (pattern, streamed, d.text)
+            streamed += d.delta(True)
+            assert streamed == d.text, pattern
+            cut_at += d.stopped_by is not None
+    assert cut_at >= 12  # (most patterns did stop)
 
 
 @pytest.mark.parametrize("kind", ["wordpiece", "metaspace"])

@@ -215,6 +215,43 @@ def test_forced_tool_calls_stream_their_arguments_as_generated(client, choice, m
         assert not one
 
 
+@pytest.mark.parametrize("extra", [{}, {"chat_template_kwargs": {"enable_thinking": True},
+                                         "separate_reasoning": False}])
+def test_a_required_call_cut_before_its_name_streams_no_content(server, extra):
+    """tool_choice required cut by max_tokens before a call's name is read: the stream ends with no content and no
+    call, as the whole answer (it used to send the partial JSON, or with reasoning not separated the whole text,
+    as content)."""
+    for max_tokens in (1, 3, 5):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": TOOLS,
+                "tool_choice": "required", "max_tokens": max_tokens, "temperature": 0, **extra}
+        whole = requests.post(f"{BASE}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+        r = requests.post(f"{BASE}/v1/chat/completions", json={**body, "stream": True}, timeout=60)
+        events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+        deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+        assert whole["message"]["content"] == "" and not whole["message"].get("tool_calls"), whole
+        assert not any(d.get("content") or d.get("tool_calls") for d in deltas), (max_tokens, deltas)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stream_with_stop_regex_sends_the_text_the_whole_answer_has(server, path):
+    """stop_regex: a stream holds back text that may still become part of a match (it sent "(n" of "(n)", and
+    the match then cut it from the whole answer): the joined stream equals the non-streamed text."""
+    stops = 0
+    for prompt, pattern in (("def fib(n):\n    ", r"\(\w*\)"), ("import os\nimport sys\n\n", r"def \w")):
+        body = {"model": MODEL, "max_tokens": 30, "temperature": 0, "stop_regex": pattern}
+        body.update({"prompt": prompt} if "chat" not in path else {"messages": [{"role": "user", "content": prompt}]})
+        whole = requests.post(f"{BASE}{path}", json=body, timeout=60).json()["choices"][0]
+        r = requests.post(f"{BASE}{path}", json={**body, "stream": True}, timeout=60)
+        chunks = [json.loads(x[6:])["choices"] for x in r.text.splitlines() if x.startswith("data: {")]
+        if "chat" in path:
+            want, got = whole["message"]["content"], "".join(c[0]["delta"].get("content") or "" for c in chunks if c)
+        else:
+            want, got = whole["text"], "".join(c[0]["text"] for c in chunks if c)
+        assert got == want, (prompt, whole.get("stop_reason"))
+        stops += whole["matched_stop"] == pattern
+    assert stops or "chat" in path  # (the completions both stop at their pattern)
+
+
 @pytest.mark.parametrize("stream", [False, True, "whole reasoning"])
 def test_auto_tool_call_and_reasoning_are_parsed(client, stream):
     """A scripted output (a regex constraint on tool_choice auto) in Qwen3.5's XML call format, after a reasoning

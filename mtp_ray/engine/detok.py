@@ -6,11 +6,14 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import regex
+
 # tokens decoded together at most (beyond it the older ones are committed as text): each add decodes the tail since
 # the boundary, so this bounds a token's decoding cost (the ingress's largest per-token cost, bench/serve.py profile)
 WINDOW = 16
 KEEP = 4  # tokens left after the boundary when committing (_commit checks the split is exact)
 CTX = 4  # tokens before the boundary decoded with the tail as context
+REGEX_LOOKBACK = 256  # characters before the new text a stop_regex match may start in
 
 
 def decoder(tokenizer) -> Callable[[list[int], bool], str]:
@@ -48,6 +51,9 @@ class Detokenizer:
 
     def __post_init__(self) -> None:
         self._dec = decoder(self.tokenizer) if self.tokenizer is not None else None
+        # stop_regex as the `regex` module compiles it: its partial matches say what text may still become a match
+        # (None: a pattern it reads otherwise than `re`; then all text a match could start in is held back)
+        self._partial = [_partial_pattern(p) for p in self.stop_regex]
 
     def decode(self, ids: list[int]) -> str:
         """ids as text, decoded as this request's output is (skip_special_tokens)."""
@@ -117,7 +123,7 @@ class Detokenizer:
         hits = [(i, i + len(s), s, s) for s in self.stop
                 if (i := full.find(s, max(0, self.checked - len(s) + 1))) >= 0]
         for pattern in self.stop_regex:
-            m = next((m for m in re.compile(pattern).finditer(full, max(0, self.checked - 256))
+            m = next((m for m in re.compile(pattern).finditer(full, max(0, self.checked - REGEX_LOOKBACK))
                       if m.end() > max(m.start(), self.checked)), None)
             if m is not None:
                 hits.append((m.start(), m.end(), m.group(), pattern))
@@ -138,14 +144,37 @@ class Detokenizer:
         return len(self.token_ids)
 
     def delta(self, finished: bool) -> str:
-        """New text to stream. Until the request ends, hold back what could still become a stop string or an
-        incomplete multi-byte character."""
+        """New text to stream. Until the request ends, hold back what could still become a stop string, the start of
+        a stop_regex match, or an incomplete multi-byte character (a streamed text is the whole text's prefix)."""
         end = len(self.text)
         if not finished and self.stopped_by is None:
             if self.text.endswith("\ufffd"):
                 end -= 1
             if self.stop:
-                end = max(self.emitted, end - (max(len(s) for s in self.stop) - 1))
+                end = end - (max(len(s) for s in self.stop) - 1)
+            if self._partial:
+                end = min(end, self._regex_hold())
+            end = max(self.emitted, end)
         out = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return out
+
+    def _regex_hold(self) -> int:
+        """Where the text that may still become (part of) a stop_regex match starts: the earliest match reaching the
+        end of the text, partial (it needs more text) or whole (it may go on). len(text): none."""
+        text = self.text
+        start, hold = max(0, len(text) - REGEX_LOOKBACK), len(text)
+        for p in self._partial:
+            if p is None:
+                return start
+            m = next((m for m in p.finditer(text, start, partial=True) if m.end() == len(text)), None)
+            if m is not None:
+                hold = min(hold, m.start())
+        return hold
+
+
+def _partial_pattern(pattern: str) -> regex.Pattern | None:
+    try:
+        return regex.compile(pattern)
+    except regex.error:
+        return None

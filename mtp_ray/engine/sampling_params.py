@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 
@@ -141,6 +141,12 @@ class SamplingParams:
         if unknown:
             raise ParamError(f"unknown sampling parameter(s): {sorted(unknown)}", sorted(unknown)[0])
         return cls(**raw)
+
+    def child(self, index: int) -> SamplingParams:
+        """Sample `index` of n as a request of its own (n = 1): a seeded request's samples draw from seed, seed + 1,
+        ... (vLLM), wrapping past 2**63 - 1 to -2**63, so every seed the parameters accept stays valid."""
+        seed = self.seed if self.seed is None else self.seed + index % self.n
+        return replace(self, n=1, seed=seed - 2**64 if seed is not None and seed >= 2**63 else seed)
 
     def validate(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:

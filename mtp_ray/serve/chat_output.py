@@ -69,8 +69,9 @@ class ChatOutput:
             calls = calls if self.opts.parallel_tool_calls else calls[:1]  # vLLM keeps the first
         return (reasoning if self.opts.include_reasoning else None), content, calls
 
-    def feed(self, delta: str, final: bool) -> ChatDelta:
-        """The next piece of a streamed choice; final: the choice ended (everything held back is released)."""
+    def feed(self, delta: str, final: bool, cut: bool = False) -> ChatDelta:
+        """The next piece of a streamed choice; final: the choice ended (everything held back is released); cut: it
+        ended at max_tokens."""
         out = ChatDelta()
         if self.ended:  # the choice's end may be seen twice (its last delta, then its end): released once
             return out
@@ -99,8 +100,8 @@ class ChatOutput:
             self.buffer += c
             self.array.feed(c)
             out.tool_args, out.tool_calls = self.array.take()
-            if final and not self.array.opened:  # no call in it (e.g. cut before a name): the text itself
-                out.content = self.buffer
+            if final and not self.array.opened and not cut:  # no call in it: the text itself (cut before a
+                out.content = self.buffer                           # name: nothing, as `whole`)
             return out
         if self.tools is not None:
             c, calls = self.tools.feed(c)

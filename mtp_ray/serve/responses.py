@@ -305,7 +305,5 @@ def error_response(e: ApiError) -> JSONResponse:
 
 
 def choice_params(p: SamplingParams, index: int) -> SamplingParams:
-    """One choice's own request (n = 1): a seeded request's choices draw from seed, seed + 1, ... (wrapping past
-    2**63 - 1 to -2**63, so every seed the parameters accept stays valid)."""
-    seed = p.seed if p.seed is None else p.seed + index % p.n
-    return dataclasses.replace(p, n=1, seed=seed - 2**64 if seed is not None and seed >= 2**63 else seed)
+    """One choice's own request (n = 1; SamplingParams.child: seeds seed, seed + 1, ...)."""
+    return p.child(index)
