@@ -42,7 +42,7 @@ REASONING_CASES = [
     (False, "<thin", None, "<thin"),
     (True, "\n\n</think>\n\n", None, None),
     (True, "a </thi", "a </thi", None),
-    (False, "", None, None),
+    (False, "", None, ""),  # (vLLM: an empty answer without think tags is content "", not null)
     (True, "r</think>c </think> d", "r", "c </think> d"),
 ]
 

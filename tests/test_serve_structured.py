@@ -213,6 +213,8 @@ def test_forced_tool_calls_stream_their_arguments_as_generated(client, choice, m
         assert [o.type for o in events[-1].response.output] == ["function_call"] * len(one)
     else:  # vLLM's test_max_tokens_with_tool_choice_required: no function_call item in a cut response
         assert not one
+        assert events[-1].type == "response.incomplete"  # the stream's final Response is the whole one's
+        assert not [o for o in events[-1].response.output if o.type == "function_call"]
 
 
 @pytest.mark.parametrize("extra", [{}, {"chat_template_kwargs": {"enable_thinking": True},

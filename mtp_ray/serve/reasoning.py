@@ -97,7 +97,7 @@ class Qwen3ReasoningParser(ReasoningParser):
         if text.startswith(THINK_OPEN):
             text, in_r = text[len(THINK_OPEN):], True
         if not in_r:
-            return None, text or None
+            return None, text  # (vLLM: no tags, the output as it is; "" stays "")
         reasoning, sep, content = text.partition(THINK_CLOSE)
         return reasoning.strip("\n") or None, (content.lstrip("\n") or None) if sep else None
 

@@ -319,9 +319,13 @@ class Events:
             self.finish = c.get("finish_reason") or self.finish
         if chunk.get("usage") is not None and not chunk.get("choices"):
             out += self._close()
-            status = _status(self.finish)
+            status, output = _status(self.finish), self.output
+            if self.finish == "length" and self.shell.body.get("tool_choice", "auto") not in ("auto", "none"):
+                # a forced call cut short is no call: the final Response is the whole one's (no function_call item),
+                # though its arguments were streamed as generated
+                output = [o for o in output if o["type"] != "function_call"]
             out.append(self._event(f"response.{status}", response=self.shell.response(
-                status, self.output, _usage(chunk["usage"]), self.finish)))
+                status, output, _usage(chunk["usage"]), self.finish)))
         return out
 
     async def convert(self, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
