@@ -2,8 +2,9 @@
 
 Both formats wrap each call in ``<tool_call>...</tool_call>``: ``hermes`` holds a JSON object, ``qwen3_coder``
 (Qwen3-Coder / Qwen3.5) holds ``<function=NAME><parameter=P>VALUE</parameter></function>`` XML whose values are
-typed by the tool's JSON schema. A block that does not parse stays in the content as text; nothing here raises
-on model output. Streaming holds back a possible tag and whole blocks, and yields exactly what ``parse`` gives.
+typed by the tool's JSON schema. A block that does not parse stays in the content as text; text after the first
+call is dropped (vLLM's parsers keep only the text before it); nothing here raises on model output. Streaming holds
+back a possible tag and whole blocks, and yields exactly what ``parse`` gives.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class ToolParser(ABC):
         self._scan = 0  # where to resume looking for </tool_call> in the buffered block
         self._pending = ""  # whitespace-only content held until something visible arrives
         self._live = False
+        self._called = False  # a call has been parsed: no more content
 
     @abstractmethod
     def parse_block(self, body: str) -> ToolCall | None:
@@ -81,20 +83,24 @@ class ToolParser(ABC):
         calls: list[ToolCall] = []
         pos = 0
         while (i := text.find(CALL_OPEN, pos)) >= 0:
-            content.append(text[pos:i])
+            if not calls:
+                content.append(text[pos:i])
             j = text.find(CALL_CLOSE, i + len(CALL_OPEN))
             end = len(text) if j < 0 else j + len(CALL_CLOSE)
             call = self._try(text[i + len(CALL_OPEN):j if j >= 0 else len(text)], j >= 0)
             if call is not None:
                 calls.append(call)
-            else:
+            elif not calls:
                 content.append(text[i:end])
             pos = end
-        content.append(text[pos:])
+        if not calls:
+            content.append(text[pos:])
         out = "".join(content)
         return (out if out.strip() else None), calls
 
     def _emit(self, s: str) -> str:
+        if self._called:  # text after the first call is dropped
+            return ""
         if self._live:
             return s
         self._pending += s
@@ -126,6 +132,7 @@ class ToolParser(ABC):
             call = self._try(body, j >= 0)
             if call is not None:
                 calls.append(call)
+                self._called = True
             else:
                 out.append(self._emit(CALL_OPEN + body + ("" if j < 0 else CALL_CLOSE)))
             self._buf = "" if j < 0 else buf[j + len(CALL_CLOSE):]
