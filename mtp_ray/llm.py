@@ -7,14 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtp_ray.config.engine import BUNDLED_MODEL, CacheConfig, EngineConfig, GraphConfig, SchedulerConfig, SpecConfig
-from mtp_ray.config.model import sampling_defaults
 from mtp_ray.engine.chat_content import content_text
 from mtp_ray.engine.core import EngineCore
 from mtp_ray.engine.detok import STOP_NEEDS_TOKENIZER, Detokenizer
 from mtp_ray.engine.grammar import check_grammar
 from mtp_ray.engine.outputs import StepOutput, prompt_logprob_dicts
 from mtp_ray.engine.request import check_request
-from mtp_ray.engine.sampling_params import SamplingParams
+from mtp_ray.engine.sampling_params import SamplingParams, model_defaults
 
 
 @dataclass
@@ -109,8 +108,7 @@ class LLM:
         """generation_config (vLLM's): where generate() without sampling_params takes its defaults: "auto", the
         model's generation_config.json; "vllm", SamplingParams(); else a directory holding a generation_config.json."""
         self.config = config or engine_config(model, **kw)
-        self._defaults = sampling_defaults(generation_config, self.config.model)
-        SamplingParams(**self._defaults).validate()
+        self._defaults = model_defaults(generation_config, self.config.model)
         self.engine = EngineCore(self.config)
         if self.engine.runner.graphs is not None:
             self.engine.warmup()  # captures the CUDA graphs up front

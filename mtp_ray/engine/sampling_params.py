@@ -6,6 +6,8 @@ import sys
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from mtp_ray.config.model import sampling_defaults
+
 
 class ParamError(ValueError):
     """A bad request value; `param` names the request field (OpenAI's error `param`)."""
@@ -200,3 +202,11 @@ class SamplingParams:
              "logprob_token_ids", f"must be a list of 1..20 token ids, got {ids!r:.80}")
         need(ids is None or self.logprobs is not None, "logprob_token_ids",
              "needs logprobs (their log-probs take the place of the top alternatives)")
+
+
+def model_defaults(generation_config: str, model: str) -> dict[str, float | int]:
+    """The sampling defaults of requests that leave fields out (config/model.py: sampling_defaults), checked: a value
+    SamplingParams refuses is a ValueError here, once, not in every request that takes it."""
+    defaults = sampling_defaults(generation_config, model)
+    SamplingParams(**defaults).validate()
+    return defaults

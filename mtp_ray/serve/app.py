@@ -18,9 +18,9 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from mtp_ray.config.engine import EngineConfig
-from mtp_ray.config.model import ModelConfig, sampling_defaults
+from mtp_ray.config.model import ModelConfig
 from mtp_ray.config.server import ServerConfig
-from mtp_ray.engine.sampling_params import SamplingParams
+from mtp_ray.engine.sampling_params import model_defaults
 from mtp_ray.runtime.group import rank_bundles
 from mtp_ray.serve.deployment import GroupDeployment
 from mtp_ray.serve.ingress import Ingress
@@ -59,11 +59,9 @@ def check_defaults(server: ServerConfig, model: str) -> dict[str, float | int]:
     """The sampling defaults requests get (server.generation_config), read and checked at deploy time: a bad value
     would otherwise fail every request that leaves the field out."""
     try:
-        defaults = sampling_defaults(server.generation_config, model)
-        SamplingParams(**defaults).validate()
+        return model_defaults(server.generation_config, model)
     except (OSError, ValueError) as e:
         raise ValueError(f"server.generation_config ({server.generation_config}): {e}") from None
-    return defaults
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
