@@ -359,7 +359,7 @@ def test_streamed_text_never_runs_past_what_a_stop_regex_keeps(llm):
     ids = tok.encode(text, add_special_tokens=False)
     cut_at = 0
     for pattern in (r"\(\w*\)", r"def \w", r"\d{3}", r"fib\(n - 2\)", r"[ab], [ab]", r"\(x\)\s+\d+\s+\d+",
-                    r"(?<=\# )\(", r"zzz"):
+                    r"(?<=\# )\(", r"zzz", r"fib(?=\(n - 2)", r"(?=345 def)", r"\b(?=g\()"):
         for min_tokens in (0, 7):
             d = Detokenizer(tok, [], stop_regex=[pattern], min_tokens=min_tokens)
             streamed, at = "", 0
@@ -372,7 +372,25 @@ def test_streamed_text_never_runs_past_what_a_stop_regex_keeps(llm):
             streamed += d.delta(True)
             assert streamed == d.text, pattern
             cut_at += d.stopped_by is not None
-    assert cut_at >= 12  # (most patterns did stop)
+    assert cut_at >= 18  # (most patterns did stop)
+
+
+def test_a_stop_regex_that_matches_empty_text_stops_there(llm):
+    """A pattern whose match is empty (`^`, a lookahead, `\\b`) stops where it matches, as SGLang's re.search does,
+    and so does one whose lookahead completes with later text: such matches were skipped (they never stopped)."""
+    from mtp_ray.engine.detok import Detokenizer
+
+    tok = llm.tokenizer
+    text = "def f(x):\n    return x * 2\n"
+    ids = tok.encode(text, add_special_tokens=False)
+    for pattern, cut, matched in ((r"^", "", ""), (r"(?=return)", "def f(x):\n    ", ""),
+                                  (r"\b(?=x \*)", "def f(x):\n    return ", ""), (r"(?<=\):)", "def f(x):", ""),
+                                  (r"return(?= x \* 2)", "def f(x):\n    ", "return")):
+        d = Detokenizer(tok, [], stop_regex=[pattern])
+        for i in range(len(ids)):
+            d.add(ids[i : i + 1])
+        assert (d.stopped_by, d.stopped_on, d.text) == (matched, pattern, cut), pattern
+        assert 1 <= d.stop_tokens <= len(ids) and tok.decode(ids[: d.stop_tokens]).startswith(cut)
 
 
 @pytest.mark.parametrize("kind", ["wordpiece", "metaspace"])

@@ -43,6 +43,7 @@ class Detokenizer:
     stop_tokens: int | None = None  # tokens up to the one that completed the stop (the rest are not output)
     min_tokens: int = 0  # a stop counts only if it ends past the text of this many tokens (vLLM's min_tokens)
     checked: int = 0  # text searched for stops (or held back by min_tokens): a stop must end past it
+    held: int = 0  # text of the first min_tokens tokens: no stop_regex match may end inside it
     emitted: int = 0  # characters already handed out by delta()
     # text of token_ids[:committed] (decoding only the tail keeps a long generation linear, not quadratic)
     committed: int = 0
@@ -103,10 +104,11 @@ class Detokenizer:
             tail = self._commit(tail)
         full = self.committed_text + tail
         if len(self.token_ids) <= self.min_tokens:  # held back: a stop must end in later text (vLLM)
-            self.text, self.checked = full, len(full.rstrip("\ufffd"))
+            self.text = full
+            self.checked = self.held = len(full.rstrip("\ufffd"))
             return
         if before < self.min_tokens:  # this add crossed min_tokens (k > 0: several tokens a step)
-            self.checked = len(self.decode(self.token_ids[: self.min_tokens]).rstrip("\ufffd"))
+            self.checked = self.held = len(self.decode(self.token_ids[: self.min_tokens]).rstrip("\ufffd"))
         else:  # (a character still incomplete at the end of the text before is not searched yet)
             self.checked = min(self.checked, len(self.text.rstrip("\ufffd")))
         hit = self._find_stop(full)
@@ -118,13 +120,15 @@ class Detokenizer:
         self.text = full
 
     def _find_stop(self, full: str) -> tuple[int, int, str, str] | None:
-        """The first stop ending in the new text (past `checked`) -> (start, end, the text matched, the stop string
-        or pattern)."""
+        """The first stop in the new text (a stop string ending past `checked`, a stop_regex match that needed it)
+        -> (start, end, the text matched, the stop string or pattern)."""
         hits = [(i, i + len(s), s, s) for s in self.stop
                 if (i := full.find(s, max(0, self.checked - len(s) + 1))) >= 0]
+        # A match may end before `checked`: one with a lookahead (`x(?= \*)`) completes with later text. An empty
+        # match counts too, as SGLang's re.search (`^`, `\b`). Any match ending in held-back text is new.
         for pattern in self.stop_regex:
             m = next((m for m in re.compile(pattern).finditer(full, max(0, self.checked - REGEX_LOOKBACK))
-                      if m.end() > max(m.start(), self.checked)), None)
+                      if m.end() > self.held or m.start() == m.end() == self.held), None)
             if m is not None:
                 hits.append((m.start(), m.end(), m.group(), pattern))
         return min(hits) if hits else None
