@@ -393,6 +393,23 @@ def test_a_stop_regex_that_matches_empty_text_stops_there(llm):
         assert 1 <= d.stop_tokens <= len(ids) and tok.decode(ids[: d.stop_tokens]).startswith(cut)
 
 
+def test_a_stop_regex_cuts_where_it_would_token_by_token_whatever_the_grouping(llm):
+    """Tokens come k + 1 a step, and several steps at once when the ingress lags: an end-anchored pattern (`$`,
+    `\\Z`, a negative lookahead) cut the text where a group ended, so a stream and the whole answer differed."""
+    from mtp_ray.engine.detok import Detokenizer
+
+    tok = llm.tokenizer
+    ids = tok.encode('x):\n    """\n    Additional future.', add_special_tokens=False)
+    for pattern in ("$", r"\Z", r"\s(?!\s)", r"\)(?!;)"):
+        texts = set()
+        for size in (1, 3, 4, len(ids)):
+            d = Detokenizer(tok, [], stop_regex=[pattern])
+            for at in range(0, len(ids), size):
+                d.add(ids[at : at + size])
+            texts.add((d.text, d.stop_tokens))
+        assert len(texts) == 1, (pattern, texts)
+
+
 @pytest.mark.parametrize("kind", ["wordpiece", "metaspace"])
 def test_incremental_detokenizer_commits_with_joining_decoders(kind):
     """Decoders that join words with spaces (WordPiece) or drop the first word's leading space (Metaspace): the

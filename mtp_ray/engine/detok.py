@@ -92,6 +92,10 @@ class Detokenizer:
             if self.stopped_by is None:
                 self.token_ids.append(new_ids[-1])  # (the request ended: no later add decodes it)
             return
+        if self.stop_regex and len(new_ids) > 1:  # each token's text on its own: an end-anchored pattern (`$`,
+            for t in new_ids:                    # `x(?!y)`) must not cut where a step's or a pull's grouping ends
+                self.add([t])
+            return
         before = len(self.token_ids)
         self.token_ids.extend(new_ids)
         if self.tokenizer is None:  # token ids only: no text, no stop strings
