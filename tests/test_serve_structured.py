@@ -217,6 +217,34 @@ def test_forced_tool_calls_stream_their_arguments_as_generated(client, choice, m
         assert not [o for o in events[-1].response.output if o.type == "function_call"]
 
 
+def test_a_required_call_cut_by_a_stop_string_is_no_call(client):
+    """tool_choice required whose JSON a stop string cuts ("}"): no call and no content, finish "stop" (vLLM's
+    validation drops the array that no longer parses); it returned a call with arguments that are no JSON and
+    finish "tool_calls". A named call keeps the arguments as cut (vLLM). On /v1/responses the streamed call's
+    output_item.done says "incomplete" (it said "completed", also when max_output_tokens cut it)."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS,
+              tool_choice="required", max_tokens=150, temperature=0, stop="}")
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert (whole.message.tool_calls, whole.message.content, whole.finish_reason) == ([], "", "stop"), whole
+    chunks = [ch.choices[0] for ch in client.chat.completions.create(stream=True, **kw) if ch.choices]
+    assert any(c.delta.tool_calls for c in chunks) and chunks[-1].finish_reason == "stop"  # (sent as generated)
+    named = client.chat.completions.create(**{**kw, "tool_choice": {"type": "function",
+                                                                    "function": {"name": "get_weather"}}})
+    call = named.choices[0].message.tool_calls[0]
+    assert named.choices[0].finish_reason == "stop" and call.function.arguments.startswith("{")
+    tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+             for t in TOOLS]
+    for extra, limit in (({"stop": "}"}, 150), (None, 14)):
+        rk = dict(model=MODEL, input="Weather in Oslo?", tools=tools, temperature=0, tool_choice="required",
+                  max_output_tokens=limit, extra_body=extra)
+        one = client.responses.create(**rk)
+        assert not [o for o in one.output if o.type == "function_call"], one
+        events = list(client.responses.create(stream=True, **rk))
+        items = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+        assert items and all(i.status == "incomplete" for i in items), items
+        assert not [o for o in events[-1].response.output if o.type == "function_call"]
+
+
 @pytest.mark.parametrize("extra", [{}, {"chat_template_kwargs": {"enable_thinking": True},
                                          "separate_reasoning": False}])
 def test_a_required_call_cut_before_its_name_streams_no_content(server, extra):

@@ -54,11 +54,17 @@ class ChatOutput:
         self.auto_calls = 0  # calls the auto tool parser has streamed (parallel_tool_calls false: the first goes)
         self.ended = False
 
-    def whole(self, text: str, cut: bool = False) -> tuple[str | None, str | None, list[ToolCall]]:
-        """(reasoning, content, tool calls) of a finished choice; cut: it ended at max_tokens."""
+    def no_call(self, cut: str | None) -> bool:
+        """A forced call cut short is no call, nor content (vLLM, as OpenAI): cut at max_tokens, or for `required`
+        at a stop string / stop_regex too (its JSON array no longer parses: vLLM's validation drops it; a named
+        call keeps the arguments as cut, as vLLM's)."""
+        return self.forced and (cut == "length" or (cut == "stop" and self.opts.tool_choice == "required"))
+
+    def whole(self, text: str, cut: str | None = None) -> tuple[str | None, str | None, list[ToolCall]]:
+        """(reasoning, content, tool calls) of a finished choice; cut: Choice.cut ("length", "stop", None)."""
         reasoning, content = self.reasoning.split(text) if self.reasoning else (None, text)
         calls: list[ToolCall] = []
-        if self.forced and cut:  # a call cut short is no call, nor content (vLLM, as OpenAI): both empty
+        if self.no_call(cut):
             content = ""
         elif self.forced and content is not None:
             found = forced_calls(content, self.opts)
@@ -69,9 +75,9 @@ class ChatOutput:
             calls = calls if self.opts.parallel_tool_calls else calls[:1]  # vLLM keeps the first
         return (reasoning if self.opts.include_reasoning else None), content, calls
 
-    def feed(self, delta: str, final: bool, cut: bool = False) -> ChatDelta:
-        """The next piece of a streamed choice; final: the choice ended (everything held back is released); cut: it
-        ended at max_tokens."""
+    def feed(self, delta: str, final: bool, cut: str | None = None) -> ChatDelta:
+        """The next piece of a streamed choice; final: the choice ended (everything held back is released); cut:
+        Choice.cut ("length", "stop", None)."""
         out = ChatDelta()
         if self.ended:  # the choice's end may be seen twice (its last delta, then its end): released once
             return out
@@ -100,8 +106,8 @@ class ChatOutput:
             self.buffer += c
             self.array.feed(c)
             out.tool_args, out.tool_calls = self.array.take()
-            if final and not self.array.opened and not cut:  # no call in it: the text itself (cut before a
-                out.content = self.buffer                           # name: nothing, as `whole`)
+            if final and not self.array.opened and not self.no_call(cut):  # no call in it: the text itself
+                out.content = self.buffer                                     # (cut before a name: nothing)
             return out
         if self.tools is not None:
             c, calls = self.tools.feed(c)

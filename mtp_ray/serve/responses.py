@@ -58,6 +58,14 @@ class Choice:
             self.spec = out.spec or {}
             self.timings = out.timings or {}
 
+    @property
+    def cut(self) -> str | None:
+        """How its text was cut short of the model's own end: "length" (max_tokens), "stop" (a stop string or
+        stop_regex), None."""
+        if self.finish_reason == "length":
+            return "length"
+        return "stop" if self.detok.stopped_by is not None else None
+
     def reasoning_tokens(self) -> int:
         """This chat choice's reasoning tokens so far (0 where its reasoning is not split off)."""
         assert self.chat is not None
@@ -193,7 +201,8 @@ def _tool_calls(calls, first: int = 0, stream: bool = False) -> list[dict]:
 
 
 def _finish(c: Choice, has_calls: bool) -> str | None:
-    if has_calls and c.finish_reason == "stop" and c.chat is not None and c.chat.opts.tool_choice != "named":
+    if (has_calls and c.finish_reason == "stop" and c.chat is not None and c.chat.opts.tool_choice != "named"
+            and not c.chat.no_call(c.cut)):  # (a streamed call cut by a stop string: no call after all)
         return "tool_calls"
     return c.finish_reason
 
@@ -255,14 +264,14 @@ def final_response(rid: str, model: str, chat: bool, choices: list[Choice], req:
         text = "" if req.drop_output else c.detok.text
         if chat:
             lp = r.chat_logprobs(c, 0) if req.top_logprobs is not None else None
-            cut = c.finish_reason == "length"
+            cut = c.cut
             reasoning, content, calls = c.chat.whole(text, cut) if c.chat is not None else (None, text, [])
             if c.echo:
                 content = c.echo + (content or "")
             if calls and content is None and c.chat is not None and c.chat.opts.tool_choice == "named":
                 content = ""  # vLLM: a named call's message has empty content
             msg: dict = {"role": "assistant", "content": content}
-            if calls or (cut and c.chat is not None and c.chat.forced):  # else no key, as OpenAI (vLLM: [])
+            if calls or (c.chat is not None and c.chat.no_call(cut)):  # else no key, as OpenAI (vLLM: [])
                 msg["tool_calls"] = _tool_calls(calls)  # (a forced call cut short: [], as vLLM's tests ask)
             if c.chat is not None and c.chat.reasoning is not None:
                 msg["reasoning"] = msg["reasoning_content"] = reasoning  # vLLM's name, and the older one

@@ -269,8 +269,8 @@ class Events:
             item = _reasoning_item(o["id"], text)
             out = [self._event("response.reasoning_text.done", item_id=o["id"], output_index=i, content_index=0,
                                text=text)]
-        elif o["kind"] == "call":
-            item = {**o["item"], "arguments": text}
+        elif o["kind"] == "call":  # (closed by the next item, or at the end: a call cut short is incomplete)
+            item = {**o["item"], "arguments": text, "status": "incomplete" if self._call_cut() else "completed"}
             out = [self._event("response.function_call_arguments.done", item_id=o["id"], output_index=i,
                                name=item["name"], arguments=text)]
         else:
@@ -301,6 +301,14 @@ class Events:
         return out + [self._event("response.function_call_arguments.delta", item_id=self.open["id"],
                                   output_index=len(self.output), delta=args)]
 
+    def _call_cut(self) -> bool:
+        """The response ended with a forced call cut short (ChatOutput.no_call): at max_output_tokens, or a
+        `required` one by a stop (it ends "tool_calls" when whole)."""
+        forced = self.shell.body.get("tool_choice", "auto")
+        if forced in ("auto", "none"):
+            return False
+        return self.finish == "length" or (self.finish == "stop" and forced == "required")
+
     def chunk(self, chunk: dict) -> list[str]:
         """One chat chunk -> its events (the usage chunk closes the response)."""
         if "error" in chunk:
@@ -320,10 +328,9 @@ class Events:
         if chunk.get("usage") is not None and not chunk.get("choices"):
             out += self._close()
             status, output = _status(self.finish), self.output
-            if self.finish == "length" and self.shell.body.get("tool_choice", "auto") not in ("auto", "none"):
-                # a forced call cut short is no call: the final Response is the whole one's (no function_call item),
-                # though its arguments were streamed as generated
-                output = [o for o in output if o["type"] != "function_call"]
+            if self._call_cut():  # a forced call cut short is no call: the final Response is the whole one's (no
+                output = [o for o in output if o["type"] != "function_call"]  # function_call item), though its
+                # arguments were streamed as generated
             out.append(self._event(f"response.{status}", response=self.shell.response(
                 status, output, _usage(chunk["usage"]), self.finish)))
         return out

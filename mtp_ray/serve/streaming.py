@@ -48,7 +48,7 @@ class ChunkWriter:
             out.append(self._event(body))
         done = c.finish_reason is not None
         text = "" if req.drop_output else c.detok.delta(done)
-        delta = c.chat.feed(text, done, c.finish_reason == "length") if c.chat is not None else None
+        delta = c.chat.feed(text, done, c.cut) if c.chat is not None else None
         lp_due = req.top_logprobs is not None and c.pending_logprobs and not req.drop_output
         has = (bool(delta.content or delta.reasoning or delta.tool_calls or delta.tool_args) if delta is not None
                else bool(text))
