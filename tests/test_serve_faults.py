@@ -392,6 +392,31 @@ def test_a_stream_outlives_its_group_being_stopped_within_the_grace_period(ray_c
     assert r["status"] == 200 and r["done"] and r["error"] is None and r["tokens"] > 100, r
 
 
+def test_a_stream_cut_by_the_end_of_the_grace_period_says_so(ray_cluster):
+    """Past graceful_shutdown_timeout_s Serve kills the group replica and its ranks die with it: the stream ends with
+    an error naming the stop and the setting (it read "rank 0 ... is gone: ActorDiedError: The actor died
+    unexpectedly", as a crash does)."""
+    from ray import serve
+
+    from mtp_ray.serve.app import build_app
+
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    args = app_args(1)
+    args["group"].update(graceful_shutdown_timeout_s=1, graceful_shutdown_wait_loop_s=0.5)
+    serve.run(build_app(args), name="faults", route_prefix="/")
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            fut = pool.submit(stream_one, 480)
+            time.sleep(1.0)
+            serve.delete("faults")
+            r = fut.result(timeout=60)
+    finally:
+        serve.shutdown()
+    assert r["status"] == 200 and 0 < r["tokens"] < 480, r
+    assert "was stopped before this request ended" in r["error"], r
+    assert "graceful_shutdown_timeout_s" in r["error"], r
+
+
 @pytest.mark.parametrize("app", [2], indirect=True)
 def test_a_burst_is_spread_over_the_groups(app):
     """Two groups, bursts of 16 streams: each group admits a fair share. One admission call carries what arrived

@@ -15,6 +15,8 @@ import logging
 import time
 import uuid
 
+from ray.exceptions import RayActorError
+
 from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.runtime.batcher import detached
 from mtp_ray.runtime.group_monitor import GroupFailed
@@ -25,6 +27,38 @@ PULL_S = 1.0  # a pull waits at most this long for its first message (the rank d
 # streams on one rank from which its pulls are spaced by the stream interval: below it every step goes out as soon
 # as the rank has it (a single stream's time per token is the engine's step, not the interval)
 SPACED_STREAMS = 8
+
+
+async def settled(worker, e: BaseException, tries: int = 5) -> BaseException:
+    """The error of a call to the dead rank made later: the call in flight when it died may fail before Ray knows
+    why (no "because ..." in its text); a later one carries the cause, once Ray has it (a second or so on a busy
+    machine)."""
+    for _ in range(tries):
+        if not isinstance(e, RayActorError) or "dead because" in str(e):
+            break
+        await asyncio.sleep(0.5)
+        try:
+            await asyncio.wait_for(worker.__ray_ready__.remote(), 2.0)
+            break  # (alive after all: the pull failed otherwise)
+        except RayActorError as later:
+            e = later
+        except Exception:
+            break
+    return e
+
+
+def rank_gone(rank: int, group: str, e: BaseException) -> str:
+    """Why a rank's pull failed, in one line. Its ranks die with the group replica that owns them: Serve kills a
+    replica it stops (a scale-down, an update, the app deleted) once graceful_shutdown_timeout_s passed, and Ray
+    says the owner's exit was intended; a replica that crashed reads otherwise."""
+    text = str(e)
+    if "owner has died" in text and "INTENDED" in text:
+        return (f"engine group {group} was stopped before this request ended: Serve stops a group that is scaled "
+                f"down, updated or deleted once its running requests end or its graceful_shutdown_timeout_s passed "
+                f"(args.group.graceful_shutdown_timeout_s)")
+    first = (text.strip().splitlines() or [""])[0]
+    owner = " (the group replica that owns it died)" if "owner has died" in text else ""
+    return f"rank {rank} of engine group {group} is gone{owner}: {type(e).__name__}: {first}"
 
 
 class Deliveries:
@@ -62,9 +96,7 @@ class Deliveries:
                 try:
                     res = await worker.pull.remote(self.subscriber, PULL_S)
                 except Exception as e:  # the rank died, or its group was torn down
-                    first = (str(e).strip().splitlines() or [""])[0]
-                    self._fail(source, GroupFailed(f"rank {rank} of engine group {source.split('/')[0]} is gone: "
-                                                   f"{type(e).__name__}: {first}"))
+                    self._fail(source, GroupFailed(rank_gone(rank, source.split("/")[0], await settled(worker, e))))
                     return
                 self.pulls += 1
                 self._dispatch(res["msgs"])
