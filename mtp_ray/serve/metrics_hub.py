@@ -40,6 +40,7 @@ class MetricsHub:
         self.seen: dict[tuple[str, str], float] = {}
         self.retired: dict[str, dict[str, float]] = {"group": defaultdict(float), "ingress": defaultdict(float)}
 
+    @ray.method(enable_task_events=False)  # (every replica, once a second: no task record each in the GCS)
     def report(self, kind: str, reporter: str, snapshot: dict[str, Any], deploy: int = 0) -> None:
         """snapshot["totals"]: the reporter's monotonic counters (name -> value); the rest is shown as it is."""
         if deploy < self.deploy:  # a replica of an earlier deploy of the app, still draining
