@@ -108,7 +108,7 @@ def engine_sums(model: str, checks: list[dict]) -> None:
     outs = llm.generate([c["ids"] for c in checks], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
     for c, o in zip(checks, outs, strict=True):
         lo, hi = c["span"]
-        c["engine_prompt_logprobs"] = float(sum(o.prompt_logprobs[i][t] for i, t in enumerate(c["ids"])
+        c["engine_prompt_logprobs"] = float(sum(o.prompt_logprobs[i][t].logprob for i, t in enumerate(c["ids"])
                                                 if lo <= i < hi))
 
 

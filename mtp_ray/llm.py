@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
-from dataclasses import dataclass, field
 from typing import Any
 
 from mtp_ray.config.engine import BUNDLED_MODEL, CacheConfig, EngineConfig, GraphConfig, SchedulerConfig, SpecConfig
@@ -11,35 +11,10 @@ from mtp_ray.engine.chat_content import content_text
 from mtp_ray.engine.core import EngineCore
 from mtp_ray.engine.detok import STOP_NEEDS_TOKENIZER, Detokenizer
 from mtp_ray.engine.grammar import check_grammar
-from mtp_ray.engine.outputs import StepOutput, prompt_logprob_dicts
+from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.request import check_request
 from mtp_ray.engine.sampling_params import SamplingParams, model_defaults
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]  # logprob of each generated token
-    top_logprobs: list[dict[int, float]]
-    finish_reason: str | None
-    stop_reason: int | str | None
-    spec: dict = field(default_factory=dict)  # drafted / accepted / mean acceptance length
-    error: str | None = None  # finish_reason "error": why (e.g. a constraint that failed while generating)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = True
-    # prompt_logprobs: per prompt position None (the first) or {token: logprob} (the prompt token and the top-n)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    # prompt tokens taken from the prefix cache (the most any of its n samples took; None: caching off), as vLLM's
-    num_cached_tokens: int | None = None
+from mtp_ray.request_output import CompletionOutput, RequestOutput, prompt_logprobs
 
 
 def engine_config(model: str = BUNDLED_MODEL, *, num_speculative_tokens: int = 0, dtype: str = "auto",
@@ -49,12 +24,12 @@ def engine_config(model: str = BUNDLED_MODEL, *, num_speculative_tokens: int = 0
                   graph_sizes: tuple[int, ...] | None = None, split_prefill: bool | None = None,
                   async_scheduling: bool = True, async_verify: bool = True, load_format: str = "auto",
                   enable_prefix_caching: bool = True, prefix_snapshots: int | None = None,
-                  draft_vocab_size: int = 0) -> EngineConfig:
+                  draft_vocab_size: int = 0, gpu_memory_utilization: float = 0.85) -> EngineConfig:
     """Flat keyword arguments (vLLM style) -> EngineConfig."""
     return EngineConfig(
         model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, load_format=load_format,
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, prefix_caching=enable_prefix_caching,
-                          prefix_snapshots=prefix_snapshots),
+                          prefix_snapshots=prefix_snapshots, memory_fraction=gpu_memory_utilization),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   prefill_chunk=prefill_chunk, max_model_len=max_model_len,
                                   split_prefill=split_prefill, async_scheduling=async_scheduling,
@@ -62,6 +37,38 @@ def engine_config(model: str = BUNDLED_MODEL, *, num_speculative_tokens: int = 0
         spec=SpecConfig(num_speculative_tokens=num_speculative_tokens, draft_vocab_size=draft_vocab_size),
         graphs=GraphConfig(enabled=cuda_graphs, sizes=graph_sizes),
     )
+
+
+# vLLM's LLM(...) arguments that ask for what this engine does anyway (one process, one device): accepted as
+# such; another value is refused with what to use instead
+_SAME = {"trust_remote_code": None, "disable_log_stats": None, "tokenizer_mode": None, "enable_chunked_prefill": True,
+         "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1}
+_SCALE_OUT = "one LLM is one rank; a DP x EP group is the server's (serve run) or the RL actor's (launch_engine)"
+
+
+def from_vllm_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's names for LLM(...) arguments -> engine_config's: speculative_config {"method": "...mtp",
+    "num_speculative_tokens": k}, enforce_eager; unknown names are a ValueError listing the known ones."""
+    kw = dict(kw)
+    for name, same in _SAME.items():
+        if name in kw and same is not None and kw.pop(name) != same:
+            raise ValueError(f"{name}: only {same!r} ({_SCALE_OUT})")
+        kw.pop(name, None)
+    if "enforce_eager" in kw:
+        kw["cuda_graphs"] = not kw.pop("enforce_eager")
+    spec = kw.pop("speculative_config", None)
+    if spec is not None:
+        if (not isinstance(spec, dict) or not str(spec.get("method", "mtp")).endswith("mtp")
+                or set(spec) - {"method", "num_speculative_tokens"}):
+            raise ValueError(f"speculative_config: only {{'method': '...mtp', 'num_speculative_tokens': k}} "
+                             f"(the model's MTP head), got {spec!r}")
+        kw["num_speculative_tokens"] = spec.get("num_speculative_tokens", 1)
+    known = set(inspect.signature(engine_config).parameters) - {"model"}
+    if set(kw) - known:
+        raise ValueError(f"LLM() got unknown arguments {sorted(set(kw) - known)}; it takes {sorted(known)} "
+                         f"(or config=EngineConfig(...)), and of vLLM's also {sorted(_SAME)}, enforce_eager, "
+                         "speculative_config")
+    return kw
 
 
 def load_tokenizer(path: str):
@@ -90,6 +97,10 @@ def _shown(x: Any) -> str:
     return type(x).__name__
 
 
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
 def _message(m: Any, i: int) -> dict:
     """A chat message for the template: text content parts joined (as the server does), the rest as given."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -107,7 +118,12 @@ class LLM:
                  generation_config: str = "auto", **kw: Any):
         """generation_config (vLLM's): where generate() without sampling_params takes its defaults: "auto", the
         model's generation_config.json; "vllm", SamplingParams(); else a directory holding a generation_config.json."""
-        self.config = config or engine_config(model, **kw)
+        if config is not None and kw:
+            raise ValueError(f"LLM(): pass config= or keyword arguments, not both (got {sorted(kw)})")
+        self.config = config or engine_config(model, **from_vllm_kwargs(kw))
+        if self.config.parallel.dp != 1:
+            raise ValueError(f"parallel.dp: LLM runs dp = 1 in this process, got {self.config.parallel.dp} "
+                             f"({_SCALE_OUT})")
         self._defaults = model_defaults(generation_config, self.config.model)
         self.engine = EngineCore(self.config)
         if self.engine.runner.graphs is not None:
@@ -127,15 +143,18 @@ class LLM:
         return self.tokenizer
 
     def encode(self, prompt: Any) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:  # vLLM's TokensPrompt: the ids count, a
+            ids, text = prompt["prompt_token_ids"], prompt.get("prompt")  # "prompt" beside them is only echoed
+            if not _is_ids(ids):
+                raise ValueError(f"prompt_token_ids must be a list of int token ids, got {_shown(ids)}")
+            return (text if isinstance(text, str) else None), list(ids)
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
             prompt = prompt["prompt"]
         if isinstance(prompt, str):  # emptiness (here and for id lists) is check_request's, in generate()
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer files; pass token ids (or tokenizer=...)")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            prompt = prompt["prompt_token_ids"]
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if _is_ids(prompt):
             return None, list(prompt)
         raise ValueError("prompt must be a string, a list of int token ids, or {\"prompt\": ...} / "
                          f"{{\"prompt_token_ids\": ...}}, got {_shown(prompt)}")
@@ -149,8 +168,8 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a prompt or a list of prompts, got {_shown(prompts)}")
-        params = sampling_params or self.get_default_sampling_params()
-        plist = params if isinstance(params, list) else [params] * len(prompts)
+        params = self.get_default_sampling_params() if sampling_params is None else sampling_params
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if not all(isinstance(sp, SamplingParams) for sp in plist):
             raise ValueError("sampling_params must be a SamplingParams (or a list of them, one per prompt)")
         if len(plist) != len(prompts):
@@ -176,10 +195,11 @@ class LLM:
                 for i in range(sp.n):
                     child = sp.child(i)  # n > 1: independent samples (seeded: each its own seed, as the server)
                     cid = f"{rid}-{i}"
-                    co = CompletionOutput(i, "", [], [], [], None, None)
+                    co = CompletionOutput(i, "", [], None, None, None, None)
                     ro.outputs.append(co)
-                    detok[cid] = (ro, co, Detokenizer(self.tokenizer, child.stop, child.skip_special_tokens,
-                                                      child.include_stop_str_in_output, min_tokens=child.min_tokens))
+                    detok[cid] = (ro, co, child, Detokenizer(self.tokenizer, child.stop, child.skip_special_tokens,
+                                                             child.include_stop_str_in_output,
+                                                             min_tokens=child.min_tokens))
                     self.engine.add_request(cid, ids, child)
             while self.engine.has_unfinished():
                 for out in self.engine.step():
@@ -218,16 +238,17 @@ class LLM:
         return self.generate(texts, sampling_params, use_tqdm)
 
     def _apply(self, out: StepOutput, detok: dict) -> None:
-        ro, co, dt = detok[out.request_id]
+        ro, co, sp, dt = detok[out.request_id]
+        decode = self._decode_one if self.tokenizer is not None else None
         if out.prompt_logprobs is not None and ro.prompt_logprobs is None:
-            ro.prompt_logprobs = prompt_logprob_dicts(out.prompt_logprobs, ro.prompt_token_ids)
+            ro.prompt_logprobs = prompt_logprobs(out.prompt_logprobs, ro.prompt_token_ids, decode)
         if out.num_cached_tokens is not None:
             ro.num_cached_tokens = max(ro.num_cached_tokens or 0, out.num_cached_tokens)
         co.token_ids += out.new_token_ids
-        co.logprobs += out.new_logprobs
+        co.token_logprobs += out.new_logprobs
         co.top_logprobs += out.new_top_logprobs
         dt.add(out.new_token_ids, out.stop_token)
-        dt.cut(co.token_ids, co.logprobs, co.top_logprobs)
+        dt.cut(co.token_ids, co.token_logprobs, co.top_logprobs)
         co.text = dt.text
         if dt.stopped_by is not None and not out.finished:
             aborted = self.engine.abort_request(out.request_id)
@@ -237,4 +258,11 @@ class LLM:
             co.finish_reason = "stop" if dt.stopped_by else out.finish_reason
             co.stop_reason = dt.stopped_by or out.stop_reason
             co.spec, co.error = out.spec, out.error
+        if co.finish_reason is not None:
+            co.finish_logprobs(sp.logprobs is not None or bool(sp.logprob_token_ids), not sp.logprob_token_ids,
+                               decode)
         ro.finished = all(c.finish_reason is not None for c in ro.outputs)
+
+    def _decode_one(self, token: int) -> str:
+        """A token's text alone (vLLM's Logprob.decoded_token)."""
+        return self.tokenizer.decode([token], skip_special_tokens=False)

@@ -64,11 +64,36 @@ def test_stop_reason_of_each_end_token(llm):
 
 def test_logprobs_are_raw_model_logprobs(llm):
     o = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, logprobs=3))[0].outputs[0]
-    assert len(o.logprobs) == len(o.token_ids) == len(o.top_logprobs) == 8
-    for tok, lp, top in zip(o.token_ids, o.logprobs, o.top_logprobs):
+    assert len(o.token_logprobs) == len(o.token_ids) == len(o.top_logprobs) == 8
+    for tok, lp, top in zip(o.token_ids, o.token_logprobs, o.top_logprobs):
         assert len(top) == 3 and max(top.values()) == pytest.approx(lp, abs=1e-5)  # greedy: the top token
         assert tok in top and lp <= 0
         assert sum(math.exp(v) for v in top.values()) <= 1 + 1e-5
+
+
+def test_logprobs_read_as_vllm_writes_them(llm):
+    """vLLM's shape (code written for vLLM reads it as is): per generated token {token: Logprob(logprob, rank,
+    decoded_token)}, the sampled token first, then the top-n ranked 1..n; None when not asked; cumulative_logprob;
+    prompt_logprobs as {token: Logprob} with the prompt token's true rank. They were floats in a list."""
+    from mtp_ray import Logprob
+
+    tok = llm.tokenizer
+    ro = llm.generate(PROMPT, SamplingParams(temperature=0.8, seed=3, max_tokens=8, logprobs=2,
+                                             prompt_logprobs=1))[0]
+    o = ro.outputs[0]
+    assert len(o.logprobs) == len(o.token_ids) and o.cumulative_logprob == pytest.approx(sum(o.token_logprobs))
+    for t, lp, pos in zip(o.token_ids, o.token_logprobs, o.logprobs, strict=True):
+        assert next(iter(pos)) == t and pos[t].logprob == lp and pos[t].decoded_token == tok.decode([t])
+        ranked = sorted((v for v in pos.values() if v.rank is not None), key=lambda v: v.rank)
+        assert [v.rank for v in ranked] == [1, 2] and ranked[0].logprob >= ranked[1].logprob
+        assert all(isinstance(v, Logprob) for v in pos.values()) and 2 <= len(pos) <= 3
+    assert ro.prompt_logprobs[0] is None and len(ro.prompt_logprobs) == len(ro.prompt_token_ids)
+    for t, pos in zip(ro.prompt_token_ids[1:], ro.prompt_logprobs[1:], strict=True):
+        best = max(pos.values(), key=lambda v: v.logprob)
+        assert next(iter(pos)) == t and pos[t].rank >= 1 and best.rank == 1
+        assert (pos[t].rank == 1) == (pos[t].logprob >= best.logprob - 1e-6)
+    plain = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4))[0].outputs[0]
+    assert plain.logprobs is None and plain.cumulative_logprob == pytest.approx(sum(plain.token_logprobs))
 
 
 def test_logprob_token_ids_score_the_named_tokens(llm):
@@ -79,7 +104,7 @@ def test_logprob_token_ids_score_the_named_tokens(llm):
     want = list(top.top_logprobs[0])[1:4] + [5]
     o = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6, logprobs=0,
                                             logprob_token_ids=want))[0].outputs[0]
-    assert o.token_ids == top.token_ids and o.logprobs == pytest.approx(top.logprobs, abs=1e-6)
+    assert o.token_ids == top.token_ids and o.token_logprobs == pytest.approx(top.token_logprobs, abs=1e-6)
     for ref, got in zip(top.top_logprobs, o.top_logprobs, strict=True):
         assert list(got) == want and all(v <= 0 for v in got.values())
         assert all(got[t] == pytest.approx(ref[t], abs=1e-6) for t in want if t in ref)
@@ -113,7 +138,7 @@ def test_stops_as_vllm_ends_them_whatever_k(k):
     i = next(i for i in range(3, 8) if tok.decode(ids[i : i + 1]).strip() and ids[i] not in ids[:i])
     word = tok.decode(ids[i : i + 1])  # the text of token i exactly
     o = llm.generate(PROMPT, SamplingParams(**greedy, stop=[word]))[0].outputs[0]
-    assert o.finish_reason == "stop" and o.token_ids == ids[: i + 1] and len(o.logprobs) == i + 1
+    assert o.finish_reason == "stop" and o.token_ids == ids[: i + 1] and len(o.token_logprobs) == i + 1
     assert o.text == texts[i + 1][: texts[i + 1].rindex(word)]
     o = llm.generate(PROMPT, SamplingParams(**greedy, stop=[word], min_tokens=i + 1))[0].outputs[0]
     assert len(o.text) >= len(texts[i + 1]), (o.text, texts[i + 1])  # a stop must end past min_tokens' text
@@ -242,6 +267,38 @@ def test_vllm_prompt_forms_and_clear_refusals(llm):
     with pytest.raises(ValueError, match="sampling_params must be a SamplingParams"):
         llm.generate([PROMPT], {"temperature": 0})
     assert not llm.engine.has_unfinished()
+
+
+def test_vllm_scripts_run_as_written(llm):
+    """What vLLM scripts pass: LLM(speculative_config=..., enforce_eager, trust_remote_code, tensor_parallel_size=1,
+    gpu_memory_utilization) (a TypeError naming engine_config() before); a TokensPrompt whose "prompt" is only
+    echoed (the text was encoded, the ids dropped); stop=None; numpy numbers; a tuple of SamplingParams; an empty
+    list of them is refused (it meant the defaults); what one LLM cannot be is a ValueError saying what can."""
+    import numpy as np
+
+    from mtp_ray.config.engine import EngineConfig, ParallelConfig
+
+    v = LLM(speculative_config={"method": "qwen3_next_mtp", "num_speculative_tokens": 2}, enforce_eager=True,
+            trust_remote_code=True, tensor_parallel_size=1, gpu_memory_utilization=0.5, disable_log_stats=True)
+    assert (v.config.spec.num_speculative_tokens, v.config.graphs.enabled, v.config.cache.memory_fraction) == \
+        (2, False, 0.5)
+    for kw, said in (({"tensor_parallel_size": 2}, "tensor_parallel_size"), ({"swap_space": 4}, "swap_space"),
+                     ({"speculative_config": {"model": "x", "num_speculative_tokens": 1}}, "speculative_config")):
+        with pytest.raises(ValueError, match=said):
+            LLM(**kw)
+    with pytest.raises(ValueError, match="parallel.dp"):
+        LLM(config=EngineConfig(parallel=ParallelConfig(dp=2)))
+    ids = llm.get_tokenizer().encode(PROMPT, add_special_tokens=False)
+    sp = SamplingParams(temperature=0, max_tokens=np.int64(4), stop=None, stop_token_ids=None, seed=np.int64(1),
+                        top_p=np.float32(1.0))
+    want = llm.generate(PROMPT, sp)[0].outputs[0].token_ids
+    both = llm.generate({"prompt": "echoed only", "prompt_token_ids": ids}, sp)[0]
+    assert both.prompt == "echoed only" and both.prompt_token_ids == ids and both.outputs[0].token_ids == want
+    assert [o.outputs[0].token_ids for o in llm.generate([PROMPT, PROMPT], (sp, sp))] == [want, want]
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate([PROMPT, PROMPT], [])
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate({"prompt_token_ids": "text"}, sp)
 
 
 def test_a_generate_that_fails_leaves_the_llm_usable(llm, monkeypatch):
@@ -454,8 +511,8 @@ def test_plain_greedy_fast_path_equals_full_sampling_path(k):
         # the fast path's log-prob is max - logsumexp, the full path's log_softmax()[token]: equal up to fp32
         # rounding of a logsumexp of magnitude ~10 (an ulp there is ~1e-6; which side rounds depends on the CPU's
         # vector width)
-        assert f.outputs[0].logprobs == pytest.approx(s.outputs[0].logprobs, abs=1e-5)
-        assert all(lp <= 0 for lp in f.outputs[0].logprobs)
+        assert f.outputs[0].token_logprobs == pytest.approx(s.outputs[0].token_logprobs, abs=1e-5)
+        assert all(lp <= 0 for lp in f.outputs[0].token_logprobs)
 
 
 @pytest.mark.parametrize("k", [0, 2])
@@ -476,7 +533,7 @@ def test_mixed_request_kinds_in_one_step_equal_each_alone(k):
     for p, sp, t in zip(prompts, params, together, strict=True):
         alone = llm.generate([p], sp)[0].outputs[0]
         assert t.outputs[0].token_ids == alone.token_ids
-        assert t.outputs[0].logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+        assert t.outputs[0].token_logprobs == pytest.approx(alone.token_logprobs, abs=1e-5)
         got = t.outputs[0].top_logprobs
         assert [d.keys() for d in got] == [d.keys() for d in alone.top_logprobs]
         assert [list(d.values()) for d in got] == [pytest.approx(list(d.values()), abs=1e-5)

@@ -74,7 +74,7 @@ def test_graph_steps_equal_eager(emulated_graphs, k):
 
 def outputs(llm: LLM, prompts, params) -> list[tuple]:
     """Per request (token ids, finish reason, log-probs)."""
-    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].logprobs or [])
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].token_logprobs)
             for o in llm.generate(prompts, params)]
 
 

@@ -392,7 +392,7 @@ def test_prompt_logprobs_and_echo_equal_the_engine(client):
     plp = r.choices[0].model_extra["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(ref.prompt_token_ids)
     for t, want, got in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:], plp[1:], strict=True):
-        assert got[str(t)]["logprob"] == pytest.approx(want[t], abs=1e-4)
+        assert got[str(t)]["logprob"] == pytest.approx(want[t].logprob, abs=1e-4)
         assert len(got) in (2, 3)  # the prompt token (+ the top 2, which may include it)
     # lm-eval's scoring request: echo + logprobs with max_tokens 0 -> the prompt only, its log-probs
     e = requests.post(f"{BASE}/v1/completions", json={"model": MODEL, "prompt": ref.prompt_token_ids, "echo": True,
@@ -400,7 +400,7 @@ def test_prompt_logprobs_and_echo_equal_the_engine(client):
     lp = e["choices"][0]["logprobs"]
     assert e["choices"][0]["text"] == prompt and e["usage"]["completion_tokens"] == 0
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    assert sum(lp["token_logprobs"][1:]) == pytest.approx(sum(ref.prompt_logprobs[i][t] for i, t in enumerate(
+    assert sum(lp["token_logprobs"][1:]) == pytest.approx(sum(ref.prompt_logprobs[i][t].logprob for i, t in enumerate(
         ref.prompt_token_ids) if i), abs=1e-3)
     zero = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=0)
     assert len(zero.choices[0].logprobs.top_logprobs[0]) == 1  # logprobs 0: the sampled token itself

@@ -133,9 +133,9 @@ def test_prompt_logprobs_equal_the_engines_scoring_of_each_next_token(chunk):
     assert plp[0] is None and len(plp) == len(ids)
     for i in range(1, len(ids)):
         want = llm.generate(ids[:i], SamplingParams(max_tokens=1, allowed_token_ids=[ids[i]], ignore_eos=True)
-                            )[0].outputs[0].logprobs[0]
-        assert plp[i][ids[i]] == pytest.approx(want, abs=1e-5)
-        assert 3 <= len(plp[i]) <= 4 and max(plp[i].values()) <= 0
+                            )[0].outputs[0].token_logprobs[0]
+        assert plp[i][ids[i]].logprob == pytest.approx(want, abs=1e-5)
+        assert 3 <= len(plp[i]) <= 4 and max(v.logprob for v in plp[i].values()) <= 0
     plain = llm.generate(ids, SamplingParams(temperature=0, max_tokens=3))[0]
     assert plain.prompt_logprobs is None and plain.outputs[0].token_ids == out.outputs[0].token_ids
 

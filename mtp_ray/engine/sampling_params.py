@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import sys
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -97,6 +98,13 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids"):  # (vLLM's defaults are None)
+            if getattr(self, name) is None:
+                setattr(self, name, [])
+        for f in fields(self):  # numpy scalars (np.int64 max_tokens, np.float32 temperature) as Python numbers
+            v = getattr(self, f.name)
+            if isinstance(v, numbers.Number) and not isinstance(v, (int, float, bool)) and hasattr(v, "item"):
+                setattr(self, f.name, v.item())
         self.structured_outputs = StructuredOutputs.coerce(self.structured_outputs)
         self.validate()
         # as floats from here on: an integer past 2**63 (JSON allows any) fails the tensor arithmetic it meets on a
