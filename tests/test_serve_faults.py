@@ -247,6 +247,44 @@ def test_no_group_able_to_serve_answers_503_within_the_queue_timeout(app):
     assert r["status"] == 200 and r["done"] and r["error"] is None, r
 
 
+def test_before_any_group_is_up_requests_get_a_503_within_the_queue_timeout(ray_cluster):
+    """The group cannot be placed (its ranks ask for more CPUs than the cluster has; on a real cluster: the first
+    GPU node still booting): the ingress is up, and every route that needs the group's facts answers 503 with
+    Retry-After within queue_s (they waited with no bound: the group's model facts were asked with no timeout)."""
+    from ray import serve
+    from ray.serve.api import _run
+
+    from mtp_ray.serve.app import build_app
+
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    args = app_args(1)
+    args["engine"]["parallel"]["cpus_per_rank"] = 512
+    _run(build_app(args), name="faults", route_prefix="/", _blocking=False)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if requests.get(f"{BASE}/version", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        for method, path, body in (("get", "/v1/models", None), ("get", "/v1/models/tiny", None),
+                                   ("post", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}),
+                                   ("post", "/tokenize", {"model": "tiny", "prompt": "x"}),
+                                   ("post", "/detokenize", {"model": "tiny", "tokens": [1]})):
+            t0 = time.monotonic()
+            r = getattr(requests, method)(f"{BASE}{path}", json=body, timeout=30)
+            took = time.monotonic() - t0
+            assert r.status_code == 503 and r.headers.get("Retry-After"), (path, r.status_code, r.text)
+            assert "no engine group" in r.json()["error"]["message"] and took < QUEUE_S + 2, (path, took, r.text)
+        r = stream_one(4)
+        assert r["status"] == 503 and r["retry_after"] and r["s"] < QUEUE_S + 2, r
+    finally:
+        serve.delete("faults")
+        serve.shutdown()
+
+
 def gen_tokens(scraped: dict[str, float]) -> float:
     return sum(v for s, v in scraped.items() if s.startswith("mtp_ray:rank_generation_tokens_total"))
 

@@ -33,7 +33,7 @@ def server(ray_cluster, ckpt):
 
     from mtp_ray.serve.app import build_app
 
-    args = {"served_model_name": "ids",
+    args = {"served_model_name": ["ids", "ids-alias"],  # (vLLM's several names: any is taken, the first reported)
             "engine": {"model": str(ckpt), "device": "cpu", "parallel": {"dp": 1, "cpus_per_rank": 0.2},
                        "spec": {"num_speculative_tokens": 2}, "scheduler": {"max_model_len": 256}},
             "group": {"num_replicas": 1}, "ingress": {"num_replicas": 1}}
@@ -65,6 +65,23 @@ def test_token_ids_in_and_out_equal_the_offline_engine(server, reference):
     assert [c["prompt_token_ids"] for c in choices] == PROMPTS
     assert all(c["text"] == "" for c in choices)
     assert choices[0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in reference[0]]
+
+
+def test_every_served_model_name_is_taken_and_the_first_reported(server, reference):
+    """served_model_name as a list (vLLM's --served-model-name a b): /v1/models lists each, a request naming any
+    is served and answered with the first; a name of another type fails the build. A list used to reach the
+    ingress as the name itself: every name a 404, "model" a list in every response."""
+    from mtp_ray.serve.app import build_app
+
+    assert [m["id"] for m in requests.get(f"{BASE}/v1/models", timeout=30).json()["data"]] == ["ids", "ids-alias"]
+    assert requests.get(f"{BASE}/v1/models/ids-alias", timeout=30).json()["id"] == "ids-alias"
+    r = post({"model": "ids-alias", "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["model"] == "ids", r.text
+    assert r.json()["choices"][0]["token_ids"] == reference[0]
+    assert post({"model": "other", "prompt": PROMPTS[0]}).status_code == 404
+    for bad in (2024, ["ids", 3], [""]):
+        with pytest.raises(ValueError, match="served_model_name"):
+            build_app({"served_model_name": bad, "engine": {"device": "cpu"}})
 
 
 def test_streamed_token_ids_add_up_to_the_offline_output(server, reference):

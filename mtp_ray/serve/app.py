@@ -2,7 +2,8 @@
 
 args (the YAML's `args:`):
   engine:              EngineConfig fields (model, dtype, device, cache, scheduler, spec, parallel, timeouts)
-  served_model_name:   the model id clients send (default: the model directory's name)
+  served_model_name:   the model id clients send, or a list of ids (vLLM's: any is taken, the first is reported;
+                       default: the model directory's name)
   group:               Serve options of the group deployment (autoscaling_config, num_replicas, ...)
   ingress:             Serve options of the HTTP ingress deployment
   server:              ServerConfig fields (api_key, request limits, parsers, generation_config, ...)
@@ -79,6 +80,9 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     defaults = check_defaults(server, cfg.model)
     deploy = time.time_ns()  # this build of the app: its metrics start from zero (serve/metrics_hub.py)
     name = args.get("served_model_name") or Path(cfg.model).name
+    names = [name] if isinstance(name, str) else name
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"served_model_name must be a model name or a list of them, got {name!r}")
     # (graceful_shutdown_timeout_s: Serve's 20 s for running requests to end before a replaced group stops)
     group_opts = {"max_ongoing_requests": 512, "health_check_period_s": 5, "health_check_timeout_s": 30,
                   # new requests pass over a group whose stats (every second) say it cannot serve (serve/routing.py)

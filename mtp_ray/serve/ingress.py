@@ -55,7 +55,7 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> JSONRespo
 class Ingress:
     """FastAPI routes on a Serve ingress class."""
 
-    def __init__(self, group, model_name: str, tokenizer: str, server: ServerConfig | None = None,
+    def __init__(self, group, model_name: str | list[str], tokenizer: str, server: ServerConfig | None = None,
                  queue_s: float = 5.0, deploy: int = 0, defaults: dict[str, float | int] | None = None):
         self.group = group
         self.server = server or ServerConfig()
@@ -74,7 +74,8 @@ class Ingress:
                  "none set, the server is open (args.server.api_key, or MTP_RAY_API_KEY on the cluster)")
         self.reporter_id = uuid.uuid4().hex[:8]
         self.reporter = HubReporter("ingress", self.reporter_id, self.metrics.snapshot, deploy)
-        self.model_name = model_name
+        names = [model_name] if isinstance(model_name, str) else list(model_name)
+        self.model_name, self.model_names = names[0], names  # any is taken; responses name the first (vLLM)
         # None: a checkpoint without tokenizer files serves token ids in and out (NO_TOKENIZER says how)
         self.tok = tokenizer_or_none(tokenizer)
         if self.tok is not None and self.server.template() is not None:
@@ -120,11 +121,23 @@ class Ingress:
     async def info(self) -> dict:
         """The group's model facts, asked once: a burst of first requests shares the one call. It is made from a
         task of its own (runtime/batcher.py: detached): made inside the first request, Serve would cancel it with
-        that request when its client gives up, and every later request would get the cancellation."""
+        that request when its client gives up, and every later request would get the cancellation. No group has
+        answered within queue_s (none up yet: starting, or waiting for resources): ApiError 503 with Retry-After
+        (the call goes on for the next request; a request used to wait with no bound)."""
         f = self._info
         if f is None or (f.done() and (f.cancelled() or f.exception() is not None)):  # none yet, or ask again
             f = self._info = detached(self._ask_info())
-        return await asyncio.shield(f)
+        try:
+            return await asyncio.wait_for(asyncio.shield(f), self.groups.queue_s)
+        except asyncio.TimeoutError:
+            raise self.groups.unavailable_error(f"no engine group answered within {self.groups.queue_s:g}s "
+                                                "(starting, or waiting for resources)") from None
+        except ApiError:
+            raise
+        except Exception as e:
+            if unavailable(e):
+                raise self.groups.unavailable_error(e) from None
+            raise
 
     async def _ask_info(self) -> dict:
         return await self.group.info.remote()
@@ -148,7 +161,7 @@ class Ingress:
         if known is not None:
             check_fields(body, known)
         model = body.get("model")
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise ApiError(404, f"The model `{model}` does not exist.", "model", "NotFoundError", "model_not_found")
         return body, size
 
@@ -244,28 +257,29 @@ class Ingress:
         out = final_response(rid, self.model_name, chat, choices, req, self.tok)
         return JSONResponse(shell.whole(out) if shell else out)
 
-    def _model_card(self, max_len: int) -> dict:
-        return {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "mtp-ray",
+    def _model_card(self, name: str, max_len: int) -> dict:
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "mtp-ray",
                 "root": self.model_name, "parent": None, "max_model_len": max_len}  # (created: now, as vLLM's)
 
     @app.get("/v1/models")
     async def models(self, request: Request):
         try:
             check_api_key(request, self.server.api_key)
+            max_len = (await self.info())["max_model_len"]
+            return {"object": "list", "data": [self._model_card(n, max_len) for n in self.model_names]}
         except ApiError as e:
             return error_response(e)
-        return {"object": "list", "data": [self._model_card((await self.info())["max_model_len"])]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request):
         try:
             check_api_key(request, self.server.api_key)
-            if model_id != self.model_name:
+            if model_id not in self.model_names:
                 raise ApiError(404, f"The model `{model_id}` does not exist.", "model", "NotFoundError",
                                "model_not_found")
+            return self._model_card(model_id, (await self.info())["max_model_len"])
         except ApiError as e:
             return error_response(e)
-        return self._model_card((await self.info())["max_model_len"])
 
     @app.get("/version")
     async def version(self):
