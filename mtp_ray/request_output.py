@@ -36,7 +36,7 @@ class CompletionOutput:
         the top-n (logprobs=n), not the log-probs of given tokens (logprob_token_ids)."""
         self.cumulative_logprob = sum(self.token_logprobs)
         if asked:
-            self.logprobs = [_entry(t, lp, top, decode, ranked=ranked) for t, lp, top in
+            self.logprobs = [_entry(t, lp, top, decode, by_order=ranked) for t, lp, top in
                              zip(self.token_ids, self.token_logprobs, self.top_logprobs, strict=True)]
 
 
@@ -54,10 +54,10 @@ class RequestOutput:
 
 
 def _entry(token: int, lp: float, top: dict[int, float], decode: Callable[[int], str] | None,
-           rank: int | None = None, ranked: bool = True) -> dict[int, Logprob]:
+           rank: int | None = None, by_order: bool = True) -> dict[int, Logprob]:
     """{token: Logprob} of one position: the token itself first (its rank given, or found among the top-n), then
-    the top-n ranked by their order (highest first)."""
-    ranked = {t: i + 1 for i, (t, _) in enumerate(sorted(top.items(), key=lambda kv: -kv[1]))} if ranked else {}
+    `top`, ranked by their order (highest first) where by_order (the top-n; not given tokens' log-probs)."""
+    ranked = {t: i + 1 for i, (t, _) in enumerate(sorted(top.items(), key=lambda kv: -kv[1]))} if by_order else {}
     name = decode if decode is not None else (lambda _t: None)
     out = {t: Logprob(v, ranked.get(t), name(t)) for t, v in top.items()}
     out[token] = Logprob(lp, rank if rank is not None else ranked.get(token), name(token))

@@ -101,4 +101,4 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
                     "logging_config": ingress_logging(ingress_args.get("logging_config"))}
     ingress = serve.deployment(Ingress, name="OpenAIIngress").options(
         ray_actor_options={"num_cpus": 0.1}, **ingress_opts)
-    return ingress.bind(group, name, cfg.tokenizer or cfg.model, server, cfg.timeouts.queue_s, deploy, defaults)
+    return ingress.bind(group, names, cfg.tokenizer or cfg.model, server, cfg.timeouts.queue_s, deploy, defaults)

@@ -36,6 +36,13 @@ def forced_calls(text: str, opts: ChatOptions) -> list[ToolCall] | None:
     return array.take()[1] or None
 
 
+def call_dropped(tool_choice: str, cut: str | None) -> bool:
+    """A forced call cut short is no call, nor content (vLLM, as OpenAI): cut at max_tokens ("length"), or for
+    `required` at a stop string / stop_regex ("stop") too (its JSON array no longer parses: vLLM's validation drops
+    it; a named call keeps the arguments as cut, as vLLM's). tool_choice: ChatOptions.tool_choice."""
+    return (cut == "length" and tool_choice in ("required", "named")) or (cut == "stop" and tool_choice == "required")
+
+
 class ChatOutput:
     def __init__(self, opts: ChatOptions, reasoning_parser: str | None, tool_call_parser: str | None,
                  think_ids: tuple[int, int] | None = None):
@@ -55,10 +62,8 @@ class ChatOutput:
         self.ended = False
 
     def no_call(self, cut: str | None) -> bool:
-        """A forced call cut short is no call, nor content (vLLM, as OpenAI): cut at max_tokens, or for `required`
-        at a stop string / stop_regex too (its JSON array no longer parses: vLLM's validation drops it; a named
-        call keeps the arguments as cut, as vLLM's)."""
-        return self.forced and (cut == "length" or (cut == "stop" and self.opts.tool_choice == "required"))
+        """This choice's forced call, cut as Choice.cut says, is none (call_dropped)."""
+        return call_dropped(self.opts.tool_choice, cut)
 
     def whole(self, text: str, cut: str | None = None) -> tuple[str | None, str | None, list[ToolCall]]:
         """(reasoning, content, tool calls) of a finished choice; cut: Choice.cut ("length", "stop", None)."""

@@ -55,7 +55,7 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> JSONRespo
 class Ingress:
     """FastAPI routes on a Serve ingress class."""
 
-    def __init__(self, group, model_name: str | list[str], tokenizer: str, server: ServerConfig | None = None,
+    def __init__(self, group, model_names: list[str], tokenizer: str, server: ServerConfig | None = None,
                  queue_s: float = 5.0, deploy: int = 0, defaults: dict[str, float | int] | None = None):
         self.group = group
         self.server = server or ServerConfig()
@@ -74,8 +74,7 @@ class Ingress:
                  "none set, the server is open (args.server.api_key, or MTP_RAY_API_KEY on the cluster)")
         self.reporter_id = uuid.uuid4().hex[:8]
         self.reporter = HubReporter("ingress", self.reporter_id, self.metrics.snapshot, deploy)
-        names = [model_name] if isinstance(model_name, str) else list(model_name)
-        self.model_name, self.model_names = names[0], names  # any is taken; responses name the first (vLLM)
+        self.model_name, self.model_names = model_names[0], model_names  # any is taken; responses name the first
         # None: a checkpoint without tokenizer files serves token ids in and out (NO_TOKENIZER says how)
         self.tok = tokenizer_or_none(tokenizer)
         if self.tok is not None and self.server.template() is not None:
@@ -132,8 +131,6 @@ class Ingress:
         except asyncio.TimeoutError:
             raise self.groups.unavailable_error(f"no engine group answered within {self.groups.queue_s:g}s "
                                                 "(starting, or waiting for resources)") from None
-        except ApiError:
-            raise
         except Exception as e:
             if unavailable(e):
                 raise self.groups.unavailable_error(e) from None

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from mtp_ray.serve.chat_output import call_dropped
 from mtp_ray.serve.errors import bad
 from mtp_ray.serve.fields import flag
 
@@ -302,12 +303,11 @@ class Events:
                                   output_index=len(self.output), delta=args)]
 
     def _call_cut(self) -> bool:
-        """The response ended with a forced call cut short (ChatOutput.no_call): at max_output_tokens, or a
-        `required` one by a stop (it ends "tool_calls" when whole)."""
-        forced = self.shell.body.get("tool_choice", "auto")
-        if forced in ("auto", "none"):
-            return False
-        return self.finish == "length" or (self.finish == "stop" and forced == "required")
+        """The response ended with a forced call cut short (call_dropped): at max_output_tokens, or a `required`
+        one by a stop (it ends "tool_calls" when whole)."""
+        choice = self.shell.body.get("tool_choice", "auto")
+        return call_dropped("named" if isinstance(choice, dict) else choice,
+                            self.finish if self.finish in ("length", "stop") else None)
 
     def chunk(self, chunk: dict) -> list[str]:
         """One chat chunk -> its events (the usage chunk closes the response)."""
