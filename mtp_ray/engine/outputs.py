@@ -103,6 +103,11 @@ class OutputProcessor:
         """Append emitted tokens (with their log-probs and top log-probs: None, none asked) until a stop condition;
         returns how many were kept."""
         p = req.params
+        if self._none_stops(req, tokens):  # the common case, in bulk: a verify emits up to k + 1 tokens a step
+            req.output_ids += tokens
+            req.output_logprobs += logprobs
+            req.top_logprobs += [{} for _ in tokens] if tops is None else tops
+            return len(tokens)
         for i, t in enumerate(tokens):
             req.output_ids.append(t)
             req.output_logprobs.append(logprobs[i])
@@ -133,6 +138,14 @@ class OutputProcessor:
                 self.requests.pop(req.request_id, None)
                 return i + 1
         return len(tokens)
+
+    def _none_stops(self, req: Request, tokens: list[int]) -> bool:
+        """Whether no stop condition of `_append`'s can hold at any of these tokens (no constraint to advance)."""
+        p, n = req.params, len(tokens)
+        return (req.grammar is None and not any(t in p.stop_token_ids for t in tokens)
+                and (p.ignore_eos or not any(t in self.eos_ids for t in tokens))
+                and (p.max_tokens is None or len(req.output_ids) + n < p.max_tokens)
+                and req.num_known + n < self.max_model_len)
 
     def output(self, req: Request, new: list[int], n: int) -> StepOutput:
         return StepOutput(
