@@ -141,6 +141,29 @@ class GroupClient:
                                      count, admission_gap_s)
         self.queue_s, self.retry_after_s, self.max_resends = queue_s, retry_after_s, max_resends
         self.count = count  # metrics: request_retried_total (sent again: its group could not serve it)
+        self._info: asyncio.Future | None = None
+
+    async def info(self) -> dict:
+        """The group's model facts, asked once: a burst of first requests shares the one call. It is made from a
+        task of its own (runtime/batcher.py: detached): made inside the first request, Serve would cancel it with
+        that request when its client gives up, and every later request would get the cancellation. No group has
+        answered within queue_s (none up yet: starting, or waiting for resources): ApiError 503 with Retry-After
+        (the call goes on for the next request; a request used to wait with no bound)."""
+        f = self._info
+        if f is None or (f.done() and (f.cancelled() or f.exception() is not None)):  # none yet, or ask again
+            f = self._info = detached(self._ask_info())
+        try:
+            return await asyncio.wait_for(asyncio.shield(f), self.queue_s)
+        except asyncio.TimeoutError:
+            raise self.unavailable_error(f"no engine group answered within {self.queue_s:g}s "
+                                         "(starting, or waiting for resources)") from None
+        except Exception as e:
+            if unavailable(e):
+                raise self.unavailable_error(e) from None
+            raise
+
+    async def _ask_info(self) -> dict:
+        return await self.handle.info.remote()
 
     def unavailable_error(self, cause: BaseException | str, mid_stream: bool = False) -> ApiError:
         """503 + Retry-After; mid_stream (tokens sent: it cannot go elsewhere): the failure's first line alone

@@ -20,7 +20,6 @@ from mtp_ray import __version__
 from mtp_ray.config.server import ServerConfig
 from mtp_ray.engine.request import check_request
 from mtp_ray.llm import tokenizer_or_none
-from mtp_ray.runtime.batcher import detached
 from mtp_ray.serve.chat_request import ChatServing, parse_chat, think_ids
 from mtp_ray.serve.choices import ChoiceRunner
 from mtp_ray.serve.errors import ApiError, bad
@@ -85,7 +84,6 @@ class Ingress:
         # burst used to compute it per request, on the event loop (a 64-request burst waited ~7 s for it)
         self.longest_token = (max(max((len(t) for t in self.tok.get_vocab()), default=1), 1)
                               if self.tok is not None else 1)
-        self._info: asyncio.Future | None = None
         self._limits: Limits | None = None
 
     def classify(self, e: BaseException) -> ApiError:
@@ -118,26 +116,8 @@ class Ingress:
         return self._limits
 
     async def info(self) -> dict:
-        """The group's model facts, asked once: a burst of first requests shares the one call. It is made from a
-        task of its own (runtime/batcher.py: detached): made inside the first request, Serve would cancel it with
-        that request when its client gives up, and every later request would get the cancellation. No group has
-        answered within queue_s (none up yet: starting, or waiting for resources): ApiError 503 with Retry-After
-        (the call goes on for the next request; a request used to wait with no bound)."""
-        f = self._info
-        if f is None or (f.done() and (f.cancelled() or f.exception() is not None)):  # none yet, or ask again
-            f = self._info = detached(self._ask_info())
-        try:
-            return await asyncio.wait_for(asyncio.shield(f), self.groups.queue_s)
-        except asyncio.TimeoutError:
-            raise self.groups.unavailable_error(f"no engine group answered within {self.groups.queue_s:g}s "
-                                                "(starting, or waiting for resources)") from None
-        except Exception as e:
-            if unavailable(e):
-                raise self.groups.unavailable_error(e) from None
-            raise
-
-    async def _ask_info(self) -> dict:
-        return await self.group.info.remote()
+        """The group's model facts (GroupClient.info: asked once, 503 while no group is up)."""
+        return await self.groups.info()
 
     async def _spec_positions(self) -> None:
         """The per-position acceptance counters exist from the start, at zero, as Prometheus counters should (one
