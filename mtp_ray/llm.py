@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 from typing import Any
 
 from mtp_ray.config.engine import BUNDLED_MODEL, CacheConfig, EngineConfig, GraphConfig, SchedulerConfig, SpecConfig
-from mtp_ray.engine.chat_content import content_text
 from mtp_ray.engine.core import EngineCore
 from mtp_ray.engine.detok import STOP_NEEDS_TOKENIZER, Detokenizer
 from mtp_ray.engine.grammar import check_grammar
 from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.request import check_request
 from mtp_ray.engine.sampling_params import SamplingParams, model_defaults
+from mtp_ray.engine.weight_sync import apply_update, check_update, resolve
+from mtp_ray.prompts import encode_prompt, render_chats, shown, tokenized
 from mtp_ray.request_output import CompletionOutput, RequestOutput, prompt_logprobs
+
+log = logging.getLogger(__name__)
+WAKE_TAGS = {"weights", "kv_cache"}  # vLLM's wake_up tags
 
 
 def engine_config(model: str = BUNDLED_MODEL, *, num_speculative_tokens: int = 0, dtype: str = "auto",
@@ -90,29 +95,6 @@ def tokenizer_or_none(path: str):
     return load_tokenizer(path)
 
 
-def _shown(x: Any) -> str:
-    """What a refused prompt was, in a few words (the types inside a list: a bool or a float among the ids)."""
-    if isinstance(x, list):
-        return f"a list of {sorted({type(t).__name__ for t in x}) or 'nothing'}"
-    return type(x).__name__
-
-
-def _is_ids(x: Any) -> bool:
-    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-
-def _message(m: Any, i: int) -> dict:
-    """A chat message for the template: text content parts joined (as the server does), the rest as given."""
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise ValueError(f"messages[{i}] must be a dict with a string 'role', got {_shown(m)}")
-    c = m.get("content")
-    try:
-        text = content_text(c, f"messages[{i}].content")
-    except ValueError as e:
-        raise ValueError(f"{e}, got {_shown(c)}") from None
-    return m if text is c else {**m, "content": text}
-
-
 class LLM:
     def __init__(self, model: str = BUNDLED_MODEL, *, config: EngineConfig | None = None,
                  generation_config: str = "auto", **kw: Any):
@@ -132,6 +114,7 @@ class LLM:
         # a checkpoint without tokenizer files (e.g. a random model from save_pretrained) serves token ids only
         self.tokenizer = tokenizer_or_none(path)
         self._ids = itertools.count()
+        self._woken: set[str] = set()  # wake_up tags named since sleep
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The SamplingParams of a generate() / chat() call that passes none, as vLLM's: the model's
@@ -143,21 +126,8 @@ class LLM:
         return self.tokenizer
 
     def encode(self, prompt: Any) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:  # vLLM's TokensPrompt: the ids count, a
-            ids, text = prompt["prompt_token_ids"], prompt.get("prompt")  # "prompt" beside them is only echoed
-            if not _is_ids(ids):
-                raise ValueError(f"prompt_token_ids must be a list of int token ids, got {_shown(ids)}")
-            return (text if isinstance(text, str) else None), list(ids)
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
-            prompt = prompt["prompt"]
-        if isinstance(prompt, str):  # emptiness (here and for id lists) is check_request's, in generate()
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer files; pass token ids (or tokenizer=...)")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
-        if _is_ids(prompt):
-            return None, list(prompt)
-        raise ValueError("prompt must be a string, a list of int token ids, or {\"prompt\": ...} / "
-                         f"{{\"prompt_token_ids\": ...}}, got {_shown(prompt)}")
+        """One prompt (vLLM's forms) -> (its text or None, its token ids): prompts.encode_prompt."""
+        return encode_prompt(prompt, self.tokenizer)
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -167,7 +137,10 @@ class LLM:
                                                 and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a prompt or a list of prompts, got {_shown(prompts)}")
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got {shown(prompts)}")
+        if self.engine.runner.asleep:  # (its caches are gone: a step would fail, not wait)
+            raise ValueError(f"generate: the engine is asleep (sleep level {self.engine.runner.asleep}); call "
+                             "wake_up() first")
         params = self.get_default_sampling_params() if sampling_params is None else sampling_params
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if not all(isinstance(sp, SamplingParams) for sp in plist):
@@ -175,10 +148,12 @@ class LLM:
         if len(plist) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
         encoded = [self.encode(p) for p in prompts]  # validate everything before anything is queued
-        vocab = self.engine.runner.model_config.vocab_size
-        for (_, ids), sp in zip(encoded, plist, strict=False):
+        vocab, max_len = self.engine.runner.model_config.vocab_size, self.engine.max_model_len
+        for i, ((text, ids), sp) in enumerate(zip(encoded, plist, strict=False)):
             sp.validate()
-            check_request(ids, sp, vocab, self.engine.max_model_len)
+            ids = tokenized(ids, sp, self.tokenizer, max_len)  # (RequestOutput.prompt stays the text, as vLLM's)
+            encoded[i] = text, ids
+            check_request(ids, sp, vocab, max_len)
             if sp.structured_outputs is not None:
                 check_grammar(sp.structured_outputs)
             if sp.stop and self.tokenizer is None:
@@ -197,7 +172,8 @@ class LLM:
                     cid = f"{rid}-{i}"
                     co = CompletionOutput(i, "", [], None, None, None, None)
                     ro.outputs.append(co)
-                    detok[cid] = (ro, co, child, Detokenizer(self.tokenizer, child.stop, child.skip_special_tokens,
+                    tok = self.tokenizer if child.detokenize else None  # detokenize=False: no text
+                    detok[cid] = (ro, co, child, Detokenizer(tok, child.stop, child.skip_special_tokens,
                                                              child.include_stop_str_in_output,
                                                              min_tokens=child.min_tokens))
                     self.engine.add_request(cid, ids, child)
@@ -218,28 +194,68 @@ class LLM:
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of them, rendered by
         the tokenizer's chat template (or `chat_template`), then generated as `generate` does."""
-        if self.tokenizer is None:
-            raise ValueError("messages: this model has no tokenizer files, so no chat template; use generate()")
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        if not isinstance(convs, list) or not convs or not all(isinstance(c, list) and c for c in convs):
-            raise ValueError("messages must be a non-empty list of {\"role\", \"content\"} messages, or a list of "
-                             "such conversations")
-        texts = []
-        for conv in convs:
-            msgs = [_message(m, i) for i, m in enumerate(conv)]
-            try:
-                texts.append(self.tokenizer.apply_chat_template(
-                    msgs, tools=tools, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message, tokenize=False, **(chat_template_kwargs or {})))
-            except Exception as e:  # a template that rejects the roles / order, or kwargs it cannot take
-                raise ValueError(f"messages: the chat template failed: {type(e).__name__}: {e}") from e
+        texts = render_chats(self.tokenizer, messages, tools=tools, chat_template=chat_template,
+                             add_generation_prompt=add_generation_prompt,
+                             continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
         return self.generate(texts, sampling_params, use_tqdm)
+
+    # ---- sleep / wake_up / weights: vLLM's offline names, the RL handle's semantics (mtp_ray/rl/engine.py) ----
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's LLM.sleep: 1, the KV cache and states freed, the weights to host memory (on a GPU); 2, both
+        dropped: every weight must then come back through update_weights before wake_up (which otherwise refuses,
+        naming the missing ones). The prefix cache is forgotten; generate() while asleep is a ValueError."""
+        if isinstance(level, bool) or level not in (1, 2):
+            raise ValueError(f"level: sleep level must be 1 or 2, got {level!r}")
+        runner = self.engine.runner
+        if runner.asleep:  # as vLLM: a warning, nothing done
+            log.warning("sleep: already asleep (level %d)", runner.asleep)
+            return
+        self.engine.abort_all()  # (none run between generate() calls; what a failed call left goes)
+        runner.sleep(level)
+        self.engine.invalidate_prefixes()  # the caches are gone
+        self._woken = set()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's LLM.wake_up: the weights back on the device, the caches reallocated (CUDA graphs recaptured).
+        tags: vLLM's "weights" / "kv_cache" (None: both) for a wake-up in two calls (weights synced between them:
+        here update_weights writes the sleeping weights); the engine wakes once both were named."""
+        runner = self.engine.runner
+        if tags is not None and not (isinstance(tags, list) and set(tags) <= WAKE_TAGS):
+            raise ValueError(f"tags must be None or a list of {sorted(WAKE_TAGS)}, got {tags!r}")
+        if not runner.asleep:  # as vLLM: a warning, nothing done
+            log.warning("wake_up: not asleep")
+            return
+        self._woken |= WAKE_TAGS if tags is None else set(tags)
+        if self._woken != WAKE_TAGS:
+            return
+        runner.wake_up()  # (after sleep(2): refused, naming what update_weights has not brought back)
+        if runner.graphs is not None:
+            self.engine.warmup()  # recaptures the CUDA graphs, as at start
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's: every cached prefix forgotten and the caches zeroed (e.g. after the weights changed outside
+        update_weights). False while requests run (between generate() calls none do; reset_running_requests:
+        accepted for vLLM callers)."""
+        if self.engine.has_unfinished():
+            return False
+        self.engine.runner.reset_caches()
+        self.engine.invalidate_prefixes()
+        return True
+
+    def update_weights(self, weights: Any) -> int:
+        """The RL handle's update_weights in this process: (name, tensor) pairs or a {name: tensor} dict under the
+        checkpoint's names (mtp.* to the MTP head), every one checked (name, shape, dtype) before any is copied.
+        Awake or asleep (after sleep(2) it re-allocates the dropped weights first). Returns the tensors loaded."""
+        loader = self.engine.runner.weight_loader()
+        items = resolve(weights)
+        check_update(loader, items)
+        n = apply_update(loader, items)
+        self.engine.invalidate_prefixes()  # KV and states computed with the old weights
+        return n
 
     def _apply(self, out: StepOutput, detok: dict) -> None:
         ro, co, sp, dt = detok[out.request_id]
-        decode = self._decode_one if self.tokenizer is not None else None
+        decode = self._decode_one if self.tokenizer is not None and sp.detokenize else None
         if out.prompt_logprobs is not None and ro.prompt_logprobs is None:
             ro.prompt_logprobs = prompt_logprobs(out.prompt_logprobs, ro.prompt_token_ids, decode)
         if out.num_cached_tokens is not None:

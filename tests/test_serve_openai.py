@@ -86,6 +86,21 @@ def test_presence_and_frequency_penalties_equal_offline(client, offline):
     assert chat.choices[0].message.content is not None and chat.usage.completion_tokens >= 1
 
 
+def test_bad_words_equal_offline(client, offline):
+    """vLLM's bad_words (extra_body) are tokenised by the ingress as by the offline API: the server's tokens are the
+    offline engine's with the same words, which never hold a banned token and differ from the unconstrained ones."""
+    base = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
+    plain = offline.generate(PROMPTS[2], SamplingParams(**base))[0].outputs[0]
+    word = next(w for w in (offline.tokenizer.decode([t]).strip() for t in plain.token_ids) if w.isalpha())
+    sp = SamplingParams(bad_words=[word], **base)
+    ref = offline.generate(PROMPTS[2], sp)[0].outputs[0]
+    assert ref.token_ids != plain.token_ids
+    assert not {q[0] for q in sp.bad_words_token_ids if len(q) == 1} & set(ref.token_ids)
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=24, temperature=0,
+                                    extra_body={"ignore_eos": True, "bad_words": [word]})
+    assert out.choices[0].text == ref.text
+
+
 def test_logit_bias_and_tools_through_the_client(client):
     """logit_bias from the official client forces a token; tools are rendered into the prompt with tool_choice
     'none' (tool calling itself: test_serve_structured.py)."""

@@ -159,4 +159,12 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
     if max_model_len and len(prompt_ids) >= max_model_len:
         raise ParamError(f"prompt has {len(prompt_ids)} tokens; the maximum context length is {max_model_len} "
                          f"(prompt + at least one generated token)", "prompt")
+    # what only the tokenising side can do reaches here done, or fails: never silently ignored
+    keep = params.truncate_prompt_tokens
+    if keep is not None and keep > 0 and len(prompt_ids) > keep:
+        raise ParamError(f"truncate_prompt_tokens: the prompt has {len(prompt_ids)} tokens, more than the {keep} it "
+                         "keeps: LLM.generate cuts prompts, this path takes them as given", "truncate_prompt_tokens")
+    if params.bad_words and params.bad_words_token_ids is None:
+        raise ParamError("bad_words need the tokenizer's token sequences (SamplingParams.update_from_tokenizer, done "
+                         "by LLM.generate and the server); or pass bad_words_token_ids", "bad_words")
     params.check_vocab(vocab_size)

@@ -1,7 +1,8 @@
 """Logit processing and sampling, one row per (request, position).
 
 A row's target distribution, in vLLM's order: the logit bias, repetition penalty over its history, presence /
-frequency penalties over its output tokens, min_tokens masking of stop tokens, temperature, top-k, top-p, min-p.
+frequency penalties over its output tokens, bad words (over its output tokens), min_tokens masking of stop tokens,
+temperature, top-k, top-p, min-p.
 Greedy rows take the argmax of the processed logits. Logprobs are reported from the raw model distribution
 (log_softmax of the logits), as vLLM does by default.
 """
@@ -18,7 +19,7 @@ from mtp_ray.engine.sampling_params import SamplingParams
 @dataclass
 class Row:
     params: SamplingParams
-    history: list[int]  # prompt + output (+ drafts before this position) for the penalties; [] without them
+    history: list[int]  # prompt + output (+ drafts before this position) where params.penalized, else []
     num_output: int  # output tokens before this position (min_tokens)
     stop_ids: tuple[int, ...]  # eos + stop_token_ids: masked until min_tokens
     allowed: torch.Tensor | None = None  # bool [V]: the only tokens it may sample (grammar, allowed_token_ids)
@@ -42,6 +43,10 @@ def process(logits: torch.Tensor, row: Row) -> torch.Tensor:
         out = torch.tensor(row.history[len(row.history) - row.num_output:], dtype=torch.long)  # this row's outputs
         ids, counts = out.unique(return_counts=True)
         logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+    if p.bad_words_token_ids:
+        banned = banned_tokens(p.bad_words_token_ids, row.history[len(row.history) - row.num_output:])
+        if banned:
+            logits[banned] = float("-inf")
     allowed = row.allowed
     if mask_stops:
         if allowed is None:
@@ -52,6 +57,12 @@ def process(logits: torch.Tensor, row: Row) -> torch.Tensor:
     if allowed is not None:
         logits.masked_fill_(~allowed, float("-inf"))
     return logits
+
+
+def banned_tokens(seqs: list[list[int]], output: list[int]) -> list[int]:
+    """vLLM's bad words: the last token of each sequence whose other tokens end the output so far (a one-token
+    sequence: always). Over the output only, as vLLM v1 (a word the prompt started is not finished for it)."""
+    return [q[-1] for q in seqs if len(q) <= len(output) + 1 and output[len(output) - len(q) + 1:] == q[:-1]]
 
 
 def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -94,10 +94,18 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # log-probs of the prompt's tokens (+ n top alternatives per position)
     # vLLM's: these tokens' log-probs at each generated position, in place of the top-n alternatives (label reads)
     logprob_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last n tokens (-1: max_model_len), as vLLM
+    detokenize: bool = True  # False: token ids only, no text (vLLM's; stop strings need text)
+    bad_words: list[str] | None = None  # vLLM's: words never generated (as token sequences: update_from_tokenizer)
+    # the token sequences banned, filled from bad_words where the prompt is tokenised (or given directly): a
+    # sequence's last token is masked where the output so far ends with the rest of it (engine/sampler.py)
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         for name in ("stop", "stop_token_ids"):  # (vLLM's defaults are None)
             if getattr(self, name) is None:
                 setattr(self, name, [])
@@ -120,8 +128,11 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Any logit penalty that depends on the tokens so far (the raw argmax is not the greedy token then)."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Any logit penalty that depends on the tokens so far (the raw argmax is not the greedy token then): the
+        repetition / presence / frequency penalties and bad words (a ban that depends on the output so far). Such a
+        row is processed on the host with its history (engine/commit.py reads this), never on the device path."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.bad_words or self.bad_words_token_ids))
 
     @property
     def alternatives(self) -> bool:
@@ -130,7 +141,8 @@ class SamplingParams:
 
     @property
     def reshapes_logits(self) -> bool:
-        """The greedy token is not the raw argmax: penalties, a logit bias or a mask (grammar, allowed tokens)."""
+        """The greedy token is not the raw argmax: penalties, bad words, a logit bias or a mask (grammar, allowed
+        tokens). Such a request never takes the device-greedy fast path (engine/commit.py: plain_greedy)."""
         return (self.penalized or bool(self.logit_bias) or self.structured_outputs is not None
                 or self.allowed_token_ids is not None)
 
@@ -138,7 +150,9 @@ class SamplingParams:
         """Token ids named by the parameters exist (an id past the vocabulary would fail the step that uses it)."""
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ()),
                           ("allowed_token_ids", self.allowed_token_ids or ()),
-                          ("logprob_token_ids", self.logprob_token_ids or ())):
+                          ("logprob_token_ids", self.logprob_token_ids or ()),
+                          ("bad_words" if self.bad_words else "bad_words_token_ids",
+                           [t for q in self.bad_words_token_ids or () for t in q])):
             out = sorted({t for t in ids if t >= vocab_size})
             if out:
                 raise ParamError(f"{name} token ids must be in [0, {vocab_size}) (the vocabulary has {vocab_size} "
@@ -151,6 +165,29 @@ class SamplingParams:
         if unknown:
             raise ParamError(f"unknown sampling parameter(s): {sorted(unknown)}", sorted(unknown)[0])
         return cls(**raw)
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """bad_words -> bad_words_token_ids, as vLLM's: each word (leading spaces stripped) encoded alone and after a
+        space (add_special_tokens=False); the spaced form is kept where it starts with another token and has as many
+        tokens (a new word token, not the same one split differently), so the word is banned at the start of the
+        text and in its middle."""
+        if not self.bad_words:
+            return
+        seqs: list[list[int]] = []
+        for word in self.bad_words:
+            bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            seqs += [bare] if bare else []
+            if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare):
+                seqs.append(spaced)
+        self.bad_words_token_ids = seqs
+
+    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as truncate_prompt_tokens keeps it: its last n tokens (-1: max_model_len), else as is."""
+        n = self.truncate_prompt_tokens
+        if n is None:
+            return prompt_ids
+        return prompt_ids[-(max_model_len if n == -1 else n):]
 
     def child(self, index: int) -> SamplingParams:
         """Sample `index` of n as a request of its own (n = 1): a seeded request's samples draw from seed, seed + 1,
@@ -210,6 +247,19 @@ class SamplingParams:
              "logprob_token_ids", f"must be a list of 1..20 token ids, got {ids!r:.80}")
         need(ids is None or self.logprobs is not None, "logprob_token_ids",
              "needs logprobs (their log-probs take the place of the top alternatives)")
+        n = self.truncate_prompt_tokens
+        need(n is None or (is_int(n) and (n >= 1 or n == -1)), "truncate_prompt_tokens",
+             f"must be an integer >= 1 or -1 (max_model_len), got {n!r}")
+        need(isinstance(self.detokenize, bool), "detokenize", f"must be a boolean, got {self.detokenize!r}")
+        need(self.detokenize or not self.stop, "detokenize",
+             "must be True for stop strings (they are matched in the text); use stop_token_ids")
+        words = self.bad_words
+        need(words is None or (isinstance(words, list) and all(isinstance(w, str) and w.strip() for w in words)),
+             "bad_words", f"must be a list of non-empty strings, got {words!r:.80}")
+        seqs = self.bad_words_token_ids
+        need(seqs is None or (isinstance(seqs, list) and all(isinstance(q, list) and q for q in seqs)
+                              and all(is_int(t) and t >= 0 for q in seqs for t in q)),
+             "bad_words_token_ids", f"must be a list of non-empty token-id lists, got {seqs!r:.80}")
 
 
 def model_defaults(generation_config: str, model: str) -> dict[str, float | int]:

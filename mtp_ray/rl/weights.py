@@ -1,11 +1,11 @@
 """The trainer's end of a weight update over a process group (verl / OpenRLHF style); the ranks' end is
-mtp_ray/runtime/weight_sync.py."""
+mtp_ray/engine/weight_sync.py."""
 
 from __future__ import annotations
 
 import torch
 
-from mtp_ray.runtime.weight_sync import make_group
+from mtp_ray.engine.weight_sync import make_group
 
 
 class TrainerWeightSender:

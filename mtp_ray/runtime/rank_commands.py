@@ -7,10 +7,10 @@ from collections.abc import Callable
 from typing import Any
 
 from mtp_ray.engine.core import EngineCore
+from mtp_ray.engine.weight_sync import apply_update, check_update, make_group, receive, resolve
 from mtp_ray.model.loader import WeightLoader
 from mtp_ray.parallel.context import DistContext
 from mtp_ray.runtime.messages import GroupCommand
-from mtp_ray.runtime.weight_sync import apply_update, check_update, make_group, receive, resolve
 
 
 class RankCommands:

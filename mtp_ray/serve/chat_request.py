@@ -205,6 +205,7 @@ def parse_chat(body: dict, tokenizer, limits: Limits = NO_LIMITS, serving: ChatS
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     req = parse_common(body, [ids], [text], "max_completion_tokens", (top or 0) if lp_on else None, limits,
                        tool_schema=schema)
+    req.params.update_from_tokenizer(tokenizer)  # bad_words -> token sequences, as vLLM's
     if body.get("max_completion_tokens") is None and body.get("max_tokens") is None:
         req.params.max_tokens = None  # chat default: up to the context length
     reasoning = serving.reasoning_parser is not None and flag(body, "separate_reasoning", True)

@@ -25,6 +25,7 @@ SAMPLING_FIELDS: dict[str, tuple[str, tuple]] = {
     "skip_special_tokens": ("skip_special_tokens", (bool,)),
     "include_stop_str_in_output": ("include_stop_str_in_output", (bool,)),
     "allowed_token_ids": ("allowed_token_ids", (list,)), "logprob_token_ids": ("logprob_token_ids", (list,)),
+    "bad_words": ("bad_words", (list,)),  # to token sequences where the prompt is tokenised (update_from_tokenizer)
 }
 
 @dataclass
@@ -58,6 +59,8 @@ def ids_only(req: ParsedRequest) -> None:
         raise bad("'stop_regex' needs a tokenizer and this model has none: use 'stop_token_ids'", "stop_regex")
     if req.params.structured_outputs is not None:
         raise bad("structured outputs need a tokenizer and this model has none", "structured_outputs")
+    if req.params.bad_words:
+        raise bad("'bad_words' need a tokenizer and this model has none", "bad_words")
     req.return_token_ids = req.tokens_as_ids = True
 
 
@@ -250,6 +253,8 @@ def parse_completion(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> Parse
     req.echo, req.drop_output = echo, drop
     if tokenizer is None:
         ids_only(req)
+    else:
+        req.params.update_from_tokenizer(tokenizer)  # bad_words -> token sequences, as vLLM's
     return req
 
 
