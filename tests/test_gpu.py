@@ -138,6 +138,28 @@ def test_cuda_graphs_recaptured_after_sleep(ray_cluster):
 
 
 @needs_gpu
+def test_offline_sleep_and_wake_up_recapture_the_graphs():
+    """The offline LLM's sleep / wake_up (vLLM's names) on the GPU with CUDA graphs and MTP: level 1 (weights to the
+    host and back) and level 2 (weights dropped, brought back by update_weights), each followed by the same greedy
+    tokens from recaptured graphs; the device memory the caches held is given back while asleep."""
+    from mtp_ray.model.loader import checkpoint_tensors
+
+    llm = LLM(device="cuda", dtype="bfloat16", num_speculative_tokens=3)
+    want = greedy(llm)
+    torch.cuda.synchronize()
+    awake = torch.cuda.memory_allocated()
+    for level in (1, 2):
+        llm.sleep(level)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() < awake / 2, (level, torch.cuda.memory_allocated(), awake)
+        if level == 2:
+            llm.update_weights([(n, read(None)) for n, _, read in checkpoint_tensors(llm.config.model)])
+        llm.wake_up()
+        assert greedy(llm) == want, level
+        assert llm.engine.stats.graph_steps > 0, "woken without CUDA graphs"
+
+
+@needs_gpu
 def test_no_triton_recompiles_for_new_batch_shapes(ray_cluster):
     """Serving does not compile a Triton kernel per new batch shape (a compile stalls the whole group for ~1 s): after
     one pass over mixed prompt lengths and arrival patterns, a second pass with other lengths and batch compositions
