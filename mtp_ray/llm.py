@@ -263,8 +263,9 @@ class LLM:
         co.token_ids += out.new_token_ids
         co.token_logprobs += out.new_logprobs
         co.top_logprobs += out.new_top_logprobs
+        co.token_ranks += out.ranks()
         dt.add(out.new_token_ids, out.stop_token)
-        dt.cut(co.token_ids, co.token_logprobs, co.top_logprobs)
+        dt.cut(co.token_ids, co.token_logprobs, co.top_logprobs, co.token_ranks)
         co.text = dt.text
         if dt.stopped_by is not None and not out.finished:
             aborted = self.engine.abort_request(out.request_id)

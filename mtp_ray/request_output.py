@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Logprob:
-    """vLLM's: a token's log-probability, its rank among the vocabulary (1: the likeliest; None where unknown:
-    a sampled token outside the top-n, a logprob_token_ids entry) and its text alone."""
+    """vLLM's: a token's log-probability, its rank among the vocabulary (1: the likeliest; None where unknown: a
+    logprob_token_ids entry) and its text alone."""
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
@@ -28,6 +28,7 @@ class CompletionOutput:
     stop_reason: int | str | None
     token_logprobs: list[float] = field(default_factory=list)  # each generated token's log-prob, asked or not
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per token the top-n (logprobs=n)
+    token_ranks: list[int | None] = field(default_factory=list)  # per token its rank in the vocabulary (None: unknown)
     spec: dict = field(default_factory=dict)  # drafted / accepted / mean acceptance length
     error: str | None = None  # finish_reason "error": why (e.g. a constraint that failed while generating)
 
@@ -36,8 +37,9 @@ class CompletionOutput:
         the top-n (logprobs=n), not the log-probs of given tokens (logprob_token_ids)."""
         self.cumulative_logprob = sum(self.token_logprobs)
         if asked:
-            self.logprobs = [_entry(t, lp, top, decode, by_order=ranked) for t, lp, top in
-                             zip(self.token_ids, self.token_logprobs, self.top_logprobs, strict=True)]
+            self.logprobs = [_entry(t, lp, top, decode, rank, by_order=ranked) for t, lp, top, rank in
+                             zip(self.token_ids, self.token_logprobs, self.top_logprobs, self.token_ranks,
+                                 strict=True)]
 
 
 @dataclass

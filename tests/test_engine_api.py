@@ -73,8 +73,9 @@ def test_logprobs_are_raw_model_logprobs(llm):
 
 def test_logprobs_read_as_vllm_writes_them(llm):
     """vLLM's shape (code written for vLLM reads it as is): per generated token {token: Logprob(logprob, rank,
-    decoded_token)}, the sampled token first, then the top-n ranked 1..n; None when not asked; cumulative_logprob;
-    prompt_logprobs as {token: Logprob} with the prompt token's true rank. They were floats in a list."""
+    decoded_token)}, the sampled token first with its true rank (also outside the top-n: it was None there), then
+    the top-n ranked 1..n; None when not asked; cumulative_logprob; prompt_logprobs as {token: Logprob} with the
+    prompt token's true rank. They were floats in a list."""
     from mtp_ray import Logprob
 
     tok = llm.tokenizer
@@ -84,14 +85,18 @@ def test_logprobs_read_as_vllm_writes_them(llm):
     assert len(o.logprobs) == len(o.token_ids) and o.cumulative_logprob == pytest.approx(sum(o.token_logprobs))
     for t, lp, pos in zip(o.token_ids, o.token_logprobs, o.logprobs, strict=True):
         assert next(iter(pos)) == t and pos[t].logprob == lp and pos[t].decoded_token == tok.decode([t])
-        ranked = sorted((v for v in pos.values() if v.rank is not None), key=lambda v: v.rank)
-        assert [v.rank for v in ranked] == [1, 2] and ranked[0].logprob >= ranked[1].logprob
+        ranked = sorted(pos.values(), key=lambda v: v.rank)
+        assert [v.rank for v in ranked][:2] == [1, 2] and ranked[0].logprob >= ranked[1].logprob
         assert all(isinstance(v, Logprob) for v in pos.values()) and 2 <= len(pos) <= 3
+        assert (pos[t].rank > 2) == (len(pos) == 3)  # outside the top 2: its own rank, past them
     assert ro.prompt_logprobs[0] is None and len(ro.prompt_logprobs) == len(ro.prompt_token_ids)
     for t, pos in zip(ro.prompt_token_ids[1:], ro.prompt_logprobs[1:], strict=True):
         best = max(pos.values(), key=lambda v: v.logprob)
         assert next(iter(pos)) == t and pos[t].rank >= 1 and best.rank == 1
         assert (pos[t].rank == 1) == (pos[t].logprob >= best.logprob - 1e-6)
+    assert any(pos[t].rank > 2 for t, pos in zip(o.token_ids, o.logprobs, strict=True)), "no draw outside the top 2"
+    greedy = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, logprobs=0))[0].outputs[0]
+    assert [[(t2, v.rank) for t2, v in pos.items()] for pos in greedy.logprobs] == [[(t, 1)] for t in greedy.token_ids]
     plain = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4))[0].outputs[0]
     assert plain.logprobs is None and plain.cumulative_logprob == pytest.approx(sum(plain.token_logprobs))
 
@@ -631,8 +636,9 @@ def test_top_logprobs_past_a_small_vocabulary():
     from mtp_ray.engine.sampler import logprob_info
 
     lp = torch.log_softmax(torch.randn(7), -1)
-    got, top = logprob_info(lp, 3, 20)
+    got, top, rank = logprob_info(lp, 3, 20)
     assert got == float(lp[3]) and sorted(top) == list(range(7))
+    assert rank == 1 + sorted(lp.tolist(), reverse=True).index(got)
 
 
 def test_iteration_tokens_histogram_counts_every_scheduled_token():

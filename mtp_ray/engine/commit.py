@@ -127,8 +127,8 @@ class Committer:
         else:
             req.num_computed = start + s.num_new
             return None, DraftItem(req, start, hidden, False, index) if self.k else None
-        if fast:
-            info = [(g_lp[i], {}) for i in range(len(emitted))]
+        if fast:  # the argmax: rank 1 (asked for or not, it costs nothing)
+            info = [(g_lp[i], {}, 1) for i in range(len(emitted))]
         else:
             p = req.params
             info = [logprob_info(logprobs[i], t, p.logprobs, p.logprob_token_ids) for i, t in enumerate(emitted)]

@@ -36,6 +36,8 @@ class StepOutput:
     # the last token is the stop token or end token that ended it: in token_ids, not in the text unless
     # include_stop_str_in_output (vLLM's detokenizer)
     stop_token: bool = False
+    # per new token its rank in the vocabulary (1: the likeliest) where the step knew it; None: not known
+    new_ranks: list[int | None] | None = None
 
     def then(self, later: StepOutput) -> StepOutput:
         """This delta followed by a later one of the same request, as one (its end state is the later one's)."""
@@ -45,7 +47,12 @@ class StepOutput:
                           later.finished, later.finish_reason, later.stop_reason, later.num_prompt_tokens, later.spec,
                           later.error, later.timings,
                           self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
-                          later.num_cached_tokens, later.stop_token)
+                          later.num_cached_tokens, later.stop_token,
+                          None if self.new_ranks is later.new_ranks is None else self.ranks() + later.ranks())
+
+    def ranks(self) -> list[int | None]:
+        """new_ranks, one per new token (None where not known)."""
+        return self.new_ranks if self.new_ranks is not None else [None] * len(self.new_token_ids)
 
 
 def prompt_logprob_dicts(entries: list, prompt_ids: list[int]) -> list[dict[int, float] | None]:
@@ -63,13 +70,18 @@ class OutputProcessor:
         self.primary_eos = primary_eos if primary_eos is not None else (eos_ids[0] if eos_ids else None)
         self.stats = stats  # the engine's counters: verify steps here
 
-    def emit(self, req: Request, emitted: list[int], info: list[tuple[float, dict[int, float]]]) -> StepOutput:
-        """The tokens a step produced for one request (drafts used up): appended until a stop, as one output."""
+    def emit(self, req: Request, emitted: list[int], info: list[tuple[float, dict[int, float], int | None]]
+             ) -> StepOutput:
+        """The tokens a step produced for one request (drafts used up): appended until a stop, as one output.
+        info: per token (log-prob, top log-probs, rank or None)."""
         req.drafts, req.draft_probs = [], None
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        n = self._append(req, emitted, [lp for lp, _ in info], [top for _, top in info])
-        return self.output(req, emitted[:n], n)
+        n = self._append(req, emitted, [lp for lp, _, _ in info], [top for _, top, _ in info])
+        out = self.output(req, emitted[:n], n)
+        if any(r is not None for _, _, r in info):
+            out.new_ranks = [r for _, _, r in info[:n]]
+        return out
 
     def emit_greedy(self, req: Request, tokens: list[int], logprobs: list[float]) -> StepOutput:
         """emit() of plain-greedy tokens (no top log-probs) read from the device's greedy block: every sequence of
@@ -83,7 +95,8 @@ class OutputProcessor:
         done = req.finished
         return StepOutput(req.request_id, tokens, logprobs, [{} for _ in tokens], done, req.finish_reason,
                           req.stop_reason, len(req.prompt_ids), req.spec_stats() if done else {}, req.error,
-                          req.timings() if done else {}, None, self._cached(req))
+                          req.timings() if done else {}, None, self._cached(req),
+                          new_ranks=[1] * len(tokens) if req.params.logprobs is not None else None)  # the argmax
 
     def commit_spec(self, req: Request, accepted: int, k: int) -> None:
         """GDN rollback: the state after token `accepted` of the verify becomes the sequence's state."""

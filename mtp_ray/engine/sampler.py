@@ -140,13 +140,16 @@ def reduce_rows(logits: torch.Tensor, host: list[bool], masks: tuple[list[int], 
 
 
 def logprob_info(lp: torch.Tensor, token: int, top_n: int | None, ids: list[int] | None = None
-                 ) -> tuple[float, dict[int, float]]:
+                 ) -> tuple[float, dict[int, float], int | None]:
     """lp: [V] raw log-probabilities (log_softmax of the logits, computed for the whole step at once) ->
-    logprob of `token` and the top_n alternatives {token: logprob}, or with `ids` those tokens' (in their order)."""
+    logprob of `token`, the top_n alternatives {token: logprob} (or with `ids` those tokens', in their order), and
+    the token's rank in the vocabulary (1: the likeliest; vLLM's Logprob.rank) when log-probs are asked."""
     top: dict[int, float] = {}
     if ids:
         top = dict(zip(ids, lp[ids].tolist(), strict=True))
     elif top_n:
         v, i = torch.topk(lp, min(top_n, lp.numel()))  # a vocabulary smaller than top_n: all of it
         top = {int(t): float(x) for t, x in zip(i.tolist(), v.tolist(), strict=False)}
-    return float(lp[token]), top
+    x = lp[token]
+    rank = int((lp > x).sum()) + 1 if top_n is not None or ids else None
+    return float(x), top, rank
