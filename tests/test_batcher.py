@@ -366,3 +366,28 @@ def test_admission_gap_is_checked_by_name():
     for bad in (-1, "5", True, 1e6):
         with pytest.raises(ValueError, match="server.admission_gap_ms"):
             ServerConfig.from_dict({"admission_gap_ms": bad})
+
+
+def test_the_router_counts_a_call_the_groups_count_may_have_missed():
+    """serve/routing.py: a group's routing stats stamped just after a call was sent to it, but counted before the
+    call arrived, said 0: the burst's next call then went to the same group of two (test_serve_faults' burst
+    spread failed a CI run: [1, 15]). A call sent shortly before the stamp still counts."""
+    import time
+    from types import SimpleNamespace
+
+    from mtp_ray.serve.routing import IN_FLIGHT, STAMP, ServingGroupsRouter
+
+    def replica(name: str, in_flight: int, at: float):
+        return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name),
+                               routing_stats={IN_FLIGHT: in_flight, STAMP: at, "serving": True})
+
+    router = ServingGroupsRouter.__new__(ServingGroupsRouter)  # (no Serve controller: the choice alone)
+    router.initialize_state()
+    now = time.time()
+    router.sent = {"a": [(now - 0.05, 1)]}  # one request sent to a 50 ms before a's count
+    a, b = replica("a", 0, now), replica("b", 0, now)  # a's count did not see it yet
+    assert router._load(a) == 1 and router._load(b) == 0
+    burst = SimpleNamespace(metadata=SimpleNamespace(call_method="admit_batch"), args=[list(range(15))])
+    assert asyncio.run(router.choose_replicas([a, b], burst)) == [[b]]
+    stale = replica("a", 3, now + 2.0)  # a later count: the old send is in it, not counted twice
+    assert router._load(stale) == 3

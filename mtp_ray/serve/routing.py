@@ -18,6 +18,8 @@ import time
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 IN_FLIGHT, STAMP = "in_flight", "at"  # routing stats' keys: the group's requests in flight, when (time.time())
+# a call sent this long before a group's count may still have been on its way (the count missed it): counted on top
+TRANSIT_S = 0.5
 
 
 class ServingGroupsRouter(FIFOMixin, RequestRouter):
@@ -38,12 +40,14 @@ class ServingGroupsRouter(FIFOMixin, RequestRouter):
 
     def _load(self, r: RunningReplica) -> int:
         """Its requests when it last counted them (wall clock: the group's process is another) and those this
-        router sent it since."""
+        router sent it since, or shortly before: a call still on its way when the group counted is not in its count
+        (a burst's first call and the rest then went to the same group of two: its count, stamped after the first
+        was sent, said 0). Counting a request that did arrive twice for TRANSIT_S errs towards spreading."""
         stats = r.routing_stats or {}
         counted = stats.get(STAMP, 0.0)
         sent = [(t, n) for t, n in self.sent.get(r.replica_id.unique_id, []) if t > counted - 1.0]
         self.sent[r.replica_id.unique_id] = sent  # (older ones are in its count; a second of clock skew kept)
-        return int(stats.get(IN_FLIGHT, 0)) + sum(n for t, n in sent if t > counted)
+        return int(stats.get(IN_FLIGHT, 0)) + sum(n for t, n in sent if t > counted - TRANSIT_S)
 
 
 def requests_in(pending: PendingRequest) -> int:
