@@ -114,7 +114,7 @@ def test_bad_words_values_and_untokenised_words_are_refused(llm):
 
 def test_the_server_parses_bad_words(llm):
     """vLLM's request field: accepted by both endpoints, tokenised where the prompt is; refused (400 naming it)
-    without a tokenizer or with a bad value."""
+    without a tokenizer, with a bad value, or with more words than server.max_stop."""
     tok = llm.get_tokenizer()
     sp = SamplingParams(bad_words=["parse"])
     sp.update_from_tokenizer(tok)
@@ -125,7 +125,8 @@ def test_the_server_parses_bad_words(llm):
     check_fields(chat, CHAT_FIELDS)
     assert parse_chat(chat, tok).params.bad_words_token_ids == sp.bad_words_token_ids
     for body, tokenizer in (({"prompt": [5, 6], "bad_words": ["parse"]}, None),
-                            ({"prompt": "x", "bad_words": [""]}, tok), ({"prompt": "x", "bad_words": "x"}, tok)):
+                            ({"prompt": "x", "bad_words": [""]}, tok), ({"prompt": "x", "bad_words": "x"}, tok),
+                            ({"prompt": "x", "bad_words": ["w"] * 65}, tok)):  # past max_stop: matched every step
         with pytest.raises(ApiError) as e:
             parse_completion(body, tokenizer)
         assert e.value.param == "bad_words"

@@ -18,7 +18,7 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 16 << 20  # a larger request body is a 413, refused before it is read whole
     max_n: int = 64  # choices per request (n); each is a request of its own on the engine
-    max_stop: int = 64  # stop strings per request
+    max_stop: int = 64  # stop strings per request (and bad words)
     max_prompts: int = 256  # prompts in one completions request (a batch)
     reasoning_parser: str | None = None  # "qwen3" (alias "deepseek_r1"): <think> ... </think> -> reasoning_content
     tool_call_parser: str | None = None  # "qwen3_coder" (Qwen3.5's XML calls) or "hermes" (JSON in <tool_call>)

@@ -117,6 +117,9 @@ def sampling_params(body: dict, max_tokens_key: str, logprobs: int | None, limit
         if len(stop) > limits.max_stop:
             raise bad(f"'stop' may hold at most {limits.max_stop} strings, got {len(stop)}", "stop")
         kw["stop"] = [unicode_text(s, "stop") for s in stop if s]
+    words = kw.get("bad_words")  # (each is matched against the output at every step: bounded as stop strings are)
+    if isinstance(words, list) and len(words) > limits.max_stop:
+        raise bad(f"'bad_words' may hold at most {limits.max_stop} words, got {len(words)}", "bad_words")
     n = kw.get("n")
     if n is not None and n > limits.max_n:
         raise bad(f"'n' must be at most {limits.max_n}, got {n}", "n")
