@@ -275,6 +275,24 @@ def test_stop_strings_on_the_rollout_handle(ray_cluster, engine):
     assert held["token_ids"] == full and held["stop_reason"] == "length"
 
 
+def test_truncate_prompt_tokens_and_bad_words_on_the_rollout_handle(ray_cluster, engine):
+    """vLLM's truncate_prompt_tokens (the prompt's last n ids) and bad_words (tokenised on the handle) apply there
+    as in LLM.generate (they were refused: 'the path takes prompts as given', 'bad_words need ...')."""
+    from mtp_ray.llm import load_tokenizer
+
+    ray = ray_cluster
+    tok = load_tokenizer(BUNDLED_MODEL)
+    prompt = PROMPTS[1]
+    cut = ray.get(engine.generate.remote(prompt, {**GREEDY, "truncate_prompt_tokens": 3}), timeout=120)
+    assert cut["token_ids"] == ray.get(engine.generate.remote(prompt[-3:], GREEDY), timeout=120)["token_ids"]
+    full = ray.get(engine.generate.remote(prompt, GREEDY), timeout=120)["token_ids"]
+    word = tok.decode(full[2:3]).strip()
+    banned = ray.get(engine.generate.remote(prompt, {**GREEDY, "bad_words": [word]}), timeout=120)["token_ids"]
+    ban = {q[-1] for q in (tok.encode(word, add_special_tokens=False), tok.encode(" " + word, add_special_tokens=False))
+           if len(q) == 1}
+    assert ban and full[2] in ban and not ban & set(banned) and banned[:2] == full[:2]
+
+
 def test_top_and_prompt_log_probs_on_the_rollout_handle(ray_cluster, engine):
     """logprobs = n and prompt_logprobs = n are returned (they were accepted and dropped): per token {token:
     logprob} holding the sampled token and the top n (the sampled one was missing when not among them), per prompt

@@ -44,6 +44,10 @@ class RolloutEngine:
     async def _one(self, ids: list[int], params: SamplingParams) -> dict:
         if params.n != 1:
             raise ValueError("n must be 1 per prompt on the rollout handle (repeat the prompt instead)")
+        ids = params.truncated(ids, self.group.max_model_len)  # truncate_prompt_tokens, as LLM.generate
+        if params.bad_words:  # to token sequences, as vLLM's
+            params.update_from_tokenizer(await self._tokenizer("bad_words: this model has no tokenizer files; "
+                                                               "pass bad_words_token_ids"))
         detok = await self._stop_strings(params)
         c = await self.group.collect(ids, params)  # whole results: no per-step wake-up of 256 coroutines
         last, tokens, lps, tops, reason = c.last, c.token_ids, c.log_probs, c.top_log_probs, c.last.finish_reason
@@ -69,13 +73,17 @@ class RolloutEngine:
         """A Detokenizer for a request with stop strings (the tokenizer loaded on first use), else None."""
         if not params.stop:
             return None
+        return Detokenizer(await self._tokenizer(STOP_NEEDS_TOKENIZER), params.stop, params.skip_special_tokens,
+                           params.include_stop_str_in_output, min_tokens=params.min_tokens)
+
+    async def _tokenizer(self, missing: str):
+        """The model's tokenizer, loaded on first use; none (no tokenizer files): ValueError(missing)."""
         if self._tok is None:
             cfg = self.group.cfg
             self._tok = await asyncio.to_thread(tokenizer_or_none, cfg.tokenizer or cfg.model)
             if self._tok is None:
-                raise ValueError(STOP_NEEDS_TOKENIZER)
-        return Detokenizer(self._tok, params.stop, params.skip_special_tokens, params.include_stop_str_in_output,
-                           min_tokens=params.min_tokens)
+                raise ValueError(missing)
+        return self._tok
 
     # ---- RL control (verl / OpenRLHF / SGLang names) ----
     async def abort_all_requests(self) -> int:
