@@ -9,6 +9,8 @@ from typing import Any
 from mtp_ray.engine.chat_content import content_text
 from mtp_ray.engine.sampling_params import SamplingParams
 
+BAD_WORDS_NEED_TOKENIZER = "bad_words: this model has no tokenizer files; pass bad_words_token_ids"
+
 
 def shown(x: Any) -> str:
     """What a refused prompt was, in a few words (the types inside a list: a bool or a float among the ids)."""
@@ -46,7 +48,7 @@ def tokenized(ids: list[int], sp: SamplingParams, tokenizer: Any, max_model_len:
     max_model_len) and bad_words turned into token sequences (sp.update_from_tokenizer). -> the prompt's ids."""
     if sp.bad_words:
         if tokenizer is None:
-            raise ValueError("bad_words: this model has no tokenizer files; pass bad_words_token_ids")
+            raise ValueError(BAD_WORDS_NEED_TOKENIZER)
         sp.update_from_tokenizer(tokenizer)
     return sp.truncated(ids, max_model_len)
 

@@ -39,12 +39,12 @@ def process(logits: torch.Tensor, row: Row) -> torch.Tensor:
         idx = torch.tensor(sorted(set(row.history)), dtype=torch.long)
         vals = logits[idx]
         logits[idx] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and row.num_output:
-        out = torch.tensor(row.history[len(row.history) - row.num_output:], dtype=torch.long)  # this row's outputs
-        ids, counts = out.unique(return_counts=True)
+    output = row.history[len(row.history) - row.num_output:]  # this row's output tokens (penalized rows)
+    if (p.presence_penalty or p.frequency_penalty) and output:
+        ids, counts = torch.tensor(output, dtype=torch.long).unique(return_counts=True)
         logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
     if p.bad_words_token_ids:
-        banned = banned_tokens(p.bad_words_token_ids, row.history[len(row.history) - row.num_output:])
+        banned = banned_tokens(p.bad_words_token_ids, output)
         if banned:
             logits[banned] = float("-inf")
     allowed = row.allowed

@@ -13,6 +13,7 @@ from mtp_ray.engine.outputs import prompt_logprob_dicts
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.engine.weight_sync import check_backend
 from mtp_ray.llm import tokenizer_or_none
+from mtp_ray.prompts import BAD_WORDS_NEED_TOKENIZER
 from mtp_ray.runtime.batcher import detached
 from mtp_ray.runtime.group import EngineGroup
 
@@ -37,6 +38,8 @@ class RolloutEngine:
         """One prompt (list of ids) -> one result; a batch (list of lists) -> a list of results, in order."""
         await self.start()
         params = SamplingParams.from_dict(dict(sampling_params or {}))
+        if params.bad_words:  # to token sequences, as vLLM's: once for the batch (its prompts share the params)
+            params.update_from_tokenizer(await self._tokenizer(BAD_WORDS_NEED_TOKENIZER))
         if prompt_token_ids and all(isinstance(p, list) for p in prompt_token_ids):
             return list(await asyncio.gather(*[self._one(p, params) for p in prompt_token_ids]))
         return await self._one(prompt_token_ids, params)
@@ -45,9 +48,6 @@ class RolloutEngine:
         if params.n != 1:
             raise ValueError("n must be 1 per prompt on the rollout handle (repeat the prompt instead)")
         ids = params.truncated(ids, self.group.max_model_len)  # truncate_prompt_tokens, as LLM.generate
-        if params.bad_words:  # to token sequences, as vLLM's
-            params.update_from_tokenizer(await self._tokenizer("bad_words: this model has no tokenizer files; "
-                                                               "pass bad_words_token_ids"))
         detok = await self._stop_strings(params)
         c = await self.group.collect(ids, params)  # whole results: no per-step wake-up of 256 coroutines
         last, tokens, lps, tops, reason = c.last, c.token_ids, c.log_probs, c.top_log_probs, c.last.finish_reason
