@@ -265,7 +265,8 @@ def test_admissions_batch_hold_their_call_open_abort_orphans_and_send_structured
     async def main():
         worker, calls, counts = Worker(), [], []
 
-        def send(items):
+        def send(items, avoid):
+            assert avoid == ()  # no group refused anything
             calls.append(Call(items, worker))
             return calls[-1]
 
@@ -324,7 +325,7 @@ def test_admission_gap_from_server_config(gap_ms):
     calls: list[Call] = []
 
     class Method:
-        def remote(self, items, _subscriber):
+        def remote(self, items, _subscriber, avoid=()):
             calls.append(Call(items))
             return calls[-1]
 
@@ -387,7 +388,70 @@ def test_the_router_counts_a_call_the_groups_count_may_have_missed():
     router.sent = {"a": [(now - 0.05, 1)]}  # one request sent to a 50 ms before a's count
     a, b = replica("a", 0, now), replica("b", 0, now)  # a's count did not see it yet
     assert router._load(a) == 1 and router._load(b) == 0
-    burst = SimpleNamespace(metadata=SimpleNamespace(call_method="admit_batch"), args=[list(range(15))])
+    burst = SimpleNamespace(metadata=SimpleNamespace(call_method="admit_batch"), args=[list(range(15))], kwargs={})
     assert asyncio.run(router.choose_replicas([a, b], burst)) == [[b]]
     stale = replica("a", 3, now + 2.0)  # a later count: the old send is in it, not counted twice
     assert router._load(stale) == 3
+
+
+def test_a_group_that_refused_is_avoided_for_a_while():
+    """serve/routing.py + serve/groups.py: a request refused by a group that cannot serve (a stopped rank: it waited
+    out the ack time) was sent again through a least-requests choice that could pick the same group until its stats
+    said otherwise (test_a_stopped_rank_costs_one_wait_and_its_group_is_replaced failed a CI run: two waits). The
+    refusal names its group; the ingress's next calls name it in `avoid` for AVOID_S and the router passes over it
+    while another can serve."""
+    import time
+    from types import SimpleNamespace
+
+    from mtp_ray.engine.sampling_params import SamplingParams
+    from mtp_ray.runtime.group_monitor import GroupUnavailable
+    from mtp_ray.runtime.messages import Admission, AdmitItem
+    from mtp_ray.serve import groups
+    from mtp_ray.serve.routing import GROUP, IN_FLIGHT, STAMP, ServingGroupsRouter
+
+    def replica(name: str, in_flight: int):
+        return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name),
+                               routing_stats={IN_FLIGHT: in_flight, STAMP: time.time(), "serving": True, GROUP: name})
+
+    router = ServingGroupsRouter.__new__(ServingGroupsRouter)
+    router.initialize_state()
+    stuck, good = replica("stuck", 0), replica("good", 3)  # the good group looks busier
+    call = SimpleNamespace(metadata=SimpleNamespace(call_method="admit_batch"), args=[[1]],
+                           kwargs={"avoid": ("stuck",)})
+    assert asyncio.run(router.choose_replicas([stuck, good], call)) == [[good]]
+    assert asyncio.run(router.choose_replicas([stuck], call)) == [[stuck]]  # none other: still tried
+    call.kwargs = {}
+    assert asyncio.run(router.choose_replicas([stuck, good], call)) == [[stuck]]
+
+    sent: list[tuple[str, ...]] = []
+
+    class Call:
+        def __init__(self, refuse: bool):
+            refusal = GroupUnavailable("rank 0 of engine group stuck did not take the request within 0.5s")
+            refusal.group_id = "stuck"
+            self.result = [refusal if refuse else Admission("r", "good", 0, 0, None)]
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if self.result is None:
+                raise StopAsyncIteration
+            r, self.result = self.result, None
+            return r
+
+    def send(items, avoid):
+        sent.append(avoid)
+        return Call(refuse=not sent[1:])
+
+    async def main():
+        a = groups.Admissions(send, lambda _: None)
+        refused = await a.submit(AdmitItem("r", [1], SamplingParams(max_tokens=4)))
+        admitted = await a.submit(AdmitItem("r", [1], SamplingParams(max_tokens=4)))
+        a.refused["stuck"] -= groups.AVOID_S + 0.1  # long ago: its own stats say by now
+        await a.submit(AdmitItem("r", [1], SamplingParams(max_tokens=4)))
+        return refused, admitted
+
+    refused, admitted = asyncio.run(main())
+    assert isinstance(refused, GroupUnavailable) and isinstance(admitted, Admission)
+    assert sent == [(), ("stuck",), ()]

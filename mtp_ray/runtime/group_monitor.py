@@ -20,9 +20,13 @@ log = logging.getLogger("mtp_ray.group")
 class GroupFailed(RuntimeError):
     """The group failed (a rank died, a collective timed out, a lock-step check fired); it is restarting."""
 
+    group_id: str | None = None  # set on a refused admission: the ingress's router avoids that group a while
+
 
 class GroupUnavailable(RuntimeError):
     """No group can serve right now (starting, restarting or shut down)."""
+
+    group_id: str | None = None  # set on a refused admission: the ingress's router avoids that group a while
 
 
 class GroupMonitor:

@@ -16,10 +16,11 @@ from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.rl.engine import RolloutEngine
 from mtp_ray.runtime.group import EngineGroup
+from mtp_ray.runtime.group_monitor import GroupFailed, GroupUnavailable
 from mtp_ray.runtime.messages import Admission, AdmitItem
 from mtp_ray.serve.metrics import group_snapshot
 from mtp_ray.serve.metrics_hub import HubReporter
-from mtp_ray.serve.routing import IN_FLIGHT, STAMP
+from mtp_ray.serve.routing import GROUP, IN_FLIGHT, STAMP
 from mtp_ray.serve.scaling import REQUESTS_IN_FLIGHT
 
 
@@ -43,13 +44,19 @@ class GroupDeployment(RolloutEngine):
         async for out in self.group.generate(prompt_ids, params, request_id, announce=True):
             yield out
 
-    async def admit_batch(self, items: list[AdmitItem], subscriber: str) -> AsyncIterator[list[Admission | Exception]]:
+    async def admit_batch(self, items: list[AdmitItem], subscriber: str, avoid: tuple[str, ...] = ()
+                          ) -> AsyncIterator[list[Admission | Exception]]:
         """The HTTP ingress's entry (handle.options(stream=True)): the requests that reached one ingress replica
         since its previous admission call (serve/groups.py: Admissions), in one call (`EngineGroup.admit_batch`):
         one result each, an Admission (the ingress replica `subscriber` then pulls its outputs from that rank
         itself, runtime/outboxes.py) or the error that refused it. The call stays open until they all ended;
-        cancelling it aborts those still running. Params as validated by the ingress."""
+        cancelling it aborts those still running. Params as validated by the ingress. `avoid` is for Serve's
+        router (serve/routing.py): groups that refused this ingress's requests lately; this group was not one, or
+        none other could be chosen. A refusal says which group refused, for the ingress's next `avoid`."""
         async for results in self.group.admit_batch(items, subscriber):
+            for r in results:
+                if isinstance(r, (GroupUnavailable, GroupFailed)):
+                    r.group_id = self.group.group_id
             yield results
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
@@ -62,7 +69,7 @@ class GroupDeployment(RolloutEngine):
         restarting, or a rank that did not take a request and has not answered since) is passed over while another
         can; and how many requests it holds, for the router's least-requests choice."""
         return {"serving": self.group.state == "ready" and not self.group.monitor.silent,
-                IN_FLIGHT: len(self.group.reqs), STAMP: time.time()}
+                IN_FLIGHT: len(self.group.reqs), STAMP: time.time(), GROUP: self.group.group_id}
 
     async def info(self) -> dict:
         mc = self.group.model_config

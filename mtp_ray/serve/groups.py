@@ -34,6 +34,8 @@ from mtp_ray.serve.errors import ApiError
 log = logging.getLogger("mtp_ray.ingress")
 
 GROUPS_SEEN_S = 30.0  # a group that admitted nothing for this long no longer counts for splitting bursts
+# a group that refused a request is avoided this long (serve/routing.py); by then its routing stats say so
+AVOID_S = 2.0
 # a group that cannot serve right now: failed or restarting, a rank or the group replica gone, Serve without a replica
 UNAVAILABLE = (GroupFailed, GroupUnavailable, RayActorError, ActorUnavailableError, DeploymentUnavailableError,
                ReplicaUnavailableError)
@@ -76,9 +78,11 @@ class Admissions:
     sent, or aborted if it was admitted meanwhile. Structured-output requests go alone (the group compiles their
     grammar before answering)."""
 
-    def __init__(self, send: Callable[[list[AdmitItem]], Any], count: Callable[[str], None], gap_s: float = 0.02):
-        self.send = send  # items -> Serve's response generator of GroupDeployment.admit_batch
+    def __init__(self, send: Callable[[list[AdmitItem], tuple[str, ...]], Any], count: Callable[[str], None],
+                 gap_s: float = 0.02):
+        self.send = send  # items, groups to avoid -> Serve's response generator of GroupDeployment.admit_batch
         self.count = count  # the ingress's metrics
+        self.refused: dict[str, float] = {}  # group -> when it last refused a request as unable to serve
         # groups that admitted requests lately -> when: a burst is split into a call per group, each routed to the
         # group with the fewest requests (serve/routing.py; a group not seen yet, e.g. just scaled up, has none, so
         # the next call goes there); one call put a whole burst on one group of two
@@ -101,7 +105,10 @@ class Admissions:
         """One Serve call, issued now (the batcher calls this as the call leaves); awaiting the result gives its
         answer, the call's first message (a result per item)."""
         self.count("ingress_admission_calls_total")
-        return self._answer(self.send(items))
+        now = time.monotonic()
+        for g in [g for g, t in self.refused.items() if now - t > AVOID_S]:
+            del self.refused[g]
+        return self._answer(self.send(items, tuple(self.refused)))
 
     async def _answer(self, call: Any) -> list[Admission | Exception]:
         """The call's first message; the call stays open in a task of its own."""
@@ -115,6 +122,8 @@ class Admissions:
         for r in results:
             if isinstance(r, Admission):
                 self.groups[r.group_id] = now
+            elif isinstance(r, (GroupUnavailable, GroupFailed)) and r.group_id is not None:  # (says which group)
+                self.refused[r.group_id] = now
         return results
 
     def _orphan(self, result: Admission | Exception) -> None:
@@ -137,8 +146,8 @@ class GroupClient:
         self.handle = handle
         self.streaming = handle.options(stream=True)  # (made once: options() builds a new handle each call)
         self.deliveries = Deliveries(stream_interval_s)
-        self.admissions = Admissions(lambda items: self.streaming.admit_batch.remote(items, self.deliveries.subscriber),
-                                     count, admission_gap_s)
+        self.admissions = Admissions(lambda items, avoid: self.streaming.admit_batch.remote(
+            items, self.deliveries.subscriber, avoid=avoid), count, admission_gap_s)
         self.queue_s, self.retry_after_s, self.max_resends = queue_s, retry_after_s, max_resends
         self.count = count  # metrics: request_retried_total (sent again: its group could not serve it)
         self._info: asyncio.Future | None = None

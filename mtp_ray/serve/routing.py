@@ -5,6 +5,10 @@
   stats period rather than after Serve's health checks replace it. With no group serving it still routes: the group
   answers GroupUnavailable at once and the ingress turns that into a 503 within its queue timeout (a router with no
   candidate would queue forever).
+- It passes over the groups an admission call names in `avoid` (they refused this ingress's requests in the last
+  AVOID_S, serve/groups.py) while another can serve: a refused request sent again went back to the stuck group
+  until its stats said so (a second later), each time after a back-off, and a least-requests choice favours it
+  (the requests this router sent the good group meanwhile count there until its next stats).
 - It sends each call to the group with the fewest requests: the group's own count from its stats (every second)
   plus the requests this router sent it since. Serve's count is of calls, and one admission call carries a burst of
   requests (serve/groups.py), so the fewest calls put a 16-request burst on one group of two and 1 on the other.
@@ -17,7 +21,8 @@ import time
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-IN_FLIGHT, STAMP = "in_flight", "at"  # routing stats' keys: the group's requests in flight, when (time.time())
+# routing stats' keys: the group's requests in flight, when (time.time()), its group_id
+IN_FLIGHT, STAMP, GROUP = "in_flight", "at", "group"
 # a call sent this long before a group's count may still have been on its way (the count missed it): counted on top
 TRANSIT_S = 0.5
 
@@ -29,6 +34,8 @@ class ServingGroupsRouter(FIFOMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         pool = serving(candidate_replicas) or list(candidate_replicas)
+        avoid = set(pending_request.kwargs.get("avoid", ())) if pending_request is not None else set()
+        pool = [r for r in pool if (r.routing_stats or {}).get(GROUP) not in avoid] or pool
         if len(pool) <= 1:
             return [pool]
         loads = {r.replica_id.unique_id: self._load(r) for r in pool}
@@ -50,11 +57,11 @@ class ServingGroupsRouter(FIFOMixin, RequestRouter):
         return int(stats.get(IN_FLIGHT, 0)) + sum(n for t, n in sent if t > counted - TRANSIT_S)
 
 
-def requests_in(pending: PendingRequest) -> int:
+def requests_in(pending: PendingRequest | None) -> int:
     """Requests a call carries: an admission call's items (GroupDeployment.admit_batch), else one."""
-    if pending.metadata.call_method == "admit_batch" and pending.args and isinstance(pending.args[0], list):
-        return max(1, len(pending.args[0]))
-    return 1
+    if pending is None or pending.metadata.call_method != "admit_batch" or not pending.args:
+        return 1
+    return max(1, len(pending.args[0])) if isinstance(pending.args[0], list) else 1
 
 
 def serving(replicas: list[RunningReplica]) -> list[RunningReplica]:
