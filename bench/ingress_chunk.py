@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import machine, write_json  # noqa: E402
 
 from mtp_ray.engine.outputs import StepOutput  # noqa: E402
-from mtp_ray.llm import load_tokenizer  # noqa: E402
+from mtp_ray.prompts import load_tokenizer  # noqa: E402
 from mtp_ray.runtime.messages import Admission  # noqa: E402
 from mtp_ray.runtime.outboxes import Outboxes  # noqa: E402
 from mtp_ray.serve.chat_request import ChatServing  # noqa: E402

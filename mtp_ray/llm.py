@@ -7,6 +7,7 @@ import itertools
 import logging
 from typing import Any
 
+from mtp_ray.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from mtp_ray.config.engine import BUNDLED_MODEL, CacheConfig, EngineConfig, GraphConfig, SchedulerConfig, SpecConfig
 from mtp_ray.engine.core import EngineCore
 from mtp_ray.engine.detok import STOP_NEEDS_TOKENIZER, Detokenizer
@@ -15,7 +16,7 @@ from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.request import check_request
 from mtp_ray.engine.sampling_params import SamplingParams, model_defaults
 from mtp_ray.engine.weight_sync import apply_update, check_update, resolve
-from mtp_ray.prompts import encode_prompt, render_chats, shown, tokenized
+from mtp_ray.prompts import encode_prompt, render_chats, shown, tokenized, tokenizer_or_none
 from mtp_ray.request_output import CompletionOutput, RequestOutput, prompt_logprobs
 
 log = logging.getLogger(__name__)
@@ -74,25 +75,6 @@ def from_vllm_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
                          f"(or config=EngineConfig(...)), and of vLLM's also {sorted(_SAME)}, enforce_eager, "
                          "speculative_config")
     return kw
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def tokenizer_or_none(path: str):
-    """The tokenizer at `path`, or None when a model directory holds no tokenizer files (transformers would make an
-    empty tokenizer of the model type, which encodes text to nothing and decodes to \"\"): such a model serves token
-    ids only."""
-    from pathlib import Path
-
-    p = Path(path)
-    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if p.is_dir() and not any((p / f).exists() for f in files):
-        return None
-    return load_tokenizer(path)
 
 
 class LLM:
@@ -198,6 +180,32 @@ class LLM:
                              add_generation_prompt=add_generation_prompt,
                              continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
         return self.generate(texts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: list[Any], params: BeamSearchParams, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search (mtp_ray/beam_search.py): per prompt (generate()'s forms) the beam_width best
+        sequences, each its prompt + generated tokens, decoded whole as vLLM's; concurrency_limit: prompts searched
+        at a time (None: all)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {shown(params)}")
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be a positive integer or None, got {concurrency_limit!r}")
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
+        ids = [self.encode(p)[1] for p in prompts]
+        whole = SamplingParams(max_tokens=params.max_tokens)  # every step of the search must fit
+        for p in ids:
+            check_request(p, whole, self.engine.runner.model_config.vocab_size, self.engine.max_model_len)
+        step, chunk, out = params.step_params(), concurrency_limit or max(1, len(ids)), []
+        for at in range(0, len(ids), chunk):
+            search = BeamSearch(ids[at:at + chunk], params, self.engine.eos_ids)
+            while batch := search.pending():
+                done = self.generate([{"prompt_token_ids": t} for t in batch], step)
+                search.advance([r.outputs[0].logprobs[0] for r in done])
+            for seqs in search.results():
+                for s in seqs:
+                    s.text = self.tokenizer.decode(s.tokens) if self.tokenizer is not None else None
+                out.append(BeamSearchOutput(seqs))
+        return out
 
     # ---- sleep / wake_up / weights: vLLM's offline names, the RL handle's semantics (mtp_ray/rl/engine.py) ----
     def sleep(self, level: int = 1) -> None:

@@ -1,6 +1,7 @@
 """The offline API's prompts (mtp_ray/llm.py): vLLM's prompt forms and chat conversations -> (text, token ids), and
-the per-request work only the tokenising side can do (truncate_prompt_tokens, bad_words) before the engine sees it.
-Every problem is a ValueError naming what was wrong."""
+the per-request work only the tokenising side can do (truncate_prompt_tokens, bad_words) before the engine sees it;
+and the tokenizer itself (the server's ingress and the RL handle load it here too). Every problem is a ValueError
+naming what was wrong."""
 
 from __future__ import annotations
 
@@ -41,6 +42,25 @@ def encode_prompt(prompt: Any, tokenizer: Any) -> tuple[str | None, list[int]]:
         return None, list(prompt)
     raise ValueError("prompt must be a string, a list of int token ids, or {\"prompt\": ...} / "
                      f"{{\"prompt_token_ids\": ...}}, got {shown(prompt)}")
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def tokenizer_or_none(path: str):
+    """The tokenizer at `path`, or None when a model directory holds no tokenizer files (transformers would make an
+    empty tokenizer of the model type, which encodes text to nothing and decodes to \"\"): such a model serves token
+    ids only."""
+    from pathlib import Path
+
+    p = Path(path)
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if p.is_dir() and not any((p / f).exists() for f in files):
+        return None
+    return load_tokenizer(path)
 
 
 def tokenized(ids: list[int], sp: SamplingParams, tokenizer: Any, max_model_len: int) -> list[int]:

@@ -9,8 +9,8 @@ import torch
 
 from mtp_ray import LLM, SamplingParams
 from mtp_ray.config.engine import BUNDLED_MODEL
-from mtp_ray.llm import load_tokenizer
 from mtp_ray.model.loader import load_model
+from mtp_ray.prompts import load_tokenizer
 from tests.helpers import PagedSeqs, positions_for
 
 HELDOUT = Path(__file__).parent / "data" / "heldout.py.txt"

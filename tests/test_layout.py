@@ -8,9 +8,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "mtp_ray"
 # the flow, bottom up: a subpackage may import only those before it (llm is the offline API over the engine,
-# request_output its return types, prompts its prompt forms)
-ORDER = ["config", "layers", "model", "parallel", "engine", "request_output", "prompts", "llm", "runtime", "rl",
-         "serve"]
+# request_output its return types, beam_search its and the server's beam bookkeeping, prompts its prompt forms)
+ORDER = ["config", "layers", "model", "parallel", "engine", "request_output", "beam_search", "prompts", "llm",
+         "runtime", "rl", "serve"]
 
 
 def _unit(module: str) -> str | None:

@@ -260,7 +260,7 @@ def test_requests_racing_a_sleep_are_aborted_not_refused(ray_cluster, engine):
 def test_stop_strings_on_the_rollout_handle(ray_cluster, engine):
     """stop strings apply on the handle (they were accepted and ignored): the tokens through the one that completes
     the stop, stop_reason completed, as vLLM returns a rollout's token ids; min_tokens holds them back."""
-    from mtp_ray.llm import load_tokenizer
+    from mtp_ray.prompts import load_tokenizer
 
     ray = ray_cluster
     tok = load_tokenizer(BUNDLED_MODEL)
@@ -278,7 +278,7 @@ def test_stop_strings_on_the_rollout_handle(ray_cluster, engine):
 def test_truncate_prompt_tokens_and_bad_words_on_the_rollout_handle(ray_cluster, engine):
     """vLLM's truncate_prompt_tokens (the prompt's last n ids) and bad_words (tokenised on the handle) apply there
     as in LLM.generate (they were refused: 'the path takes prompts as given', 'bad_words need ...')."""
-    from mtp_ray.llm import load_tokenizer
+    from mtp_ray.prompts import load_tokenizer
 
     ray = ray_cluster
     tok = load_tokenizer(BUNDLED_MODEL)

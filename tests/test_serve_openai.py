@@ -338,6 +338,46 @@ def test_vllm_extra_fields_through_extra_body(client):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_use_beam_search_gives_the_offline_beams(client, offline, stream):
+    """vLLM's use_beam_search (its test_batch_completions: n = 2 beams per prompt; the beams differ, two copies of
+    a prompt give the same ones): the n best of LLM.beam_search, without the prompt, with their finish reasons and
+    usage, streamed or not; chat too; a field a search cannot honour is a 400 naming it."""
+    from mtp_ray.beam_search import BeamSearchParams
+
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0]]
+    ref = offline.beam_search(prompts[:2], BeamSearchParams(beam_width=2, max_tokens=5))
+    out = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=5, temperature=0.0, stream=stream,
+                                    extra_body={"use_beam_search": True, "return_token_ids": True})
+    ids: dict[int, list[int]] = {}
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    for chunk in (out if stream else [out]):
+        for c in chunk.choices:
+            ids[c.index] = ids.get(c.index, []) + (getattr(c, "token_ids", None) or [])
+            texts[c.index] = texts.get(c.index, "") + c.text
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    assert sorted(ids) == list(range(6))
+    assert texts[0] != texts[1] and (texts[0], texts[1]) == (texts[4], texts[5])
+    for i, r in enumerate(ref):
+        n_prompt = len(offline.encode(prompts[i])[1])
+        for j, seq in enumerate(r.sequences):
+            assert ids[2 * i + j] == seq.tokens[n_prompt:], (i, j)
+            assert finish[2 * i + j] == seq.finish_reason
+    if not stream:
+        assert out.usage.completion_tokens == sum(len(v) for v in ids.values())
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2,
+                                          max_tokens=4, extra_body={"use_beam_search": True})
+    assert len(chat.choices) == 2 and chat.choices[0].message.content != chat.choices[1].message.content
+    for extra, param in (({"stop": ["x"]}, "stop"), ({"n": 11}, "n"), ({"presence_penalty": 0.5}, "presence_penalty")):
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "use_beam_search": True, **extra}
+        r = requests.post(f"{BASE}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = requests.post(f"{BASE}/v1/completions", json={"model": MODEL, "prompt": "x", "length_penalty": 0.5},
+                      timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "length_penalty", r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_min_tokens_holds_back_stop_strings(client, stream):
     """vLLM: stop strings are looked for only past min_tokens tokens; a stop met before then is not one."""
     base = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0).choices[0].text

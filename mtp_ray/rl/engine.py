@@ -12,8 +12,7 @@ from mtp_ray.engine.detok import STOP_NEEDS_TOKENIZER, Detokenizer
 from mtp_ray.engine.outputs import prompt_logprob_dicts
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.engine.weight_sync import check_backend
-from mtp_ray.llm import tokenizer_or_none
-from mtp_ray.prompts import BAD_WORDS_NEED_TOKENIZER
+from mtp_ray.prompts import BAD_WORDS_NEED_TOKENIZER, tokenizer_or_none
 from mtp_ray.runtime.batcher import detached
 from mtp_ray.runtime.group import EngineGroup
 

@@ -20,7 +20,7 @@ _COMMON = {
     "logprob_token_ids", "return_token_ids", "return_tokens_as_token_ids", "structured_outputs", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
     "add_special_tokens", "truncate_prompt_tokens", "truncation_side", "use_beam_search", "echo", "priority",
-    "bad_words",
+    "bad_words", "length_penalty",
     # SGLang extras
     "regex", "ebnf", "json_schema", "stop_regex", "no_stop_trim",
 }
@@ -73,8 +73,6 @@ def check_fields(body: dict, known: set[str]) -> None:
     mods = body.get("modalities")
     if mods is not None and mods != ["text"]:
         raise bad("only text output is supported: 'modalities' must be [\"text\"]", "modalities")
-    if flag(body, "use_beam_search"):
-        raise bad("beam search is not supported", "use_beam_search")
     if body.get("priority") not in (None, 0):
         raise bad("request priorities are not supported (scheduling is first come, first served)", "priority")
     if not flag(body, "spaces_between_special_tokens", True):

@@ -220,6 +220,27 @@ class GroupClient:
         """A request admitted by some group (or ApiError 503): its deltas through `GroupStream.deltas`."""
         return GroupStream(self, prompt, params, await self.admit(prompt, params))
 
+    async def open_each(self, requests: list[tuple[list[int], SamplingParams]]) -> list[GroupStream]:
+        """Every request admitted, or none: the first failure is raised once those admitted were aborted and the
+        rest stopped (so is a cancel: the client went away)."""
+        tasks = [asyncio.ensure_future(self.open(prompt, params)) for prompt, params in requests]
+        try:
+            opened = await asyncio.gather(*tasks, return_exceptions=True)
+        except asyncio.CancelledError:  # the client went away: abort those admitted, stop the rest
+            for t in tasks:
+                if t.done() and not t.cancelled() and t.exception() is None:
+                    t.result().cancel()
+                else:
+                    t.cancel()
+            raise
+        failed = next((e for e in opened if isinstance(e, BaseException)), None)
+        if failed is not None:
+            for s in opened:
+                if isinstance(s, GroupStream):
+                    s.cancel()
+            raise failed
+        return opened
+
 
 @dataclass
 class Admitted:

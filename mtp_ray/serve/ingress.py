@@ -19,12 +19,13 @@ from starlette.requests import ClientDisconnect
 from mtp_ray import __version__
 from mtp_ray.config.server import ServerConfig
 from mtp_ray.engine.request import check_request
-from mtp_ray.llm import tokenizer_or_none
+from mtp_ray.prompts import tokenizer_or_none
+from mtp_ray.serve.beams import beam_streams
 from mtp_ray.serve.chat_request import ChatServing, parse_chat, think_ids
 from mtp_ray.serve.choices import ChoiceRunner
 from mtp_ray.serve.errors import ApiError, bad
 from mtp_ray.serve.fields import CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
-from mtp_ray.serve.groups import GroupClient, GroupStream, cause_of, first_line, unavailable
+from mtp_ray.serve.groups import GroupClient, cause_of, first_line, unavailable
 from mtp_ray.serve.intake import check_api_key, off_loop, read_body, read_json_object
 from mtp_ray.serve.metrics import Metrics, render
 from mtp_ray.serve.metrics_hub import HubReporter
@@ -202,24 +203,17 @@ class Ingress:
         t0 = time.monotonic()
         self.metrics.hist["ingress_parse_seconds"].observe(t0 - t_in)
         # every choice admitted by a group before the response starts: a 503 is a status, not an SSE error event
-        tasks = [asyncio.ensure_future(self.groups.open(c.prompt, choice_params(req.params, c.index)))
-                 for c in choices]
         try:
-            opened = await asyncio.gather(*tasks, return_exceptions=True)
-        except asyncio.CancelledError:  # the client went away: abort the choices already admitted, stop the rest
+            if req.beam is not None:  # the whole search runs first (serve/beams.py), as vLLM's
+                opened = await beam_streams(self.groups, req, info)
+            else:
+                opened = await self.groups.open_each([(c.prompt, choice_params(req.params, c.index))
+                                                      for c in choices])
+        except asyncio.CancelledError:  # the client went away (those admitted were aborted)
             self.metrics.count("request_aborted_total")
-            for t in tasks:
-                if t.done() and not t.cancelled() and t.exception() is None:
-                    t.result().cancel()
-                else:
-                    t.cancel()
             raise
-        failed = next((e for e in opened if isinstance(e, BaseException)), None)
-        if failed is not None:
-            for s in opened:
-                if isinstance(s, GroupStream):
-                    s.cancel()
-            return self.refused(failed if isinstance(failed, ApiError) else self.classify(failed))
+        except Exception as e:
+            return self.refused(e if isinstance(e, ApiError) else self.classify(e))
         self.metrics.hist["ingress_admit_seconds"].observe(time.monotonic() - t0)
         streams = dict(zip((c.index for c in choices), opened, strict=True))
         if req.stream:

@@ -7,7 +7,9 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from mtp_ray.beam_search import BeamSearchParams
 from mtp_ray.engine.sampling_params import SamplingParams
+from mtp_ray.serve.beams import beam_request
 from mtp_ray.serve.errors import bad
 from mtp_ray.serve.fields import flag
 from mtp_ray.serve.intake import unicode_text
@@ -43,6 +45,7 @@ class ParsedRequest:
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the prompt's log-probs in the response
     drop_output: bool = False  # echo with max_tokens 0: the prompt only (one token is generated and dropped)
     stop_regex: list[str] = field(default_factory=list)  # SGLang's: a match ends the output like a stop string
+    beam: BeamSearchParams | None = None  # use_beam_search (serve/beams.py): n beams instead of n samples
     chat: Any = None  # chat_request.ChatOptions for chat completions
 
 
@@ -205,10 +208,13 @@ def parse_common(body: dict, prompts: list[list[int]], texts: list[str | None], 
                 re.compile(r)
             except re.error as e:
                 raise bad(f"'stop_regex' {r!r} is not a valid regular expression: {e}", "stop_regex") from None
+    beam = beam_request(body, params, limits.defaults) if flag(body, "use_beam_search") else None
+    if beam is None and body.get("length_penalty") not in (None, 1, 1.0):
+        raise bad("'length_penalty' applies to beam search only (use_beam_search: true)", "length_penalty")
     return ParsedRequest(prompts, texts, params, stream, usage, top_logprobs, continuous_usage=continuous,
                          return_token_ids=flag(body, "return_token_ids"),
                          tokens_as_ids=flag(body, "return_tokens_as_token_ids"), prompt_logprobs=plp,
-                         stop_regex=stop_regex or [])
+                         stop_regex=stop_regex or [], beam=beam)
 
 
 def parse_completion(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> ParsedRequest:
