@@ -224,7 +224,7 @@ def test_admissions_batch_hold_their_call_open_abort_orphans_and_send_structured
     its rank."""
     from mtp_ray.engine.sampling_params import SamplingParams
     from mtp_ray.runtime.messages import Admission, AdmitItem
-    from mtp_ray.serve.groups import Admissions
+    from mtp_ray.serve.admissions import Admissions
 
     class Worker:
         def __init__(self):
@@ -406,7 +406,7 @@ def test_a_group_that_refused_is_avoided_for_a_while():
     from mtp_ray.engine.sampling_params import SamplingParams
     from mtp_ray.runtime.group_monitor import GroupUnavailable
     from mtp_ray.runtime.messages import Admission, AdmitItem
-    from mtp_ray.serve import groups
+    from mtp_ray.serve import admissions
     from mtp_ray.serve.routing import GROUP, IN_FLIGHT, STAMP, ServingGroupsRouter
 
     def replica(name: str, in_flight: int):
@@ -445,10 +445,10 @@ def test_a_group_that_refused_is_avoided_for_a_while():
         return Call(refuse=not sent[1:])
 
     async def main():
-        a = groups.Admissions(send, lambda _: None)
+        a = admissions.Admissions(send, lambda _: None)
         refused = await a.submit(AdmitItem("r", [1], SamplingParams(max_tokens=4)))
         admitted = await a.submit(AdmitItem("r", [1], SamplingParams(max_tokens=4)))
-        a.refused["stuck"] -= groups.AVOID_S + 0.1  # long ago: its own stats say by now
+        a.refused["stuck"] -= admissions.AVOID_S + 0.1  # long ago: its own stats say by now
         await a.submit(AdmitItem("r", [1], SamplingParams(max_tokens=4)))
         return refused, admitted
 

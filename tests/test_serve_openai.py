@@ -377,6 +377,42 @@ def test_use_beam_search_gives_the_offline_beams(client, offline, stream):
     assert r.status_code == 400 and r.json()["error"]["param"] == "length_penalty", r.text
 
 
+def test_server_load_and_full_bodies_as_vllm(server, client):
+    """vLLM's GET /load counts the generation requests being answered (a stream until its end) and its
+    test_invocations compares the openai client's model_dump of a chat completion with the raw JSON of the same
+    request through /invocations: every field the client's models declare is in the body (null where unset); an
+    empty prompt names vLLM's rule."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def load() -> int:
+        return requests.get(f"{BASE}/load", timeout=10).json()["server_load"]
+
+    assert load() == 0
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 100, "temperature": 0, "ignore_eos": True}
+    with requests.post(f"{BASE}/v1/completions", json={**body, "max_tokens": 2000, "stream": True}, stream=True,
+                       timeout=120) as r:
+        next(r.iter_lines())  # the stream has started (2000 tokens: it outlasts the request below)
+        assert load() == 1
+        with ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(post, "/v1/completions", body)
+            seen = set()
+            while not whole.done():
+                seen.add(load())
+            assert whole.result().status_code == 200 and 2 in seen, seen
+        assert load() == 1  # the stream, until its end
+    deadline = time.monotonic() + 10  # its client went away: it ended
+    while load() != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert load() == 0
+    args = {"model": MODEL, "messages": [{"role": "user", "content": "what is 1+1?"}], "max_completion_tokens": 5,
+            "temperature": 0.0, "logprobs": False}
+    dumped = client.chat.completions.create(**args).model_dump()
+    raw = requests.post(f"{BASE}/invocations", json=args, timeout=60).json()
+    assert dumped.keys() == raw.keys() and dumped["choices"] == raw["choices"]
+    r = post("/v1/completions", {"model": MODEL, "prompt": None, "prompt_embeds": []})
+    assert "Either prompt or prompt_embeds must be provided and non-empty" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_min_tokens_holds_back_stop_strings(client, stream):
     """vLLM: stop strings are looked for only past min_tokens tokens; a stop met before then is not one."""
@@ -461,6 +497,9 @@ def post(path: str, body) -> requests.Response:
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [9999999], "min_tokens": 2}, 400, None),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"model": MODEL, "prompt": None, "prompt_embeds": []}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "prompt_embeds": "AAAA"}, 400, "prompt_embeds"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "xml"}}, 400, "response_format"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],

@@ -591,7 +591,7 @@ def test_vllm_compatibility_details(client):
         assert json.loads(call["arguments"])["opts"]["unit"] in ("c", "f")
     msg = post({"model": MODEL, "messages": USER, "max_tokens": 4, "temperature": 0,
                 "chat_template_kwargs": {"enable_thinking": True}}).json()["choices"][0]["message"]
-    assert msg["reasoning"] == msg["reasoning_content"] and "tool_calls" not in msg
+    assert msg["reasoning"] == msg["reasoning_content"] and msg["tool_calls"] == []
     inv = requests.post(f"{BASE}/invocations", json={"model": MODEL, "messages": USER, "max_tokens": 2}, timeout=60)
     assert inv.json()["object"] == "chat.completion"
     inv = requests.post(f"{BASE}/invocations", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=60)

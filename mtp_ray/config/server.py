@@ -29,7 +29,7 @@ class ServerConfig:
     stream_interval_ms: float = 5.0
     # an ingress replica's admission calls to the groups leave this far apart at most often, each carrying every
     # request that arrived meanwhile (a quiet spell's first at once); 0: the next leaves when the one in flight
-    # answered (serve/groups.py: Admissions; a Serve call costs ~1.5 ms of routing, docs/performance.md)
+    # answered (serve/admissions.py: Admissions; a Serve call costs ~1.5 ms of routing, docs/performance.md)
     admission_gap_ms: float = 20.0
     # the sampling defaults of requests that leave them out (vLLM's --generation-config): "auto", the model's
     # generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps max_tokens);

@@ -105,7 +105,7 @@ def messages(msgs: Any, limits: Limits) -> list[dict]:
         role = unicode_text(m["role"], "messages")  # any role goes to the template, which may refuse it (vLLM)
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
                                "content": _content(m.get("content"), i, limits)}
-        if m.get("tool_calls") is not None:
+        if m.get("tool_calls") not in (None, []):  # ([]: a reply of ours sent back as history)
             if role != "assistant":
                 raise bad(f"messages[{i}]: only assistant messages carry tool_calls", "messages")
             msg["tool_calls"] = _tool_calls(m["tool_calls"], i)

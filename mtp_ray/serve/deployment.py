@@ -47,7 +47,7 @@ class GroupDeployment(RolloutEngine):
     async def admit_batch(self, items: list[AdmitItem], subscriber: str, avoid: tuple[str, ...] = ()
                           ) -> AsyncIterator[list[Admission | Exception]]:
         """The HTTP ingress's entry (handle.options(stream=True)): the requests that reached one ingress replica
-        since its previous admission call (serve/groups.py: Admissions), in one call (`EngineGroup.admit_batch`):
+        since its previous admission call (serve/admissions.py: Admissions), in one call (`EngineGroup.admit_batch`):
         one result each, an Admission (the ingress replica `subscriber` then pulls its outputs from that rank
         itself, runtime/outboxes.py) or the error that refused it. The call stays open until they all ended;
         cancelling it aborts those still running. Params as validated by the ingress. `avoid` is for Serve's

@@ -1,6 +1,11 @@
-"""The OpenAI error body every refusal of the front door answers with."""
+"""The OpenAI error body every refusal of the front door answers with, and what an engine-side failure is."""
 
 from __future__ import annotations
+
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+
+from mtp_ray.runtime.group_monitor import GroupFailed, GroupUnavailable
 
 
 class ApiError(Exception):
@@ -25,3 +30,24 @@ def encodable(s: str | None) -> str | None:
 
 def bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param)
+
+
+# a group that cannot serve right now: failed or restarting, a rank or the group replica gone, Serve without a replica
+UNAVAILABLE = (GroupFailed, GroupUnavailable, RayActorError, ActorUnavailableError, DeploymentUnavailableError,
+               ReplicaUnavailableError)
+
+
+def cause_of(e: BaseException) -> BaseException:
+    """An exception raised in the group replica arrives as a RayTaskError whose `cause` is the original."""
+    return e.cause if isinstance(e, RayTaskError) and e.cause is not None else e
+
+
+def first_line(e: BaseException) -> str:
+    """The cause in one line (a group failure's first line names the rank and what happened; the lines after it
+    are the per-rank report, which goes to the logs and /health)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def unavailable(e: BaseException) -> bool:
+    return isinstance(cause_of(e), UNAVAILABLE)

@@ -28,7 +28,7 @@ _COMMON = {
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
            "safety_identifier", "request_id", "prediction", "verbosity", "modalities"}
 
-COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "suffix"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "suffix", "prompt_embeds"}
 CHAT_FIELDS = _COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "chat_template_kwargs",
     "add_generation_prompt", "continue_final_message", "include_reasoning", "reasoning_effort",

@@ -1,7 +1,7 @@
 """GroupClient: how the ingress reaches the engine groups (the group deployment's replicas).
 
 Admission is a call to a group (`GroupDeployment.admit_batch`, routed by Serve) carrying every request that reached
-this replica since its previous admission call left, server.admission_gap_ms before (`Admissions`, a runtime/batcher.py
+this replica since its previous admission call left, server.admission_gap_ms before (serve/admissions.py, a batcher.py
 CallBatcher: a Serve call costs ~1.5 ms of routing and replica work, so a burst of 128 calls took ~160-250 ms
 where one call carrying them takes 5 ms, bench/serve_calls.py); the requests' outputs then come from their ranks
 straight to this replica (serve/delivery.py). A request is admitted by some group within the queue
@@ -16,129 +16,21 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
 
-from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
-from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+from ray.exceptions import TaskCancelledError
+from starlette.requests import ClientDisconnect
 
 from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.sampling_params import SamplingParams
-from mtp_ray.runtime.batcher import CallBatcher, detached
-from mtp_ray.runtime.group_monitor import GroupFailed, GroupUnavailable
+from mtp_ray.runtime.batcher import detached
 from mtp_ray.runtime.messages import Admission, AdmitItem, RequestError
+from mtp_ray.serve.admissions import Admissions, abort_at_rank
 from mtp_ray.serve.delivery import Deliveries
-from mtp_ray.serve.errors import ApiError
+from mtp_ray.serve.errors import ApiError, bad, cause_of, first_line, unavailable
 
 log = logging.getLogger("mtp_ray.ingress")
-
-GROUPS_SEEN_S = 30.0  # a group that admitted nothing for this long no longer counts for splitting bursts
-# a group that refused a request is avoided this long (serve/routing.py); by then its routing stats say so
-AVOID_S = 2.0
-# a group that cannot serve right now: failed or restarting, a rank or the group replica gone, Serve without a replica
-UNAVAILABLE = (GroupFailed, GroupUnavailable, RayActorError, ActorUnavailableError, DeploymentUnavailableError,
-               ReplicaUnavailableError)
-
-
-def cause_of(e: BaseException) -> BaseException:
-    """An exception raised in the group replica arrives as a RayTaskError whose `cause` is the original."""
-    return e.cause if isinstance(e, RayTaskError) and e.cause is not None else e
-
-
-def first_line(e: BaseException) -> str:
-    """The cause in one line (a group failure's first line names the rank and what happened; the lines after it
-    are the per-rank report, which goes to the logs and /health)."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def unavailable(e: BaseException) -> bool:
-    return isinstance(cause_of(e), UNAVAILABLE)
-
-
-def abort_at_rank(adm: Admission, count: Callable[[str], None]) -> None:
-    """Abort one admitted request on its rank (its admission call may carry others: it stays open). Counted in
-    the ingress's metrics: ingress_abort_calls_total, ingress_abort_errors_total."""
-    async def send() -> None:
-        count("ingress_abort_calls_total")
-        try:
-            await adm.worker.abort.remote(adm.request_id)
-        except Exception as e:  # the rank is gone: its requests went with it
-            count("ingress_abort_errors_total")
-            log.info("abort of %s on rank %d: %s", adm.request_id, adm.rank, first_line(e))
-
-    detached(send())  # not a child of the request being cancelled (runtime/batcher.py: detached)
-
-
-class Admissions:
-    """Requests to admit, in as few Serve calls as possible (a CallBatcher): the first at once, those that arrive
-    after it together in the next, gap_s later (server.admission_gap_ms; 0: once the call in flight answered). A
-    call stays open while its requests run (the group ends it); a request whose submitter stopped waiting is not
-    sent, or aborted if it was admitted meanwhile. Structured-output requests go alone (the group compiles their
-    grammar before answering)."""
-
-    def __init__(self, send: Callable[[list[AdmitItem], tuple[str, ...]], Any], count: Callable[[str], None],
-                 gap_s: float = 0.02):
-        self.send = send  # items, groups to avoid -> Serve's response generator of GroupDeployment.admit_batch
-        self.count = count  # the ingress's metrics
-        self.refused: dict[str, float] = {}  # group -> when it last refused a request as unable to serve
-        # groups that admitted requests lately -> when: a burst is split into a call per group, each routed to the
-        # group with the fewest requests (serve/routing.py; a group not seen yet, e.g. just scaled up, has none, so
-        # the next call goes there); one call put a whole burst on one group of two
-        self.groups: dict[str, float] = {}
-        self.batcher = CallBatcher(self._call, gap_s=gap_s or None, orphan=self._orphan, ways=self._ways)
-
-    def _ways(self) -> int:
-        now = time.monotonic()
-        for g in [g for g, t in self.groups.items() if now - t > GROUPS_SEEN_S]:
-            del self.groups[g]
-        return max(1, len(self.groups))
-
-    def submit(self, item: AdmitItem) -> asyncio.Future:
-        """A future of the item's result: its Admission, or the exception that refused it."""
-        if item.params.structured_outputs is not None:  # a batcher of its own: a call carrying it alone, at once
-            return CallBatcher(self._call, orphan=self._orphan).submit(item)
-        return self.batcher.submit(item)
-
-    def _call(self, items: list[AdmitItem]) -> Awaitable[list[Admission | Exception]]:
-        """One Serve call, issued now (the batcher calls this as the call leaves); awaiting the result gives its
-        answer, the call's first message (a result per item)."""
-        self.count("ingress_admission_calls_total")
-        now = time.monotonic()
-        for g in [g for g, t in self.refused.items() if now - t > AVOID_S]:
-            del self.refused[g]
-        return self._answer(self.send(items, tuple(self.refused)))
-
-    async def _answer(self, call: Any) -> list[Admission | Exception]:
-        """The call's first message; the call stays open in a task of its own."""
-        try:
-            results = await call.__anext__()
-        except Exception:  # the call failed (no group, a group gone): every request gets the error
-            call.cancel()
-            raise
-        detached(self._hold(call))
-        now = time.monotonic()
-        for r in results:
-            if isinstance(r, Admission):
-                self.groups[r.group_id] = now
-            elif isinstance(r, (GroupUnavailable, GroupFailed)) and r.group_id is not None:  # (says which group)
-                self.refused[r.group_id] = now
-        return results
-
-    def _orphan(self, result: Admission | Exception) -> None:
-        if isinstance(result, Admission):  # its client went away or its queue time ran out meanwhile
-            abort_at_rank(result, self.count)
-
-    @staticmethod
-    async def _hold(call: Any) -> None:
-        """Held open until the group ends it, when its requests ended (closing it would abort them)."""
-        try:
-            async for _ in call:
-                pass
-        except Exception:  # the group failed: each request learns it from its rank's pulls
-            pass
-
 
 class GroupClient:
     def __init__(self, handle, queue_s: float, retry_after_s: int, count: Callable[[str], None] = lambda _: None,
@@ -180,6 +72,20 @@ class GroupClient:
         text = first_line(cause_of(cause)) if isinstance(cause, BaseException) else cause
         return ApiError(503, text if mid_stream else f"no engine group can serve the request right now: {text}",
                         headers={"Retry-After": str(self.retry_after_s)})
+
+    def classify(self, e: BaseException) -> ApiError:
+        """Engine-side exceptions -> HTTP errors: bad input (ValueError, RequestError) 400, a group that cannot serve
+        503 (first line of the cause: which rank, what happened), a client gone 499, anything else 500."""
+        if unavailable(e):
+            return self.unavailable_error(e)
+        cause = cause_of(e)
+        if isinstance(cause, (ClientDisconnect, TaskCancelledError)):  # its client went away (Serve cancels it)
+            return ApiError(499, "the client closed the request", type_="client_closed_request")
+        if isinstance(cause, ValueError):
+            return bad(first_line(cause), getattr(cause, "param", None))
+        ref = uuid.uuid4().hex[:12]  # the details go to the log, not to the client
+        log.error("internal error %s: %s: %s", ref, type(cause).__name__, cause, exc_info=cause)
+        return ApiError(500, f"internal error (reference {ref} in the server log)")
 
     async def admit(self, prompt: list[int], params: SamplingParams) -> Admitted:
         """The request admitted on some group's rank. Raises ApiError 503 (with Retry-After) when no group admits it

@@ -12,9 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
-from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from mtp_ray import __version__
 from mtp_ray.config.server import ServerConfig
@@ -23,15 +21,16 @@ from mtp_ray.prompts import tokenizer_or_none
 from mtp_ray.serve.beams import beam_streams
 from mtp_ray.serve.chat_request import ChatServing, parse_chat, think_ids
 from mtp_ray.serve.choices import ChoiceRunner
-from mtp_ray.serve.errors import ApiError, bad
+from mtp_ray.serve.errors import ApiError, cause_of, first_line
 from mtp_ray.serve.fields import CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
-from mtp_ray.serve.groups import GroupClient, cause_of, first_line, unavailable
+from mtp_ray.serve.groups import GroupClient
 from mtp_ray.serve.intake import check_api_key, off_loop, read_body, read_json_object
 from mtp_ray.serve.metrics import Metrics, render
 from mtp_ray.serve.metrics_hub import HubReporter
 from mtp_ray.serve.openai_protocol import Limits, cap_max_tokens, check_length, parse_completion
 from mtp_ray.serve.responses import choice_params, error_response, final_response, new_choices, sse_stream
 from mtp_ray.serve.responses_api import Events, Shell, chat_body
+from mtp_ray.serve.server_load import ServerLoad
 from mtp_ray.serve.streaming import ChunkWriter
 from mtp_ray.serve.tokenize_api import detokenize, tokenize
 
@@ -65,6 +64,7 @@ class Ingress:
             log.info("sampling defaults from generation_config.json (server.generation_config: %s): %s",
                      self.server.generation_config, self.defaults)
         self.metrics = Metrics()
+        self.load = ServerLoad()  # GET /load
         self.groups = GroupClient(group, queue_s, retry_after_s=max(1, round(queue_s)), count=self.metrics.count,
                                   stream_interval_s=self.server.stream_interval_ms / 1e3,
                                   admission_gap_s=self.server.admission_gap_ms / 1e3)
@@ -80,26 +80,12 @@ class Ingress:
         if self.tok is not None and self.server.template() is not None:
             self.tok.chat_template = self.server.template()
         self.serving = ChatServing(self.server.reasoning_parser, self.server.tool_call_parser, think_ids(self.tok))
-        self.runner = ChoiceRunner(self.metrics, self.classify)
+        self.runner = ChoiceRunner(self.metrics, self.groups.classify)
         # the longest token's text, once here: over a 248k vocabulary it takes ~0.1 s, and a cold server's first
         # burst used to compute it per request, on the event loop (a 64-request burst waited ~7 s for it)
         self.longest_token = (max(max((len(t) for t in self.tok.get_vocab()), default=1), 1)
                               if self.tok is not None else 1)
         self._limits: Limits | None = None
-
-    def classify(self, e: BaseException) -> ApiError:
-        """Engine-side exceptions -> HTTP errors: bad input (ValueError, RequestError) 400, a group that cannot serve
-        503 (first line of the cause: which rank, what happened), anything else 500."""
-        if unavailable(e):
-            return self.groups.unavailable_error(e)
-        cause = cause_of(e)
-        if isinstance(cause, (ClientDisconnect, TaskCancelledError)):  # its client went away (Serve cancels it)
-            return ApiError(499, "the client closed the request", type_="client_closed_request")
-        if isinstance(cause, ValueError):
-            return bad(first_line(cause), getattr(cause, "param", None))
-        ref = uuid.uuid4().hex[:12]  # the details go to the log, not to the client
-        log.error("internal error %s: %s: %s", ref, type(cause).__name__, cause, exc_info=cause)
-        return ApiError(500, f"internal error (reference {ref} in the server log)")
 
     def refused(self, e: ApiError) -> JSONResponse:
         gone = e.status == 499  # (its client went away: an abort, not a failure)
@@ -120,18 +106,6 @@ class Ingress:
         """The group's model facts (GroupClient.info: asked once, 503 while no group is up)."""
         return await self.groups.info()
 
-    async def _spec_positions(self) -> None:
-        """The per-position acceptance counters exist from the start, at zero, as Prometheus counters should (one
-        per draft position: the group's k); without the group's answer they come with the first drafts."""
-        if self.metrics.spec_positions is None:
-            try:
-                k = int((await asyncio.wait_for(self.info(), 2)).get("k", 0))
-            except Exception:  # no group yet: /metrics still answers
-                return
-            self.metrics.spec_positions = k
-            for i in range(k):
-                self.metrics.totals.setdefault(f'spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}', 0.0)
-
     async def _body(self, request: Request, known: set[str] | None) -> tuple[dict, int]:
         """The request's JSON object (checked: API key, known fields unless None, model) and its size in bytes."""
         check_api_key(request, self.server.api_key)
@@ -145,11 +119,11 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        return await self.generate(request, chat=False)
+        return await self.load.count(self.generate(request, chat=False))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        return await self.generate(request, chat=True)
+        return await self.load.count(self.generate(request, chat=True))
 
     @app.post("/invocations")
     async def invocations(self, request: Request):
@@ -164,12 +138,12 @@ class Ingress:
             chat = "messages" in json.loads(raw)
         except (ValueError, TypeError, RecursionError):
             chat = False  # generate() answers the malformed body
-        return await self.generate(request, chat=chat)
+        return await self.load.count(self.generate(request, chat=chat))
 
     @app.post("/v1/responses")
     async def responses(self, request: Request):
         """OpenAI's Responses API, through the chat path (serve/responses_api.py)."""
-        return await self.generate(request, chat=True, responses=True)
+        return await self.load.count(self.generate(request, chat=True, responses=True))
 
     async def generate(self, request: Request, chat: bool, responses: bool = False):
         """A completion or chat completion; responses: a Responses request, answered as a Response."""
@@ -196,7 +170,7 @@ class Ingress:
             self.metrics.count("request_aborted_total")
             raise
         except Exception as e:  # (a client gone while its body was read: classify's 499, counted as an abort)
-            return self.refused(self.classify(e))
+            return self.refused(self.groups.classify(e))
         self.metrics.admitted(req.params.n, req.params.max_tokens)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         choices = new_choices(req, self.tok, self.serving)
@@ -213,7 +187,7 @@ class Ingress:
             self.metrics.count("request_aborted_total")
             raise
         except Exception as e:
-            return self.refused(e if isinstance(e, ApiError) else self.classify(e))
+            return self.refused(e if isinstance(e, ApiError) else self.groups.classify(e))
         self.metrics.hist["ingress_admit_seconds"].observe(time.monotonic() - t0)
         streams = dict(zip((c.index for c in choices), opened, strict=True))
         if req.stream:
@@ -224,7 +198,7 @@ class Ingress:
         try:
             await asyncio.gather(*[self.runner.drive(c, streams[c.index], None, t0) for c in choices])
         except Exception as e:
-            return self.refused(e if isinstance(e, ApiError) else self.classify(e))
+            return self.refused(e if isinstance(e, ApiError) else self.groups.classify(e))
         out = final_response(rid, self.model_name, chat, choices, req, self.tok)
         return JSONResponse(shell.whole(out) if shell else out)
 
@@ -255,6 +229,11 @@ class Ingress:
     @app.get("/version")
     async def version(self):
         return {"version": __version__}
+
+    @app.get("/load")
+    async def server_load(self):
+        """vLLM's: the generation requests this replica answers now (serve/server_load.py)."""
+        return {"server_load": self.load.n}
 
     @app.get("/health")
     async def health(self):
@@ -288,7 +267,7 @@ class Ingress:
         """Every ingress replica and every group of the application, from the hub (this replica's own counters as
         they are now); without the hub, this replica's alone."""
         self.reporter.start()
-        await self._spec_positions()
+        await self.metrics.spec_counters(self.info)
         try:
             view = await asyncio.wait_for(self.reporter.hub.view.remote(), 5)
         except Exception as e:

@@ -6,8 +6,10 @@ series group="<id>" (group="retired" holds the totals of groups that went away, 
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mtp_ray.engine.stats import ITERATION_TOKEN_BUCKETS
@@ -99,6 +101,19 @@ class Metrics:
         self.hist["request_generation_tokens"].observe(gen_tokens)
         for phase, v in (timings or {}).items():  # queue_s -> request_queue_time_seconds, ...
             self.hist[f"request_{phase[:-2]}_time_seconds"].observe(v)
+
+    async def spec_counters(self, info: Callable[[], Awaitable[dict]]) -> None:
+        """The per-position acceptance counters exist from the start, at zero, as Prometheus counters should (one
+        per draft position: the group's k, from `info`); without the group's answer they come with the first
+        drafts."""
+        if self.spec_positions is None:
+            try:
+                k = int((await asyncio.wait_for(info(), 2)).get("k", 0))
+            except Exception:  # no group yet: /metrics still answers
+                return
+            self.spec_positions = k
+            for i in range(k):
+                self.totals.setdefault(f'spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}', 0.0)
 
     def snapshot(self) -> dict[str, Any]:
         totals = dict(self.totals)

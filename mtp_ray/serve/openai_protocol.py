@@ -219,9 +219,12 @@ def parse_common(body: dict, prompts: list[list[int]], texts: list[str | None], 
 
 def parse_completion(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> ParsedRequest:
     """tokenizer None (a model without tokenizer files): token-id prompts only, token ids out (ids_only)."""
-    if "prompt" not in body:
-        raise bad("'prompt' is required", "prompt")
-    p = body["prompt"]
+    if body.get("prompt_embeds") not in (None, [], ""):
+        raise bad("'prompt_embeds' is not supported: send the prompt as text or token ids", "prompt_embeds")
+    p = body.get("prompt")
+    if p is None or p == [] or p == "":  # (vLLM's words: its clients and tests match them)
+        raise bad("Either prompt or prompt_embeds must be provided and non-empty: send 'prompt' as text or token "
+                  "ids ('prompt_embeds' is not supported)", "prompt")
     if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
                                                                    for t in p)):
         items = [p]

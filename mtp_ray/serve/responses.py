@@ -270,9 +270,10 @@ def final_response(rid: str, model: str, chat: bool, choices: list[Choice], req:
                 content = c.echo + (content or "")
             if calls and content is None and c.chat is not None and c.chat.opts.tool_choice == "named":
                 content = ""  # vLLM: a named call's message has empty content
-            msg: dict = {"role": "assistant", "content": content}
-            if calls or (c.chat is not None and c.chat.no_call(cut)):  # else no key, as OpenAI (vLLM: [])
-                msg["tool_calls"] = _tool_calls(calls)  # (a forced call cut short: [], as vLLM's tests ask)
+            # every field of the openai client's message, as vLLM's (its test_invocations compares the client's
+            # model_dump with the JSON); tool_calls [] without calls (a forced call cut short too, as vLLM's tests ask)
+            msg: dict = {"role": "assistant", "content": content, "refusal": None, "annotations": None,
+                         "audio": None, "function_call": None, "tool_calls": _tool_calls(calls)}
             if c.chat is not None and c.chat.reasoning is not None:
                 msg["reasoning"] = msg["reasoning_content"] = reasoning  # vLLM's name, and the older one
             body = {"index": c.index, "message": msg, "logprobs": lp, "finish_reason": _finish(c, bool(calls)),
@@ -290,7 +291,8 @@ def final_response(rid: str, model: str, chat: bool, choices: list[Choice], req:
         body["token_ids"] = ([] if req.drop_output else c.token_ids) if req.return_token_ids else None
         out.append(body)
     resp = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": out, "usage": usage(req, choices)}
+            "model": model, "choices": out, "usage": usage(req, choices), "service_tier": None,
+            "system_fingerprint": None}
     if chat:
         first = min(choices, key=lambda c: c.index)
         resp["prompt_logprobs"] = r.prompt_logprobs(first)
