@@ -54,10 +54,11 @@ class BeamSearchParams:
         need(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output",
              f"must be a boolean, got {self.include_stop_str_in_output!r}")
 
-    def step_params(self, top_logprobs: int = 0) -> SamplingParams:
-        """One step's request: one token and the 2 x beam_width likeliest (more when the response shows more)."""
+    def step_params(self, top_logprobs: int = 0, cache_salt: str | None = None) -> SamplingParams:
+        """One step's request: one token and the 2 x beam_width likeliest (more when the response shows more),
+        under the request's cache_salt."""
         return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
-                              logprobs=max(2 * self.beam_width, top_logprobs))
+                              logprobs=max(2 * self.beam_width, top_logprobs), cache_salt=cache_salt)
 
 
 @dataclass

@@ -210,6 +210,15 @@ def test_server_reports_cached_tokens_and_counters(ray_cluster):
                 break
             time.sleep(0.5)
         assert sum(float(ln.rsplit(" ", 1)[1]) for ln in lines) == cached, lines
+        # vLLM's cache_salt: a salted request shares cached prefixes only with the same salt
+        def cached_with(salt: str) -> int:
+            r = requests.post(f"{url}/v1/completions", json={**body, "cache_salt": salt}, timeout=120).json()
+            assert r["choices"][0]["text"] == first["choices"][0]["text"]
+            return r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert [cached_with("tenant-a"), cached_with("tenant-a"), cached_with("tenant-b")] == [0, cached, 0]
+        r = requests.post(f"{url}/v1/completions", json={**body, "cache_salt": ""}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
     finally:
         serve.delete("prefix")
         serve.shutdown()
@@ -242,6 +251,23 @@ def test_a_shared_system_prompt_is_snapshotted_where_prompts_diverge(k):
     got = [o.outputs[0].token_ids for o in llm.generate(together, params)]
     assert got == [o.outputs[0].token_ids for o in off.generate(together, params)]
     assert ix.hit_tokens - before == 3 * 40
+    settled(llm)
+
+
+def test_cache_salt_keeps_tenants_prefixes_apart():
+    """vLLM's cache_salt: a request takes cached blocks only from requests with the same salt (none: the unsalted
+    ones); the output is the same whatever the salt."""
+    llm = LLM(**KW)
+    prompt = list(range(300, 341))
+
+    def run(salt: str | None):
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, cache_salt=salt))
+        return out[0].outputs[0].token_ids, out[0].num_cached_tokens
+
+    want, _ = run(None)
+    assert [run(s) for s in ("a", "a", "b", None)] == [(want, 0), (want, 40), (want, 0), (want, 40)]
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt="").validate()
     settled(llm)
 
 

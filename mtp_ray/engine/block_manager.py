@@ -71,7 +71,8 @@ class BlockManager:
         token (whose logits it must compute itself)."""
         if req.hashed_known != req.num_known:  # computed once per set of known tokens (a waiting request is asked
             # again every step while others are admitted)
-            req.prefix_hashes = prompt_block_names(req.all_ids[: req.num_known], self.block_size, self.lookahead)
+            req.prefix_hashes = prompt_block_names(req.all_ids[: req.num_known], self.block_size, self.lookahead,
+                                                   req.params.cache_salt)
             req.hashed_known = req.num_known
         return req.prefix_hashes
 

@@ -39,10 +39,14 @@ def block_hashes(tokens: list[int], block_size: int, parent: BlockHash = b"", lo
     return out
 
 
-def prompt_block_names(tokens: list[int], block_size: int, lookahead: int) -> list[BlockHash]:
+def prompt_block_names(tokens: list[int], block_size: int, lookahead: int, salt: str | None = None
+                       ) -> list[BlockHash]:
     """The names of the full blocks a request can take from the cache or leave in it: those before its last token
-    (whose logits it must compute itself), each with its `lookahead` token (block_hashes)."""
-    return block_hashes(tokens[: len(tokens) - 1 + lookahead], block_size, lookahead=lookahead)
+    (whose logits it must compute itself), each with its `lookahead` token (block_hashes). A cache salt
+    (SamplingParams.cache_salt) starts the chain: only requests with the same salt share blocks."""
+    parent = b"" if salt is None else hashlib.blake2b(b"cache_salt:" + salt.encode("utf-8", "surrogatepass"),
+                                                      digest_size=16).digest()
+    return block_hashes(tokens[: len(tokens) - 1 + lookahead], block_size, parent, lookahead)
 
 
 @dataclass

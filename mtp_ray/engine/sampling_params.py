@@ -100,6 +100,9 @@ class SamplingParams:
     # the token sequences banned, filled from bad_words where the prompt is tokenised (or given directly): a
     # sequence's last token is masked where the output so far ends with the rest of it (engine/sampler.py)
     bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's: requests reuse each other's cached prefixes only under the same salt (tenants that must not learn,
+    # from timing, what another cached); no effect on the output
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -260,6 +263,8 @@ class SamplingParams:
         need(seqs is None or (isinstance(seqs, list) and all(isinstance(q, list) and q for q in seqs)
                               and all(is_int(t) and t >= 0 for q in seqs for t in q)),
              "bad_words_token_ids", f"must be a list of non-empty token-id lists, got {seqs!r:.80}")
+        need(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""), "cache_salt",
+             f"must be a non-empty string if provided, got {self.cache_salt!r:.80}")
 
 
 def model_defaults(generation_config: str, model: str) -> dict[str, float | int]:

@@ -292,7 +292,7 @@ class EngineGroup:
         rid = request_id or uuid.uuid4().hex
         if rid in self.reqs:
             raise ValueError(f"request_id {rid!r} is already in flight")
-        rank = (self.router.pick(prompt_ids, self.load) if self.router is not None
+        rank = (self.router.pick(prompt_ids, self.load, params.cache_salt) if self.router is not None
                 else min(range(self.dp), key=lambda r: self.load[r]))
         self.reqs[rid] = (rank, sink)
         self.load[rank] += 1

@@ -20,9 +20,10 @@ class PrefixRouter:
         self.owner: OrderedDict[BlockHash, int] = OrderedDict()  # block name -> the rank it was last sent to
         self.routed_by_prefix = 0  # requests sent to a rank for its cached prefix rather than by load
 
-    def pick(self, prompt: list[int], load: list[int]) -> int:
-        """The rank for a new request, given each rank's requests in flight; remembers the choice."""
-        hashes = prompt_block_names(prompt, self.block_size, self.lookahead)  # what the rank will look up
+    def pick(self, prompt: list[int], load: list[int], salt: str | None = None) -> int:
+        """The rank for a new request, given each rank's requests in flight (salt: its cache_salt); remembers the
+        choice."""
+        hashes = prompt_block_names(prompt, self.block_size, self.lookahead, salt)  # what the rank will look up
         least = min(range(len(load)), key=lambda r: load[r])
         rank = least
         for h in reversed(hashes):  # the longest remembered prefix

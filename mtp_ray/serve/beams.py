@@ -68,7 +68,7 @@ async def beam_streams(groups: GroupClient, req: ParsedRequest, info: dict) -> l
     model facts (eos_token_ids; max_model_len, which bounds a search without max_tokens)."""
     assert req.beam is not None
     eos, params, ctx = tuple(info["eos_token_ids"]), req.params, info["max_model_len"]
-    step = req.beam.step_params(req.top_logprobs or 0)
+    step = req.beam.step_params(req.top_logprobs or 0, params.cache_salt)
     # (max_tokens as the ingress left it: capped by the server's generation_config; None: what the context leaves)
     searches = [BeamSearch([p], replace(req.beam, max_tokens=params.max_tokens or max(1, ctx - len(p))), eos)
                 for p in req.prompts]

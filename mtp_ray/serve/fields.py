@@ -20,7 +20,7 @@ _COMMON = {
     "logprob_token_ids", "return_token_ids", "return_tokens_as_token_ids", "structured_outputs", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
     "add_special_tokens", "truncate_prompt_tokens", "truncation_side", "use_beam_search", "echo", "priority",
-    "bad_words", "length_penalty",
+    "bad_words", "length_penalty", "cache_salt",
     # SGLang extras
     "regex", "ebnf", "json_schema", "stop_regex", "no_stop_trim",
 }

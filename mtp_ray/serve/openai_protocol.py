@@ -28,6 +28,7 @@ SAMPLING_FIELDS: dict[str, tuple[str, tuple]] = {
     "include_stop_str_in_output": ("include_stop_str_in_output", (bool,)),
     "allowed_token_ids": ("allowed_token_ids", (list,)), "logprob_token_ids": ("logprob_token_ids", (list,)),
     "bad_words": ("bad_words", (list,)),  # to token sequences where the prompt is tokenised (update_from_tokenizer)
+    "cache_salt": ("cache_salt", (str,)),
 }
 
 @dataclass
