@@ -391,7 +391,8 @@ def test_server_load_and_full_bodies_as_vllm(server, client):
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 100, "temperature": 0, "ignore_eos": True}
     with requests.post(f"{BASE}/v1/completions", json={**body, "max_tokens": 2000, "stream": True}, stream=True,
                        timeout=120) as r:
-        next(r.iter_lines())  # the stream has started (2000 tokens: it outlasts the request below)
+        lines = r.iter_lines()  # (kept: a dropped iterator closes the connection, and the stream ends)
+        next(lines)  # the stream has started (2000 tokens: it outlasts the request below)
         assert load() == 1
         with ThreadPoolExecutor(1) as pool:
             whole = pool.submit(post, "/v1/completions", body)

@@ -292,8 +292,9 @@ def final_response(rid: str, model: str, chat: bool, choices: list[Choice], req:
         out.append(body)
     resp = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": out, "usage": usage(req, choices), "service_tier": None,
-            "system_fingerprint": None}
+            "system_fingerprint": None}  # (null fields of the openai client's models, as vLLM's: see msg above)
     if chat:
+        resp["metadata"] = resp["moderation"] = None
         first = min(choices, key=lambda c: c.index)
         resp["prompt_logprobs"] = r.prompt_logprobs(first)
         resp["prompt_token_ids"] = first.prompt if req.return_token_ids else None
