@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from mtp_ray.engine.sampling_params import ParamError, SamplingParams
+from mtp_ray.engine.sampling_params import SamplingParams, is_int, need
 from mtp_ray.request_output import Logprob
 
 MAX_BEAM_WIDTH = 10  # 2 x beam_width candidates per step: the engine's log-probs go up to 20
@@ -32,13 +32,6 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        def need(ok: bool, name: str, what: str) -> None:
-            if not ok:
-                raise ParamError(f"{name}: {what}", name)
-
-        def is_int(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
         def is_num(v: object) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 

@@ -18,6 +18,16 @@ class ParamError(ValueError):
         self.param = param
 
 
+def need(ok: bool, name: str, what: str) -> None:
+    """A ParamError naming field `name` ("<name> <what>") unless ok."""
+    if not ok:
+        raise ParamError(f"{name} {what}", name)
+
+
+def is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class StructuredOutputs:
     """A constraint on the output (vLLM's StructuredOutputsParams): exactly one of a JSON schema, any JSON object,
@@ -199,13 +209,6 @@ class SamplingParams:
         return replace(self, n=1, seed=seed - 2**64 if seed is not None and seed >= 2**63 else seed)
 
     def validate(self) -> None:
-        def need(ok: bool, name: str, what: str) -> None:
-            if not ok:
-                raise ParamError(f"{name} {what}", name)
-
-        def is_int(x: Any) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
         def is_num(x: Any) -> bool:  # a number a float can hold
             return isinstance(x, float) or (is_int(x) and abs(x) <= sys.float_info.max)
 
