@@ -16,7 +16,7 @@ from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.request import check_request
 from mtp_ray.engine.sampling_params import SamplingParams, model_defaults
 from mtp_ray.engine.weight_sync import apply_update, check_update, resolve
-from mtp_ray.prompts import encode_prompt, render_chats, shown, tokenized, tokenizer_or_none
+from mtp_ray.prompts import encode_prompt, render_chats, shown, tokenize_bad_words, tokenizer_or_none
 from mtp_ray.request_output import CompletionOutput, RequestOutput, prompt_logprobs
 
 log = logging.getLogger(__name__)
@@ -131,15 +131,17 @@ class LLM:
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
         encoded = [self.encode(p) for p in prompts]  # validate everything before anything is queued
         vocab, max_len = self.engine.runner.model_config.vocab_size, self.engine.max_model_len
-        for i, ((text, ids), sp) in enumerate(zip(encoded, plist, strict=False)):
+        for sp in {id(sp): sp for sp in plist}.values():  # once per SamplingParams (all prompts often share one)
             sp.validate()
-            ids = tokenized(ids, sp, self.tokenizer, max_len)  # (RequestOutput.prompt stays the text, as vLLM's)
-            encoded[i] = text, ids
-            check_request(ids, sp, vocab, max_len)
+            tokenize_bad_words(sp, self.tokenizer)
             if sp.structured_outputs is not None:
                 check_grammar(sp.structured_outputs)
             if sp.stop and self.tokenizer is None:
                 raise ValueError(STOP_NEEDS_TOKENIZER)
+        for i, ((text, ids), sp) in enumerate(zip(encoded, plist, strict=False)):
+            ids = sp.truncated(ids, max_len)  # truncate_prompt_tokens (RequestOutput.prompt stays the text, as vLLM's)
+            encoded[i] = text, ids
+            check_request(ids, sp, vocab, max_len)
         results: dict[str, RequestOutput] = {}
         detok: dict[str, tuple[RequestOutput, CompletionOutput, Detokenizer]] = {}
         order = []

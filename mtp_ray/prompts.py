@@ -1,5 +1,5 @@
 """The offline API's prompts (mtp_ray/llm.py): vLLM's prompt forms and chat conversations -> (text, token ids), and
-the per-request work only the tokenising side can do (truncate_prompt_tokens, bad_words) before the engine sees it;
+the per-request work only the tokenising side can do (bad_words) before the engine sees it;
 and the tokenizer itself (the server's ingress and the RL handle load it here too). Every problem is a ValueError
 naming what was wrong."""
 
@@ -63,14 +63,13 @@ def tokenizer_or_none(path: str):
     return load_tokenizer(path)
 
 
-def tokenized(ids: list[int], sp: SamplingParams, tokenizer: Any, max_model_len: int) -> list[int]:
-    """What vLLM does where it tokenises a request: the prompt cut to truncate_prompt_tokens (its last n tokens; -1:
-    max_model_len) and bad_words turned into token sequences (sp.update_from_tokenizer). -> the prompt's ids."""
+def tokenize_bad_words(sp: SamplingParams, tokenizer: Any) -> None:
+    """What vLLM does where it tokenises a request: bad_words turned into token sequences (sp.update_from_tokenizer;
+    once per SamplingParams, however many prompts share it)."""
     if sp.bad_words:
         if tokenizer is None:
             raise ValueError(BAD_WORDS_NEED_TOKENIZER)
         sp.update_from_tokenizer(tokenizer)
-    return sp.truncated(ids, max_model_len)
 
 
 def chat_message(m: Any, i: int) -> dict:

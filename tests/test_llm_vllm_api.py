@@ -178,3 +178,19 @@ def test_sleep_level_2_needs_the_weights_back_through_update_weights():
     with pytest.raises(ValueError, match="model.nope"):  # checked before anything is copied: still serving
         llm.update_weights({"model.nope": torch.zeros(2)})
     assert ids_of(llm, [[5, 6, 7, 8]], sp) == want
+
+
+def test_one_sampling_params_for_many_prompts_is_prepared_once(llm, monkeypatch):
+    """vLLM's usual call, one SamplingParams for every prompt: its bad_words are tokenised and its grammar checked
+    once, not once per prompt (a grammar check compiles it)."""
+    import mtp_ray.llm as llm_module
+
+    words, grammars = [], []
+    tokenize = SamplingParams.update_from_tokenizer
+    check = llm_module.check_grammar
+    monkeypatch.setattr(SamplingParams, "update_from_tokenizer", lambda sp, tok: (words.append(1), tokenize(sp, tok)))
+    monkeypatch.setattr(llm_module, "check_grammar", lambda so: (grammars.append(1), check(so)))
+    sp = SamplingParams(max_tokens=3, bad_words=["return"], structured_outputs={"regex": "[a-z]+"})
+    outs = llm.generate([PROMPT, "x = ", "import "], sp)
+    assert len(outs) == 3 and all(o.outputs[0].text.isalpha() for o in outs)
+    assert (len(words), len(grammars)) == (1, 1)
