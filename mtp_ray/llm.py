@@ -16,7 +16,7 @@ from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.request import check_request
 from mtp_ray.engine.sampling_params import SamplingParams, model_defaults
 from mtp_ray.engine.weight_sync import apply_update, check_update, resolve
-from mtp_ray.prompts import encode_prompt, render_chats, shown, tokenize_bad_words, tokenizer_or_none
+from mtp_ray.prompts import encode_prompt, render_chats, salted, shown, tokenize_bad_words, tokenizer_or_none
 from mtp_ray.request_output import CompletionOutput, RequestOutput, prompt_logprobs
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,8 @@ class LLM:
     def generate(self, prompts: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """vLLM's LLM.generate: one prompt or a list (strings, token-id lists, {"prompt"} / {"prompt_token_ids"}
-        dicts), with one SamplingParams or one per prompt. use_tqdm: accepted for vLLM callers (no progress bar)."""
+        dicts, with "cache_salt"), with one SamplingParams or one per prompt. use_tqdm: accepted for vLLM callers (no
+        progress bar)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -139,6 +140,7 @@ class LLM:
             if sp.stop and self.tokenizer is None:
                 raise ValueError(STOP_NEEDS_TOKENIZER)
         for i, ((text, ids), sp) in enumerate(zip(encoded, plist, strict=False)):
+            plist[i] = sp = salted(prompts[i], sp)  # a prompt dict's cache_salt
             ids = sp.truncated(ids, max_len)  # truncate_prompt_tokens (RequestOutput.prompt stays the text, as vLLM's)
             encoded[i] = text, ids
             check_request(ids, sp, vocab, max_len)
@@ -197,11 +199,14 @@ class LLM:
         whole = SamplingParams(max_tokens=params.max_tokens)  # every step of the search must fit
         for p in ids:
             check_request(p, whole, self.engine.runner.model_config.vocab_size, self.engine.max_model_len)
+        salts = [salted(p, SamplingParams()).cache_salt for p in prompts]  # (a prompt dict's cache_salt)
         step, chunk, out = params.step_params(), concurrency_limit or max(1, len(ids)), []
         for at in range(0, len(ids), chunk):
             search = BeamSearch(ids[at:at + chunk], params, self.engine.eos_ids)
             while batch := search.pending():
-                done = self.generate([{"prompt_token_ids": t} for t in batch], step)
+                owner = [salts[at + i] for i, beams in enumerate(search.beams) for _ in beams]  # pending()'s order
+                done = self.generate([{"prompt_token_ids": t, **({"cache_salt": s} if s else {})}
+                                      for t, s in zip(batch, owner, strict=True)], step)
                 search.advance([r.outputs[0].logprobs[0] for r in done])
             for seqs in search.results():
                 for s in seqs:

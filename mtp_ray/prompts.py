@@ -5,6 +5,7 @@ naming what was wrong."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from mtp_ray.engine.chat_content import content_text
@@ -42,6 +43,19 @@ def encode_prompt(prompt: Any, tokenizer: Any) -> tuple[str | None, list[int]]:
         return None, list(prompt)
     raise ValueError("prompt must be a string, a list of int token ids, or {\"prompt\": ...} / "
                      f"{{\"prompt_token_ids\": ...}}, got {shown(prompt)}")
+
+
+def salted(prompt: Any, sp: SamplingParams) -> SamplingParams:
+    """vLLM's prompt-dict cache_salt ({"prompt" or "prompt_token_ids", "cache_salt"}) as the request's
+    SamplingParams.cache_salt (cached prefixes shared only under the same salt); sp itself without one."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is None:
+        return sp
+    if sp.cache_salt is not None and sp.cache_salt != salt:
+        raise ValueError("cache_salt: the prompt's and its SamplingParams' differ")
+    out = replace(sp, cache_salt=salt)
+    out.validate()  # (a salt must be a non-empty string)
+    return out
 
 
 def load_tokenizer(path: str):

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from mtp_ray import LLM, SamplingParams
+from mtp_ray import LLM, BeamSearchParams, SamplingParams
 from tests.test_graph_steps import emulated_graphs, with_graphs  # noqa: F401 (a fixture)
 
 BLOCK = 8
@@ -268,6 +268,17 @@ def test_cache_salt_keeps_tenants_prefixes_apart():
     assert [run(s) for s in ("a", "a", "b", None)] == [(want, 0), (want, 40), (want, 0), (want, 40)]
     with pytest.raises(ValueError, match="cache_salt"):
         SamplingParams(cache_salt="").validate()
+    # vLLM's prompt dicts carry it too: {"prompt_token_ids": ..., "cache_salt": ...}
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    (c,) = llm.generate([{"prompt_token_ids": prompt, "cache_salt": "c"}], greedy)
+    assert (c.outputs[0].token_ids, c.num_cached_tokens) == (want, 0)
+    (c,) = llm.generate([{"prompt_token_ids": prompt, "cache_salt": "c"}], greedy)
+    assert c.num_cached_tokens == 40
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate([{"prompt_token_ids": prompt, "cache_salt": "c"}], SamplingParams(cache_salt="d"))
+    hits = llm.engine.blocks.prefix_stats()["prefix_cache_hits"]
+    llm.beam_search([{"prompt_token_ids": prompt, "cache_salt": "e"}], BeamSearchParams(beam_width=2, max_tokens=1))
+    assert llm.engine.blocks.prefix_stats()["prefix_cache_hits"] == hits  # under a new salt: nothing to take
     settled(llm)
 
 
