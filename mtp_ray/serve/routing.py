@@ -6,7 +6,7 @@
   answers GroupUnavailable at once and the ingress turns that into a 503 within its queue timeout (a router with no
   candidate would queue forever).
 - It passes over the groups an admission call names in `avoid` (they refused this ingress's requests in the last
-  AVOID_S, serve/groups.py) while another can serve: a refused request sent again went back to the stuck group
+  AVOID_S, serve/admissions.py) while another can serve: a refused request sent again went back to the stuck group
   until its stats said so (a second later), each time after a back-off, and a least-requests choice favours it
   (the requests this router sent the good group meanwhile count there until its next stats).
 - It sends each call to the group with the fewest requests: the group's own count from its stats (every second)
