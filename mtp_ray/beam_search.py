@@ -4,8 +4,9 @@ model's raw log-probabilities), extends each beam by each candidate, moves those
 completed ones and keeps the beam_width best of the rest by cumulative log-prob / length ** length_penalty (the
 length counts the prompt, as vLLM's). After max_tokens steps the beam_width best of completed + live are the result.
 
-`BeamSearch` is the bookkeeping alone, pure Python: whoever runs the model (LLM.beam_search in this process,
-serve/beams.py over the engine groups) loops `pending()` -> the engine -> `advance()`. Each step is a new request
+`BeamSearch` is one prompt's bookkeeping alone, pure Python: whoever runs the model (LLM.beam_search in this
+process, serve/beams.py over the engine groups) loops `pending()` -> the engine -> `advance()`, several prompts'
+searches side by side. Each step is a new request
 for prompt + beam, so the prefix cache (cache.prefix_caching) saves recomputing the shared part."""
 
 from __future__ import annotations
@@ -87,56 +88,48 @@ def ranked(top: dict[int, float]) -> dict[int, Logprob]:
 
 
 class BeamSearch:
-    """The beams of several prompts, advanced a token at a time by whoever runs the model."""
+    """One prompt's beams, advanced a token at a time by whoever runs the model."""
 
-    def __init__(self, prompts: list[list[int]], params: BeamSearchParams, eos_ids: tuple[int, ...]):
+    def __init__(self, prompt: list[int], params: BeamSearchParams, eos_ids: tuple[int, ...]):
         self.params, self.eos_ids = params, tuple(eos_ids)
-        self.prompt_lens = [len(p) for p in prompts]
-        self.beams: list[list[BeamSearchSequence]] = [[BeamSearchSequence(list(p))] for p in prompts]
-        self.completed: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        self.prompt_len = len(prompt)
+        self.beams = [BeamSearchSequence(list(prompt))]
+        self.completed: list[BeamSearchSequence] = []
         self.steps = 0
 
     def pending(self) -> list[list[int]]:
-        """The token ids (prompt + beam) of every live beam, prompt by prompt, whose candidates the next step
-        needs; [] once max_tokens steps ran or no beam is left."""
+        """The token ids (prompt + beam) of every live beam, whose candidates the next step needs; [] once
+        max_tokens steps ran or no beam is left."""
         if self.steps >= self.params.max_tokens:
             return []
-        return [b.tokens for beams in self.beams for b in beams]
+        return [b.tokens for b in self.beams]
 
     def advance(self, candidates: list[dict[int, Logprob]]) -> None:
         """Each pending beam's candidates {token: Logprob} (its step's top 2 x beam_width), in pending() order."""
-        p, eos = self.params, (() if self.params.ignore_eos else self.eos_ids)
-        assert len(candidates) == sum(len(b) for b in self.beams), "one candidate set per pending beam"
-        it = iter(candidates)
-        for i, beams in enumerate(self.beams):
-            grown = []
-            for beam in beams:
-                cands = next(it)
-                for token, lp in cands.items():
-                    new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [cands],
-                                             beam.cum_logprob + lp.logprob)
-                    if token in eos:
-                        new.finish_reason = "stop"
-                        self.completed[i].append(new)
-                    else:
-                        grown.append(new)
-            grown.sort(key=self._score, reverse=True)
-            self.beams[i] = grown[:p.beam_width]
+        eos = () if self.params.ignore_eos else self.eos_ids
+        assert len(candidates) == len(self.beams), "one candidate set per pending beam"
+        grown = []
+        for beam, cands in zip(self.beams, candidates, strict=True):
+            for token, lp in cands.items():
+                new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [cands], beam.cum_logprob + lp.logprob)
+                if token in eos:
+                    new.finish_reason = "stop"
+                    self.completed.append(new)
+                else:
+                    grown.append(new)
+        grown.sort(key=self._score, reverse=True)
+        self.beams = grown[:self.params.beam_width]
         self.steps += 1
 
-    def results(self) -> list[list[BeamSearchSequence]]:
-        """Per prompt the beam_width best of the completed and the live beams (finish_reason "length"), best
-        first."""
-        out = []
-        for beams, done in zip(self.beams, self.completed, strict=True):
-            for b in beams:
-                b.finish_reason = b.finish_reason or "length"
-            out.append(sorted(done + beams, key=self._score, reverse=True)[:self.params.beam_width])
-        return out
+    def results(self) -> list[BeamSearchSequence]:
+        """The beam_width best of the completed and the live beams (finish_reason "length"), best first."""
+        for b in self.beams:
+            b.finish_reason = b.finish_reason or "length"
+        return sorted(self.completed + self.beams, key=self._score, reverse=True)[:self.params.beam_width]
 
-    def generated(self, i: int, seq: BeamSearchSequence) -> list[int]:
-        """The tokens prompt i's beam `seq` added to the prompt."""
-        return seq.tokens[self.prompt_lens[i]:]
+    def generated(self, seq: BeamSearchSequence) -> list[int]:
+        """The tokens beam `seq` added to the prompt."""
+        return seq.tokens[self.prompt_len:]
 
     def _score(self, seq: BeamSearchSequence) -> float:
         return beam_score(seq, self.eos_ids, self.params.length_penalty)

@@ -199,18 +199,19 @@ class LLM:
         whole = SamplingParams(max_tokens=params.max_tokens)  # every step of the search must fit
         for p in ids:
             check_request(p, whole, self.engine.runner.model_config.vocab_size, self.engine.max_model_len)
-        salts = [salted(p, SamplingParams()).cache_salt for p in prompts]  # (a prompt dict's cache_salt)
         step, chunk, out = params.step_params(), concurrency_limit or max(1, len(ids)), []
         for at in range(0, len(ids), chunk):
-            search = BeamSearch(ids[at:at + chunk], params, self.engine.eos_ids)
-            while batch := search.pending():
-                owner = [salts[at + i] for i, beams in enumerate(search.beams) for _ in beams]  # pending()'s order
-                done = self.generate([{"prompt_token_ids": t, **({"cache_salt": s} if s else {})}
-                                      for t, s in zip(batch, owner, strict=True)], step)
-                search.advance([r.outputs[0].logprobs[0] for r in done])
-            for seqs in search.results():
-                for s in seqs:
-                    s.text = self.tokenizer.decode(s.tokens) if self.tokenizer is not None else None
+            # each prompt's search and its steps' params (a prompt dict's cache_salt kept), all stepped in one call
+            searches = [(BeamSearch(p, params, self.engine.eos_ids), salted(prompt, step))
+                        for p, prompt in zip(ids[at:at + chunk], prompts[at:at + chunk], strict=True)]
+            while batch := [(sp, t) for s, sp in searches for t in s.pending()]:
+                done = iter(self.generate([{"prompt_token_ids": t} for _, t in batch], [sp for sp, _ in batch]))
+                for s, _ in searches:
+                    s.advance([next(done).outputs[0].logprobs[0] for _ in s.pending()])
+            for s, _ in searches:
+                seqs = s.results()
+                for q in seqs:
+                    q.text = self.tokenizer.decode(q.tokens) if self.tokenizer is not None else None
                 out.append(BeamSearchOutput(seqs))
         return out
 

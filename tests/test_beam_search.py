@@ -26,25 +26,25 @@ def test_the_bookkeeping_of_a_hand_worked_search():
     (0 ends a beam: completed); step 2 extends both, keeps the two best live ones; the result is the two best of
     completed + live."""
     p = BeamSearchParams(beam_width=2, max_tokens=2, length_penalty=0.0)
-    s = BeamSearch([[9]], p, eos_ids=(0,))
+    s = BeamSearch([9], p, eos_ids=(0,))
     assert s.pending() == [[9]]
     s.advance([cands(t1=-0.5, t0=-1.0, t2=-1.2, t3=-3.0)])
-    assert [b.tokens for b in s.beams[0]] == [[9, 1], [9, 2]] and [b.tokens for b in s.completed[0]] == [[9, 0]]
+    assert [b.tokens for b in s.beams] == [[9, 1], [9, 2]] and [b.tokens for b in s.completed] == [[9, 0]]
     assert s.pending() == [[9, 1], [9, 2]]
     s.advance([cands(t4=-1.0, t5=-2.0, t0=-0.1, t6=-4.0), cands(t7=-0.05, t8=-0.2, t0=-5.0, t9=-6.0)])
     assert s.pending() == []  # max_tokens steps ran
-    (best,) = s.results()
+    best = s.results()
     # [9, 1, 0]: -0.6, [9, 0]: -1.0 beat the live [9, 2, 7]: -1.25 and [9, 2, 8]: -1.4 ([9, 1, 4]: -1.5 is out)
     assert [(b.tokens, b.finish_reason) for b in best] == [([9, 1, 0], "stop"), ([9, 0], "stop")]
     assert math.isclose(best[0].cum_logprob, -0.6) and best[0].logprobs[1][0].logprob == -0.1
-    assert [b.tokens for b in s.beams[0]] == [[9, 2, 7], [9, 2, 8]]
+    assert [b.tokens for b in s.beams] == [[9, 2, 7], [9, 2, 8]]
     # length_penalty 1 (vLLM's default): a score is the mean log-prob over the length, prompt counted, an end
     # token not
     assert math.isclose(beam_score(best[0], (0,), 1.0), -0.6 / 2)
     # ignore_eos: an end token is a token like any other, so no beam completes
-    s = BeamSearch([[9]], BeamSearchParams(beam_width=2, max_tokens=1, ignore_eos=True, length_penalty=0.0), (0,))
+    s = BeamSearch([9], BeamSearchParams(beam_width=2, max_tokens=1, ignore_eos=True, length_penalty=0.0), (0,))
     s.advance([cands(t1=-0.5, t0=-0.4, t2=-1.2)])
-    assert [(b.tokens, b.finish_reason) for b in s.results()[0]] == [([9, 0], "length"), ([9, 1], "length")]
+    assert [(b.tokens, b.finish_reason) for b in s.results()] == [([9, 0], "length"), ([9, 1], "length")]
 
 
 @pytest.mark.parametrize("kw,field", [({"beam_width": 0}, "beam_width"), ({"beam_width": 11}, "beam_width"),

@@ -21,6 +21,14 @@ GROUPS_SEEN_S = 30.0  # a group that admitted nothing for this long no longer co
 AVOID_S = 2.0
 
 
+def recent(stamps: dict[str, float], age_s: float) -> dict[str, float]:
+    """`stamps` (group -> when, time.monotonic()) without the entries older than age_s, dropped from it too."""
+    now = time.monotonic()
+    for g in [g for g, t in stamps.items() if now - t > age_s]:
+        del stamps[g]
+    return stamps
+
+
 def abort_at_rank(adm: Admission, count: Callable[[str], None]) -> None:
     """Abort one admitted request on its rank (its admission call may carry others: it stays open). Counted in
     the ingress's metrics: ingress_abort_calls_total, ingress_abort_errors_total."""
@@ -54,10 +62,7 @@ class Admissions:
         self.batcher = CallBatcher(self._call, gap_s=gap_s or None, orphan=self._orphan, ways=self._ways)
 
     def _ways(self) -> int:
-        now = time.monotonic()
-        for g in [g for g, t in self.groups.items() if now - t > GROUPS_SEEN_S]:
-            del self.groups[g]
-        return max(1, len(self.groups))
+        return max(1, len(recent(self.groups, GROUPS_SEEN_S)))
 
     def submit(self, item: AdmitItem) -> asyncio.Future:
         """A future of the item's result: its Admission, or the exception that refused it."""
@@ -69,10 +74,7 @@ class Admissions:
         """One Serve call, issued now (the batcher calls this as the call leaves); awaiting the result gives its
         answer, the call's first message (a result per item)."""
         self.count("ingress_admission_calls_total")
-        now = time.monotonic()
-        for g in [g for g, t in self.refused.items() if now - t > AVOID_S]:
-            del self.refused[g]
-        return self._answer(self.send(items, tuple(self.refused)))
+        return self._answer(self.send(items, tuple(recent(self.refused, AVOID_S))))
 
     async def _answer(self, call: Any) -> list[Admission | Exception]:
         """The call's first message; the call stays open in a task of its own."""

@@ -70,11 +70,11 @@ async def beam_streams(groups: GroupClient, req: ParsedRequest, info: dict) -> l
     eos, params, ctx = tuple(info["eos_token_ids"]), req.params, info["max_model_len"]
     step = req.beam.step_params(req.top_logprobs or 0, params.cache_salt)
     # (max_tokens as the ingress left it: capped by the server's generation_config; None: what the context leaves)
-    searches = [BeamSearch([p], replace(req.beam, max_tokens=params.max_tokens or max(1, ctx - len(p))), eos)
+    searches = [BeamSearch(p, replace(req.beam, max_tokens=params.max_tokens or max(1, ctx - len(p))), eos)
                 for p in req.prompts]
     done = await _all([_search(groups, s, step) for s in searches])
-    return [BeamChoice(_output(s.generated(0, seq), seq, len(p), req.top_logprobs, eos, params.ignore_eos))
-            for p, s, seqs in zip(req.prompts, searches, done, strict=True) for seq in seqs]
+    return [BeamChoice(_output(s.generated(seq), seq, s.prompt_len, req.top_logprobs))
+            for s, seqs in zip(searches, done, strict=True) for seq in seqs]
 
 
 async def _search(groups: GroupClient, search: BeamSearch, step: SamplingParams) -> list[BeamSearchSequence]:
@@ -82,7 +82,7 @@ async def _search(groups: GroupClient, search: BeamSearch, step: SamplingParams)
         streams = await groups.open_each([(ids, step) for ids in batch])
         outs = await _all([_whole(s) for s in streams])
         search.advance([ranked({**o.new_top_logprobs[0], o.new_token_ids[0]: o.new_logprobs[0]}) for o in outs])
-    (seqs,) = search.results()
+    seqs = search.results()
     assert len(seqs) == search.params.beam_width, "a vocabulary of at least beam_width tokens"
     return seqs
 
@@ -106,11 +106,11 @@ async def _all(coros: list) -> list:
             t.cancel()
 
 
-def _output(tokens: list[int], seq: BeamSearchSequence, n_prompt: int, top_n: int | None, eos: tuple[int, ...],
-            ignore_eos: bool) -> StepOutput:
-    """A beam as one finished StepOutput: its tokens, their log-probs, ranks and (when asked) top-n alternatives."""
+def _output(tokens: list[int], seq: BeamSearchSequence, n_prompt: int, top_n: int | None) -> StepOutput:
+    """A beam as one finished StepOutput: its tokens, their log-probs, ranks and (when asked) top-n alternatives;
+    one that ended with an end token (finish_reason "stop") has it last, out of the text (stop_token)."""
     chosen = [cands[t] for t, cands in zip(tokens, seq.logprobs, strict=True)]
     top = [dict(list((t, lp.logprob) for t, lp in cands.items())[:top_n]) if top_n else {} for cands in seq.logprobs]
-    ended = bool(tokens) and tokens[-1] in eos and not ignore_eos
     return StepOutput("beam", tokens, [c.logprob for c in chosen], top, True, seq.finish_reason,
-                      num_prompt_tokens=n_prompt, stop_token=ended, new_ranks=[c.rank for c in chosen])
+                      num_prompt_tokens=n_prompt, stop_token=seq.finish_reason == "stop",
+                      new_ranks=[c.rank for c in chosen])
