@@ -174,6 +174,7 @@ def test_n_samples_of_one_prompt_share_its_prefill(k):
 def test_server_reports_cached_tokens_and_counters(ray_cluster):
     """Through `serve run`'s app (the cache on, as by default): a repeated prompt reports usage
     .prompt_tokens_details.cached_tokens and streams the same completion; /metrics counts queries and hits."""
+    import json
     from pathlib import Path
 
     import requests
@@ -187,6 +188,7 @@ def test_server_reports_cached_tokens_and_counters(ray_cluster):
     spec = spec["applications"][0]
     spec["args"]["group"] = {"num_replicas": 1}
     spec["args"]["engine"].setdefault("cache", {})["prefix_caching"] = True
+    spec["args"]["server"].update(enable_prompt_tokens_details=True, enable_force_include_usage=True)  # vLLM's flags
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(spec["args"]), name="prefix", route_prefix="/")
     try:
@@ -200,6 +202,18 @@ def test_server_reports_cached_tokens_and_counters(ray_cluster):
         assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
         cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert 0 < cached < n_prompt and cached % 16 == 0, (cached, n_prompt)  # whole blocks, never the last token
+        # enable_force_include_usage: a stream that asks for no usage has it in every chunk (so far), then a last
+        # chunk with the whole usage, cached tokens included (as vLLM's final usage chunk)
+        r = requests.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": "tiny-qwen35-mtp", "messages": [{"role": "user", "content": prompt}], "max_tokens": 8,
+            "min_tokens": 8, "temperature": 0, "stream": True})
+        events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+        assert len(events) > 2 and all("usage" in e for e in events), r.text
+        counts = [e["usage"]["completion_tokens"] for e in events]
+        assert counts == sorted(counts) and counts[-1] == 8 and not events[-1]["choices"], counts
+        assert all(e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + e["usage"]["completion_tokens"]
+                   for e in events)
+        assert "prompt_tokens_details" in events[-1]["usage"] and "prompt_tokens_details" not in events[0]["usage"]
         import time
 
         deadline = time.monotonic() + 20

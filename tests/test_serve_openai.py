@@ -149,6 +149,11 @@ def test_completions_streaming_equals_non_streaming(client):
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == [full.choices[0].finish_reason]
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    # vLLM's defaults (server.enable_prompt_tokens_details / enable_force_include_usage off): usage holds the three
+    # counts only, and a stream without stream_options has none
+    assert full.usage.prompt_tokens_details is None
+    plain = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=5, temperature=0, stream=True))
+    assert plain and all(c.usage is None and c.choices for c in plain)
 
 
 def sse(path: str, body: dict) -> list[dict]:
@@ -208,6 +213,8 @@ def test_responses_api_equals_chat_streamed_or_not(client):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
     assert events[-1].response.output_text == r.output_text and events[-1].response.usage.output_tokens == 10
+    # a Response's usage names its cached prompt tokens whatever server.enable_prompt_tokens_details says (as vLLM's)
+    assert events[-1].response.usage.input_tokens_details.cached_tokens > 0  # the same prompt, three times
 
 
 def test_responses_api_function_calls_formats_and_refusals(client):

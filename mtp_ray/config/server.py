@@ -35,6 +35,13 @@ class ServerConfig:
     # generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps max_tokens);
     # "vllm", none (temperature 1, ...); else a directory holding a generation_config.json
     generation_config: str = "auto"
+    # as vLLM's --enable-force-include-usage: every streamed chunk carries the usage so far and a last chunk the
+    # whole usage, whatever the request's stream_options say
+    enable_force_include_usage: bool = False
+    # as vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens (prefix-cache hits; 0 with
+    # caching off) in every response; off, as vLLM's default, usage holds only the three counts (the Responses API's
+    # input_tokens_details always has it)
+    enable_prompt_tokens_details: bool = False
 
     def __post_init__(self) -> None:
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
@@ -53,7 +60,10 @@ class ServerConfig:
             if isinstance(iv, bool) or not isinstance(iv, (int, float)) or not 0 <= iv <= 1000:
                 raise ValueError(f"server.{name} must be a number in [0, 1000], got {iv!r}")
         for f in fields(self):
-            if isinstance(f.default, int):
+            if isinstance(f.default, bool):
+                if not isinstance(getattr(self, f.name), bool):
+                    raise ValueError(f"server.{f.name} must be true or false, got {getattr(self, f.name)!r}")
+            elif isinstance(f.default, int):
                 v = getattr(self, f.name)
                 if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                     raise ValueError(f"server.{f.name} must be an integer >= 1, got {v!r}")

@@ -3,6 +3,7 @@ deployment, detokenises and applies stop strings, streams server-sent events, ke
 
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -99,7 +100,7 @@ class Ingress:
             s = self.server
             max_len = (await self.info())["max_model_len"]
             self._limits = Limits(s.max_n, s.max_stop, s.max_prompts, max_len * self.longest_token, max_len,
-                                  self.defaults)
+                                  self.defaults, s.enable_force_include_usage, s.enable_prompt_tokens_details)
         return self._limits
 
     async def info(self) -> dict:
@@ -157,6 +158,8 @@ class Ingress:
                 check_fields(body, CHAT_FIELDS)
             # tokenising / templating a large prompt off the event loop (a small one: here, see INLINE_BYTES)
             limits = await self.limits()
+            if responses:  # a Response's usage always has input_tokens_details; its stream closes with the usage
+                limits = dataclasses.replace(limits, force_usage=False, prompt_details=True)
             req = await off_loop(lambda: parse_chat(body, self.tok, limits, self.serving) if chat
                                  else parse_completion(body, self.tok, limits), size)
             info = await self.info()

@@ -41,6 +41,7 @@ class ParsedRequest:
     top_logprobs: int | None  # None: no logprobs in the response
     echo: bool = False  # the prompt's text goes before each choice's text
     continuous_usage: bool = False  # usage in every stream chunk
+    prompt_details: bool = False  # usage.prompt_tokens_details (cached tokens) in the response's whole usage
     return_token_ids: bool = False  # prompt_token_ids / token_ids in the response
     tokens_as_ids: bool = False  # logprob tokens as "token_id:<id>"
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the prompt's log-probs in the response
@@ -79,6 +80,8 @@ class Limits:
     max_model_len: int | None = None  # truncate_prompt_tokens -1 truncates to it (vLLM)
     # sampling defaults for fields a request leaves out (SamplingParams names; server.generation_config)
     defaults: dict[str, Any] = field(default_factory=dict)
+    force_usage: bool = False  # server.enable_force_include_usage: usage in every chunk of every stream
+    prompt_details: bool = False  # server.enable_prompt_tokens_details: usage.prompt_tokens_details.cached_tokens
 
 
 def for_body(limits: Limits, body: dict) -> Limits:
@@ -157,12 +160,16 @@ def _refuse_unsupported(body: dict) -> None:
         raise bad("'best_of' other than n is not supported", "best_of")
 
 
-def _stream_opts(body: dict) -> tuple[bool, bool, bool]:
+def _stream_opts(body: dict, force_usage: bool) -> tuple[bool, bool, bool]:
+    """-> (stream, include_usage, continuous_usage); force_usage: both, whatever the request says (vLLM's
+    --enable-force-include-usage)."""
     stream = flag(body, "stream")
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
         raise bad("'stream_options' must be an object with include_usage and continuous_usage_stats",
                   "stream_options")
+    if force_usage and stream:
+        return True, True, True
     usage = flag(opts, "include_usage")  # continuous_usage_stats only adds to include_usage (vLLM)
     return stream, usage, usage and flag(opts, "continuous_usage_stats")
 
@@ -180,7 +187,7 @@ def parse_common(body: dict, prompts: list[list[int]], texts: list[str | None], 
                  top_logprobs: int | None, limits: Limits, tool_schema: dict | None = None,
                  prompt_logprobs: int | None = None) -> ParsedRequest:
     """The fields completions and chat share -> ParsedRequest (prompts already tokenised)."""
-    stream, usage, continuous = _stream_opts(body)
+    stream, usage, continuous = _stream_opts(body, limits.force_usage)
     truncate = _int_field(body, "truncate_prompt_tokens", -1)
     if truncate == 0:
         raise bad("'truncate_prompt_tokens' must be -1 (the context length) or at least 1", "truncate_prompt_tokens")
@@ -213,6 +220,7 @@ def parse_common(body: dict, prompts: list[list[int]], texts: list[str | None], 
     if beam is None and body.get("length_penalty") not in (None, 1, 1.0):
         raise bad("'length_penalty' applies to beam search only (use_beam_search: true)", "length_penalty")
     return ParsedRequest(prompts, texts, params, stream, usage, top_logprobs, continuous_usage=continuous,
+                         prompt_details=limits.prompt_details,
                          return_token_ids=flag(body, "return_token_ids"),
                          tokens_as_ids=flag(body, "return_tokens_as_token_ids"), prompt_logprobs=plp,
                          stop_regex=stop_regex or [], beam=beam)

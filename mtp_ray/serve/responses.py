@@ -177,18 +177,17 @@ def new_choices(req: ParsedRequest, tok, serving) -> list[Choice]:
             for i, p in enumerate(req.prompts) for j in range(sp.n)]
 
 
-def usage(req: ParsedRequest, choices: list[Choice], reasoning: bool = True) -> dict:
-    """The usage section; reasoning: with the reasoning token count (its count scans the output: not in every
-    chunk of a stream with continuous usage stats, only in the last)."""
+def usage(req: ParsedRequest, choices: list[Choice], whole: bool = True) -> dict:
+    """The usage section; whole: the response's or its last chunk's, with the prompt's details and the reasoning
+    token count (which scans the output), as vLLM's; not whole: a chunk's usage so far (continuous usage stats)."""
     n_prompt = sum(len(p) for p in req.prompts)
     n_gen = 0 if req.drop_output else sum(len(c.token_ids) for c in choices)
     out = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
-    cached = [c.cached_tokens for c in choices if c.cached_tokens is not None]
-    if cached:  # prefix caching on: per prompt, the most any of its n samples found cached
+    if whole and req.prompt_details:  # per prompt, the most any of its n samples found cached (0: caching off)
         n = req.params.n  # choices i * n .. i * n + n - 1 are prompt i's (new_choices)
         per_prompt = [max((c.cached_tokens or 0) for c in choices[i : i + n]) for i in range(0, len(choices), n)]
         out["prompt_tokens_details"] = {"cached_tokens": sum(per_prompt)}
-    if reasoning and choices and choices[0].chat is not None and choices[0].chat.parses_reasoning:  # as OpenAI
+    if whole and choices and choices[0].chat is not None and choices[0].chat.parses_reasoning:  # as OpenAI
         thought = 0 if req.drop_output else sum(c.reasoning_tokens() for c in choices)
         out["completion_tokens_details"] = {"reasoning_tokens": thought}
         out["reasoning_tokens"] = thought  # SGLang's name for it (its clients read usage.reasoning_tokens)

@@ -23,7 +23,7 @@ class ChunkWriter:
 
     def _event(self, body: dict) -> dict:
         if self.req.continuous_usage:  # vLLM's continuous_usage_stats: usage so far in every chunk
-            body["usage"] = usage(self.req, self.choices, reasoning=False)
+            body["usage"] = usage(self.req, self.choices, whole=False)
         return body
 
     def _chunk(self, c: Choice, **kw) -> dict:
