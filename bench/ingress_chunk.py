@@ -28,8 +28,9 @@ from mtp_ray.serve.chat_request import ChatServing  # noqa: E402
 from mtp_ray.serve.choices import ChoiceRunner  # noqa: E402
 from mtp_ray.serve.delivery import Deliveries  # noqa: E402
 from mtp_ray.serve.groups import Admitted, GroupStream  # noqa: E402
+from mtp_ray.serve.limits import Limits  # noqa: E402
 from mtp_ray.serve.metrics import Metrics  # noqa: E402
-from mtp_ray.serve.openai_protocol import Limits, parse_completion  # noqa: E402
+from mtp_ray.serve.openai_protocol import parse_completion  # noqa: E402
 from mtp_ray.serve.responses import new_choices, sse_stream  # noqa: E402
 from mtp_ray.serve.streaming import ChunkWriter  # noqa: E402
 

@@ -137,9 +137,9 @@ def main() -> None:
         (tmp / "config.json").write_text(json.dumps(hf_config(args.layers, mtp=args.k > 0)))
         model = {"model": str(tmp), "load_format": "dummy", "num_blocks": 4096, "max_model_len": 8192}
 
+    from mtp_ray.config.flat import engine_config
     from mtp_ray.engine.core import EngineCore
     from mtp_ray.engine.sampling_params import SamplingParams
-    from mtp_ray.llm import engine_config
 
     greedy = SamplingParams(temperature=0, max_tokens=args.answer, ignore_eos=True)
     name = "bundled" if args.model == "bundled" else f"random Qwen3.5-35B-A3B shapes, {args.layers} layers"

@@ -22,10 +22,10 @@ def _rank(rank: int, world: int, port: int, queue) -> None:
         import torch
 
         from mtp_ray import SamplingParams
+        from mtp_ray.config.flat import engine_config
         from mtp_ray.config.model import ModelConfig
         from mtp_ray.engine.core import EngineCore
         from mtp_ray.engine.graphs import CudaGraphs
-        from mtp_ray.llm import engine_config
         from mtp_ray.parallel.context import DistContext
         from mtp_ray.parallel.ep import make_dispatcher
         from mtp_ray.parallel.sync import DPSync

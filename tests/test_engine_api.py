@@ -179,7 +179,7 @@ def test_abort_frees_the_cache(llm):
 @pytest.mark.parametrize("kw,field", [
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(temperature=-0.1), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(stop=5), "stop"), (dict(stop=[""]), "stop"),
-    (dict(n=0), "n"), (dict(top_k=-2), "top_k"), (dict(min_p=2.0), "min_p"), (dict(logprobs=-1), "logprobs"),
+    (dict(n=0), "n"), (dict(top_k=-2), "top_k"), (dict(min_p=2.0), "min_p"), (dict(logprobs=-2), "logprobs"),
     (dict(stop_token_ids=["a"]), "stop_token_ids"), (dict(seed="x"), "seed"),
 ])
 def test_bad_sampling_params_name_the_field(kw, field):

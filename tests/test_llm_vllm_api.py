@@ -52,6 +52,33 @@ def test_bad_truncate_prompt_tokens_name_the_field(bad):
         SamplingParams(truncate_prompt_tokens=bad)
 
 
+# ---- max_logprobs ----
+def test_max_logprobs_caps_requests_and_minus_one_asks_for_the_vocabulary(llm):
+    """vLLM's --max-logprobs: 20 by default (a request past it is a ValueError naming the field, in vLLM's words);
+    -1 lifts the cap to the vocabulary, and a request's -1 asks for every token's log-prob (top-n ranked as n's)."""
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match="Requested .* logprobs of 21, which is greater than max allowed: 20"):
+            llm.generate(PROMPT, SamplingParams(**{field: 21}, **GREEDY))
+        with pytest.raises(ValueError, match="greater than max allowed: 20") as e:
+            llm.generate(PROMPT, SamplingParams(**{field: -1}, **GREEDY))
+        assert e.value.param == field
+        with pytest.raises(ValueError, match=f"^{field} must be an integer >= 0 or -1"):
+            SamplingParams(**{field: -2})
+    wide = LLM(num_speculative_tokens=2, max_logprobs=-1)
+    vocab = wide.engine.runner.model_config.vocab_size
+    sp = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    full = wide.generate(PROMPT, SamplingParams(logprobs=-1, prompt_logprobs=-1, **sp))[0]
+    top = wide.generate(PROMPT, SamplingParams(logprobs=20, prompt_logprobs=20, **sp))[0]
+    assert full.outputs[0].token_ids == top.outputs[0].token_ids
+    for a, b in zip(full.outputs[0].logprobs, top.outputs[0].logprobs, strict=True):
+        assert len(a) == vocab and list(a)[: len(b)] == list(b)  # every token, the likeliest first
+        assert torch.logsumexp(torch.tensor([x.logprob for x in a.values()]), 0).abs() < 1e-4  # a distribution
+    assert all(len(p) == vocab for p in full.prompt_logprobs[1:]) and full.prompt_logprobs[0] is None
+    assert len(LLM(max_logprobs=30).generate(PROMPT, SamplingParams(logprobs=25, **sp))[0].outputs[0].logprobs[0]) >= 25
+    with pytest.raises(ValueError, match="max_logprobs"):
+        LLM(max_logprobs=-2)
+
+
 # ---- detokenize ----
 def test_detokenize_false_gives_token_ids_without_text(llm):
     want = llm.generate(PROMPT, SamplingParams(logprobs=1, **GREEDY))[0].outputs[0]

@@ -172,8 +172,10 @@ def test_n_samples_of_one_prompt_share_its_prefill(k):
 
 
 def test_server_reports_cached_tokens_and_counters(ray_cluster):
-    """Through `serve run`'s app (the cache on, as by default): a repeated prompt reports usage
-    .prompt_tokens_details.cached_tokens and streams the same completion; /metrics counts queries and hits."""
+    """Through `serve run`'s app (the cache on, as by default) with vLLM's flags enable_prompt_tokens_details,
+    enable_force_include_usage and max_logprobs -1: a repeated prompt reports usage.prompt_tokens_details
+    .cached_tokens and streams the same completion; /metrics counts queries and hits; every stream chunk has the
+    usage so far; a request's logprobs -1 gets the whole vocabulary."""
     import json
     from pathlib import Path
 
@@ -189,6 +191,7 @@ def test_server_reports_cached_tokens_and_counters(ray_cluster):
     spec["args"]["group"] = {"num_replicas": 1}
     spec["args"]["engine"].setdefault("cache", {})["prefix_caching"] = True
     spec["args"]["server"].update(enable_prompt_tokens_details=True, enable_force_include_usage=True)  # vLLM's flags
+    spec["args"]["engine"]["max_logprobs"] = -1  # (vLLM's --max-logprobs -1: up to the whole vocabulary)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(spec["args"]), name="prefix", route_prefix="/")
     try:
@@ -202,18 +205,6 @@ def test_server_reports_cached_tokens_and_counters(ray_cluster):
         assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
         cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert 0 < cached < n_prompt and cached % 16 == 0, (cached, n_prompt)  # whole blocks, never the last token
-        # enable_force_include_usage: a stream that asks for no usage has it in every chunk (so far), then a last
-        # chunk with the whole usage, cached tokens included (as vLLM's final usage chunk)
-        r = requests.post(f"{url}/v1/chat/completions", timeout=120, json={
-            "model": "tiny-qwen35-mtp", "messages": [{"role": "user", "content": prompt}], "max_tokens": 8,
-            "min_tokens": 8, "temperature": 0, "stream": True})
-        events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
-        assert len(events) > 2 and all("usage" in e for e in events), r.text
-        counts = [e["usage"]["completion_tokens"] for e in events]
-        assert counts == sorted(counts) and counts[-1] == 8 and not events[-1]["choices"], counts
-        assert all(e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + e["usage"]["completion_tokens"]
-                   for e in events)
-        assert "prompt_tokens_details" in events[-1]["usage"] and "prompt_tokens_details" not in events[0]["usage"]
         import time
 
         deadline = time.monotonic() + 20
@@ -233,6 +224,28 @@ def test_server_reports_cached_tokens_and_counters(ray_cluster):
         assert [cached_with("tenant-a"), cached_with("tenant-a"), cached_with("tenant-b")] == [0, cached, 0]
         r = requests.post(f"{url}/v1/completions", json={**body, "cache_salt": ""}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+        # enable_force_include_usage: a stream that asks for no usage has it in every chunk (so far), then a last
+        # chunk with the whole usage, cached tokens included (as vLLM's final usage chunk)
+        r = requests.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": "tiny-qwen35-mtp", "messages": [{"role": "user", "content": prompt}], "max_tokens": 8,
+            "min_tokens": 8, "temperature": 0, "stream": True})
+        events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+        assert len(events) > 2 and all("usage" in e for e in events), r.text
+        counts = [e["usage"]["completion_tokens"] for e in events]
+        assert counts == sorted(counts) and counts[-1] == 8 and not events[-1]["choices"], counts
+        assert all(e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + e["usage"]["completion_tokens"]
+                   for e in events)
+        assert "prompt_tokens_details" in events[-1]["usage"] and "prompt_tokens_details" not in events[0]["usage"]
+        # max_logprobs -1: a request's -1 gets every token's log-prob (the bundled vocabulary: 2048; as ids, since
+        # several ids decode to the same string, which the legacy format's keys would merge)
+        r = requests.post(f"{url}/v1/completions", timeout=120, json={
+            **body, "max_tokens": 2, "logprobs": -1, "return_tokens_as_token_ids": True}).json()
+        assert [len(t) for t in r["choices"][0]["logprobs"]["top_logprobs"]] == [2048, 2048], r["usage"]
+        r = requests.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": "tiny-qwen35-mtp", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+            "logprobs": True, "top_logprobs": -1, "prompt_logprobs": -1}).json()
+        assert [len(e["top_logprobs"]) for e in r["choices"][0]["logprobs"]["content"]] == [2048, 2048]
+        assert r["prompt_logprobs"][0] is None and all(len(p) == 2048 for p in r["prompt_logprobs"][1:])
     finally:
         serve.delete("prefix")
         serve.shutdown()
@@ -449,8 +462,8 @@ def test_random_arrivals_and_aborts_in_a_small_cache(k):
     """The engine API under random arrivals of prompts sharing prefixes, aborts (publishers included, while others
     wait for them) in a small cache that must evict: no hang, every finished request's tokens equal the uncached
     engine's for its prompt, and the block / slot invariants hold at every step and come back at the end."""
+    from mtp_ray.config.flat import engine_config
     from mtp_ray.engine.core import EngineCore
-    from mtp_ray.llm import engine_config
 
     rng = random.Random(11)
     stems = [[rng.randrange(3, 2000) for _ in range(rng.randint(8, 50))] for _ in range(4)]

@@ -326,6 +326,14 @@ def test_n_seed_logprobs_and_stop(client):
                                           temperature=0, logprobs=True, top_logprobs=3)
     assert len(chat.choices[0].logprobs.content) == 5
     assert all(len(e.top_logprobs) == 3 for e in chat.choices[0].logprobs.content)
+    # the engine's max_logprobs (20, vLLM's default) caps every log-prob count; -1 (the vocabulary) is past it
+    for path, extra in (("/v1/completions", {"prompt": "x", "logprobs": 21}),
+                        ("/v1/completions", {"prompt": "x", "echo": True, "prompt_logprobs": -1}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                                                  "top_logprobs": -1})):
+        r = post(path, {"model": MODEL, "max_tokens": 2, **extra})
+        assert r.status_code == 400 and "which is greater than max allowed: 20" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] in ("logprobs", "prompt_logprobs"), r.text
     base = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0).choices[0].text
     stop = base[10:13]
     cut = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0, stop=[stop])

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from mtp_ray import SamplingParams
+from mtp_ray.config.flat import engine_config
 from mtp_ray.engine.core import EngineCore
 from mtp_ray.engine.rejection import accept_or_resample, verify
 from mtp_ray.engine.sampler import Row, draw
-from mtp_ray.llm import engine_config
 
 # chi-square critical value, 5 degrees of freedom, alpha = 0.001
 CHI2_5_001 = 20.515

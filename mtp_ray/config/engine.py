@@ -149,6 +149,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     device: str = "auto"
     seed: int = 0
+    # the most log-probs a request may ask per token (logprobs / top_logprobs / prompt_logprobs), as vLLM's
+    # --max-logprobs; -1: the whole vocabulary (a request's -1 asks for all of it)
+    max_logprobs: int = 20
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -162,6 +165,7 @@ class EngineConfig:
                "must be auto|float32|bfloat16|float16")
         _check(self.load_format in ("auto", "dummy"), "load_format", "must be auto|dummy")
         _check(-2**63 <= self.seed < 2**63, "seed", f"must fit in 64 bits, got {self.seed}")
+        _check(self.max_logprobs >= -1, "max_logprobs", f"must be -1 (the vocabulary) or >= 0, got {self.max_logprobs}")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> EngineConfig:

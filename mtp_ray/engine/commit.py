@@ -13,7 +13,7 @@ from mtp_ray.engine.outputs import OutputProcessor, StepOutput
 from mtp_ray.engine.rejection import verify
 from mtp_ray.engine.request import Request
 from mtp_ray.engine.runner import ModelRunner
-from mtp_ray.engine.sampler import Row, logprob_info, reduce_rows, sample_row
+from mtp_ray.engine.sampler import Row, logprob_info, reduce_rows, sample_row, top_count
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.engine.scheduler import Scheduled
 
@@ -174,7 +174,7 @@ class Committer:
                 want = torch.tensor([prompt[start + j + 1] for j in part], device=lp.device)
                 tok = lp.gather(1, want[:, None])  # [m, 1]
                 rank = (lp > tok).sum(-1) + 1
-                top = lp.topk(min(n_top, lp.shape[-1]), dim=-1) if n_top else None
+                top = lp.topk(top_count(n_top, lp.shape[-1]), dim=-1) if n_top else None
                 tok_l, rank_l = tok.squeeze(1).tolist(), rank.tolist()
                 tv, ti = (top.values.tolist(), top.indices.tolist()) if top is not None else ([[]] * len(part),) * 2
                 req.prompt_lps += [(a, dict(zip(i_, v_, strict=True)), r)

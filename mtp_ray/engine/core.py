@@ -87,7 +87,8 @@ class EngineCore:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self.runner.asleep:
             raise ValueError("the engine is asleep: call wake_up() first")
-        check_request(prompt_ids, params, self.runner.model_config.vocab_size, self.max_model_len)
+        check_request(prompt_ids, params, self.runner.model_config.vocab_size, self.max_model_len,
+                      self.cfg.max_logprobs)
         gen = torch.Generator().manual_seed(params.seed if params.seed is not None else next(self._seeds))
         req = Request(request_id, list(prompt_ids), params, arrival=time.monotonic(), generator=gen)
         if params.allowed_token_ids is not None:

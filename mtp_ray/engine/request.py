@@ -145,7 +145,8 @@ class Request:
         }
 
 
-def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+                  max_logprobs: int = 20) -> None:
     """The one place a request is checked against the model (offline API, engine, group): its token-id prompt and the
     token ids its parameters name; ValueError naming the field. (params.validate() checks the values themselves; a
     constraint compiles with engine/grammar.py: check_grammar, which may take seconds, so callers run it where
@@ -168,3 +169,10 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
         raise ParamError("bad_words need the tokenizer's token sequences (SamplingParams.update_from_tokenizer, done "
                          "by LLM.generate and the server); or pass bad_words_token_ids", "bad_words")
     params.check_vocab(vocab_size)
+    cap = vocab_size if max_logprobs == -1 else max_logprobs
+    for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        n = getattr(params, name)
+        n = vocab_size if n == -1 else n
+        if n is not None and n > cap:  # (vLLM's words)
+            raise ParamError(f"Requested {what} logprobs of {n}, which is greater than max allowed: {cap} "
+                             "(the engine's max_logprobs)", name)

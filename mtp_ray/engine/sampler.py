@@ -139,6 +139,11 @@ def reduce_rows(logits: torch.Tensor, host: list[bool], masks: tuple[list[int], 
                       torch.log_softmax(full, dim=-1) if full is not None else None)
 
 
+def top_count(n: int, vocab: int) -> int:
+    """How many alternatives a request's logprobs = n asks for: -1 (vLLM's) and more than the vocabulary, all."""
+    return vocab if n < 0 else min(n, vocab)
+
+
 def logprob_info(lp: torch.Tensor, token: int, top_n: int | None, ids: list[int] | None = None
                  ) -> tuple[float, dict[int, float], int | None]:
     """lp: [V] raw log-probabilities (log_softmax of the logits, computed for the whole step at once) ->
@@ -148,7 +153,7 @@ def logprob_info(lp: torch.Tensor, token: int, top_n: int | None, ids: list[int]
     if ids:
         top = dict(zip(ids, lp[ids].tolist(), strict=True))
     elif top_n:
-        v, i = torch.topk(lp, min(top_n, lp.numel()))  # a vocabulary smaller than top_n: all of it
+        v, i = torch.topk(lp, top_count(top_n, lp.numel()))
         top = {int(t): float(x) for t, x in zip(i.tolist(), v.tolist(), strict=False)}
     x = lp[token]
     rank = int((lp > x).sum()) + 1 if top_n is not None or ids else None

@@ -232,8 +232,10 @@ class SamplingParams:
              "stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
         for flag in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             need(isinstance(getattr(self, flag), bool), flag, f"must be a boolean, got {getattr(self, flag)!r}")
-        need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
-             f"must be an integer in 0..20, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):  # (the engine's max_logprobs caps them: check_request)
+            v = getattr(self, name)
+            need(v is None or (is_int(v) and v >= -1), name,
+                 f"must be an integer >= 0 or -1 (the whole vocabulary), got {v!r}")
         need(is_num(self.repetition_penalty) and 0 < self.repetition_penalty < float("inf"), "repetition_penalty",
              f"must be a number > 0, got {self.repetition_penalty!r:.80}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -246,8 +248,6 @@ class SamplingParams:
         allowed = self.allowed_token_ids
         need(allowed is None or (isinstance(allowed, list) and allowed and all(is_int(t) and t >= 0 for t in allowed)),
              "allowed_token_ids", f"must be a non-empty list of token ids, got {allowed!r}")
-        need(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
-             "prompt_logprobs", f"must be an integer in 0..20, got {self.prompt_logprobs!r}")
         ids = self.logprob_token_ids
         need(ids is None or (isinstance(ids, list) and 0 < len(ids) <= 20 and all(is_int(t) and t >= 0 for t in ids)),
              "logprob_token_ids", f"must be a list of 1..20 token ids, got {ids!r:.80}")

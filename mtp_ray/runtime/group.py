@@ -182,7 +182,7 @@ class EngineGroup:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Admission: the prompt and the token ids the parameters name, against this model (SamplingParams checked
         their own values when they were made)."""
-        check_request(prompt_ids, params, self.model_config.vocab_size, self.max_model_len)
+        check_request(prompt_ids, params, self.model_config.vocab_size, self.max_model_len, self.cfg.max_logprobs)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        ready_timeout: float | None = None, announce: bool = False) -> AsyncIterator[StepOutput]:

@@ -41,6 +41,8 @@ def beam_request(body: dict, params: SamplingParams, defaults: dict[str, Any]) -
                       "log-probabilities)", name)
     if body.get("stop_regex"):
         raise bad("'stop_regex' cannot be combined with use_beam_search", "stop_regex")
+    if params.logprobs == -1:
+        raise bad("'logprobs' -1 (the whole vocabulary) cannot be combined with use_beam_search", "logprobs")
     length_penalty = body.get("length_penalty", 1.0)
     try:  # (max_tokens: set per prompt by beam_streams, once the ingress capped it and knows the context)
         return BeamSearchParams(params.n, params.max_tokens or 1, params.ignore_eos, params.temperature,

@@ -74,6 +74,7 @@ class GroupDeployment(RolloutEngine):
     async def info(self) -> dict:
         mc = self.group.model_config
         return {"max_model_len": self.group.max_model_len, "vocab_size": mc.vocab_size, "model": self.cfg.model,
+                "max_logprobs": self.cfg.max_logprobs,
                 "dp": self.cfg.parallel.dp, "k": self.cfg.spec.k, "eos_token_ids": list(mc.eos_token_ids)}
 
     async def check_health(self) -> None:

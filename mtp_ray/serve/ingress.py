@@ -3,7 +3,6 @@ deployment, detokenises and applies stop strings, streams server-sent events, ke
 
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -26,9 +25,10 @@ from mtp_ray.serve.errors import ApiError, cause_of, first_line
 from mtp_ray.serve.fields import CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
 from mtp_ray.serve.groups import GroupClient
 from mtp_ray.serve.intake import check_api_key, off_loop, read_body, read_json_object
+from mtp_ray.serve.limits import Limits, cap_max_tokens, check_length
 from mtp_ray.serve.metrics import Metrics, render
 from mtp_ray.serve.metrics_hub import HubReporter
-from mtp_ray.serve.openai_protocol import Limits, cap_max_tokens, check_length, parse_completion
+from mtp_ray.serve.openai_protocol import parse_completion
 from mtp_ray.serve.responses import choice_params, error_response, final_response, new_choices, sse_stream
 from mtp_ray.serve.responses_api import Events, Shell, chat_body
 from mtp_ray.serve.server_load import ServerLoad
@@ -157,15 +157,13 @@ class Ingress:
                 shell, body = Shell(body, self.model_name), chat_body(body)
                 check_fields(body, CHAT_FIELDS)
             # tokenising / templating a large prompt off the event loop (a small one: here, see INLINE_BYTES)
-            limits = await self.limits()
-            if responses:  # a Response's usage always has input_tokens_details; its stream closes with the usage
-                limits = dataclasses.replace(limits, force_usage=False, prompt_details=True)
+            limits = (await self.limits()).for_responses() if responses else await self.limits()
             req = await off_loop(lambda: parse_chat(body, self.tok, limits, self.serving) if chat
                                  else parse_completion(body, self.tok, limits), size)
             info = await self.info()
             for ids in req.prompts:  # here, not only at the group: an echo decodes the prompt before admission
                 check_length(ids, req.params, info["max_model_len"])
-                check_request(ids, req.params, info["vocab_size"], info["max_model_len"])
+                check_request(ids, req.params, info["vocab_size"], info["max_model_len"], info["max_logprobs"])
             cap_max_tokens(req.params, limits)
         except ApiError as e:
             return self.refused(e)

@@ -4,7 +4,7 @@ Every problem is an ApiError with the OpenAI error body; nothing here touches th
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from mtp_ray.beam_search import BeamSearchParams
@@ -13,8 +13,10 @@ from mtp_ray.serve.beams import beam_request
 from mtp_ray.serve.errors import bad
 from mtp_ray.serve.fields import flag
 from mtp_ray.serve.intake import unicode_text
+from mtp_ray.serve.limits import NO_LIMITS, Limits, for_body, prompt_text
 from mtp_ray.serve.structured import constraint
 
+ALL = "the whole vocabulary"  # what logprobs -1 asks for (vLLM's)
 _DIGITS = re.compile(r"[0-9]+")  # str.isdigit() also takes "²", which int() refuses
 
 # body field -> (SamplingParams field, accepted python types)
@@ -67,32 +69,6 @@ def ids_only(req: ParsedRequest) -> None:
     if req.params.bad_words:
         raise bad("'bad_words' need a tokenizer and this model has none", "bad_words")
     req.return_token_ids = req.tokens_as_ids = True
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one request may ask for (config/server.py), checked before any engine work."""
-
-    max_n: int = 64
-    max_stop: int = 64
-    max_prompts: int = 256
-    max_prompt_chars: int | None = None  # a longer prompt string certainly exceeds max_model_len (not tokenised)
-    max_model_len: int | None = None  # truncate_prompt_tokens -1 truncates to it (vLLM)
-    # sampling defaults for fields a request leaves out (SamplingParams names; server.generation_config)
-    defaults: dict[str, Any] = field(default_factory=dict)
-    force_usage: bool = False  # server.enable_force_include_usage: usage in every chunk of every stream
-    prompt_details: bool = False  # server.enable_prompt_tokens_details: usage.prompt_tokens_details.cached_tokens
-
-
-def for_body(limits: Limits, body: dict) -> Limits:
-    """The limits a request's texts are held to: one that asks for truncate_prompt_tokens is tokenised whole first
-    (vLLM truncates any length), so the character bound before tokenising does not apply to it."""
-    if body.get("truncate_prompt_tokens") is None or limits.max_prompt_chars is None:
-        return limits
-    return replace(limits, max_prompt_chars=None)
-
-
-NO_LIMITS = Limits()
 
 
 def _check_type(body: dict, key: str, types: tuple) -> Any:
@@ -174,12 +150,15 @@ def _stream_opts(body: dict, force_usage: bool) -> tuple[bool, bool, bool]:
     return stream, usage, usage and flag(opts, "continuous_usage_stats")
 
 
-def _int_field(body: dict, key: str, lo: int, hi: int | None = None) -> int | None:
+def _int_field(body: dict, key: str, lo: int, hi: int | None = None, minus_one: str | None = None) -> int | None:
+    """An integer field in lo..hi, or also -1 where minus_one says what it means (a 400 naming the field)."""
     v = body.get(key)
     if v is None:
         return None
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
-        raise bad(f"'{key}' must be an integer in {lo}..{hi if hi is not None else 'any'}", key)
+    if not isinstance(v, int) or isinstance(v, bool) or (v < lo and not (minus_one and v == -1)) or (
+            hi is not None and v > hi):
+        raise bad(f"'{key}' must be an integer " + (f"in {lo}..{hi}" if hi is not None else f">= {lo}")
+                  + (f" or -1 ({minus_one})" if minus_one else ""), key)
     return v
 
 
@@ -188,9 +167,7 @@ def parse_common(body: dict, prompts: list[list[int]], texts: list[str | None], 
                  prompt_logprobs: int | None = None) -> ParsedRequest:
     """The fields completions and chat share -> ParsedRequest (prompts already tokenised)."""
     stream, usage, continuous = _stream_opts(body, limits.force_usage)
-    truncate = _int_field(body, "truncate_prompt_tokens", -1)
-    if truncate == 0:
-        raise bad("'truncate_prompt_tokens' must be -1 (the context length) or at least 1", "truncate_prompt_tokens")
+    truncate = _int_field(body, "truncate_prompt_tokens", 1, minus_one="the context length")
     if truncate == -1:
         truncate = limits.max_model_len
     side = body.get("truncation_side", "left")
@@ -199,11 +176,12 @@ def parse_common(body: dict, prompts: list[list[int]], texts: list[str | None], 
     if truncate is not None:  # left: keep the last tokens; right: the first
         prompts = [p[-truncate:] if side == "left" else p[:truncate] for p in prompts]
         texts = [None] * len(texts)
-    plp = _int_field(body, "prompt_logprobs", 0, 20)
+    plp = _int_field(body, "prompt_logprobs", 0, minus_one=ALL)  # (the engine's max_logprobs caps it)
     if plp and stream:  # (as vLLM: a stream has no place for them)
         raise bad("'prompt_logprobs' are not available when 'stream' is true", "prompt_logprobs")
     params = sampling_params(body, max_tokens_key, top_logprobs, limits, tool_schema)
-    want_plp = max((x for x in (plp, prompt_logprobs) if x is not None), default=None)
+    wants = [x for x in (plp, prompt_logprobs) if x is not None]
+    want_plp = -1 if -1 in wants else max(wants, default=None)  # (-1: all of them)
     if want_plp is not None:
         params.prompt_logprobs = want_plp
     stop_regex = body.get("stop_regex")
@@ -261,7 +239,7 @@ def parse_completion(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> Parse
         if not ids:
             raise bad("prompt must not be empty", "prompt")
         prompts.append(ids)
-    lp = _int_field(body, "logprobs", 0, 20)
+    lp = _int_field(body, "logprobs", 0, minus_one=ALL)
     echo = flag(body, "echo")
     drop = False
     if body.get("max_tokens") == 0:  # vLLM: the prompt only, with echo (lm-eval's scoring requests)
@@ -277,36 +255,3 @@ def parse_completion(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> Parse
     else:
         req.params.update_from_tokenizer(tokenizer)  # bad_words -> token sequences, as vLLM's
     return req
-
-
-def cap_max_tokens(params: SamplingParams, limits: Limits) -> None:
-    """generation_config's max_new_tokens: the default max_tokens and a cap on any request's (vLLM), applied once
-    the request's own max_tokens passed the context-length check."""
-    cap = limits.defaults.get("max_tokens")
-    if cap is None or (params.max_tokens is not None and params.max_tokens <= cap):
-        return
-    if params.min_tokens > cap:
-        raise bad(f"'min_tokens' {params.min_tokens} is more than the server's max_tokens {cap} "
-                  "(generation_config.json's max_new_tokens)", "min_tokens")
-    params.max_tokens = cap
-
-
-def prompt_text(s: str, field: str, limits: Limits) -> str:
-    if limits.max_prompt_chars is not None and len(s) > limits.max_prompt_chars:
-        raise bad(f"'{field}' is too long: {len(s)} characters are more tokens than the model's context holds",
-                  field)
-    return unicode_text(s, field)
-
-
-def check_length(ids: list[int], params: SamplingParams, max_model_len: int) -> None:
-    """vLLM's context-length rule: prompt + max_tokens must fit (max_tokens None: whatever is left). The message
-    is vLLM's, then SGLang's sentence for the case (clients and tests of either match on their own wording)."""
-    want = len(ids) + (params.max_tokens or 1)
-    if len(ids) >= max_model_len or want > max_model_len:
-        too_long = len(ids) >= max_model_len
-        sglang = (f"The input ({len(ids)} tokens) is longer than the model's context length ({max_model_len} "
-                  f"tokens)." if too_long else f"Requested token count exceeds the model's maximum context length "
-                  f"of {max_model_len} tokens.")
-        raise bad(f"This model's maximum context length is {max_model_len} tokens. However, you requested {want} "
-                  f"tokens ({len(ids)} in the prompt, {params.max_tokens or 1} in the completion). Please reduce "
-                  f"the length of the prompt or the completion. {sglang}", "prompt" if too_long else "max_tokens")

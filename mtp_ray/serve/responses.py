@@ -124,10 +124,12 @@ class Render:
             off += len(s)
         return out, off
 
-    def top_n(self) -> int:
-        """Alternatives per position: top_logprobs, or every token of logprob_token_ids (they replace them)."""
+    def top_n(self) -> int | None:
+        """Alternatives per position: top_logprobs (None: all that came, for -1), or every token of
+        logprob_token_ids (they replace them)."""
         named = self.req.params.logprob_token_ids
-        return len(named) if named else self.req.top_logprobs or 0
+        n = len(named) if named else self.req.top_logprobs or 0
+        return None if n < 0 else n
 
     def chat_logprobs(self, c: Choice, start: int) -> dict:
         top_n = self.top_n()
@@ -149,8 +151,9 @@ class Render:
                 out.append(None)
                 continue
             lp, top, rank = e
+            n = self.req.prompt_logprobs
             d = {str(a): {"logprob": b, "rank": i + 1, "decoded_token": self.s(a)}
-                 for i, (a, b) in enumerate(list(top.items())[: self.req.prompt_logprobs])}
+                 for i, (a, b) in enumerate(list(top.items())[: None if n < 0 else n])}  # (-1: all)
             d[str(t)] = {"logprob": lp, "rank": rank, "decoded_token": self.s(t)}
             out.append(d)
         return out
