@@ -123,6 +123,47 @@ def test_open_and_closed_routes(server):
     assert requests.post(f"{BASE}/tokenize", json={"prompt": "x"}).status_code == 401
 
 
+def test_what_other_servers_clients_send_and_read(server):
+    """SGLang's, lmdeploy's and SageMaker's routes, fields and error shapes: liveness at /ping and /health_generate,
+    /v1/tokenize, /get_model_info; lmdeploy's client body ("kwargs": {}, min_new_tokens, max_completion_tokens on
+    completions); SGLang's extras at their neutral value (else a 400 naming them); the flat error keys beside
+    OpenAI's nested ones; reasoning_effort "none" turning thinking off (vLLM's), unless the request says."""
+    for method in ("get", "post"):
+        assert requests.request(method, f"{BASE}/ping").status_code == 200
+    assert requests.get(f"{BASE}/health_generate").json() == {"healthy": True, "state": "ready"}
+    tok = {"model": "tiny", "prompt": "def f(x):"}
+    assert post(tok, "/v1/tokenize").json() == post(tok, "/tokenize").json()
+    info = requests.get(f"{BASE}/get_model_info").json()
+    assert info["is_generation"] is True and info["model_path"].endswith("tiny-qwen35-mtp"), info
+    first = post({"model": "tiny", "prompt": "x", "max_tokens": 1, "temperature": 0, "return_token_ids": True})
+    stop = {"model": "tiny", "prompt": "x", "temperature": 0, "stop_token_ids": first.json()["choices"][0]["token_ids"]}
+    lmdeploy = {**stop, "kwargs": {}, "max_completion_tokens": 6, "min_new_tokens": 4, "top_k": 40,
+                "spaces_between_special_tokens": True, "return_hidden_states": False, "rid": "r1", "lora_path": None}
+    r = post({**stop, "max_tokens": 6})
+    assert r.json()["usage"]["completion_tokens"] == 1, (first.text, r.text)  # stopped at once
+    r = post(lmdeploy)
+    assert r.status_code == 200 and 4 <= r.json()["usage"]["completion_tokens"] <= 6, r.text
+    for field, value in (("kwargs", {"a": 1}), ("return_hidden_states", True), ("lora_path", "/adapters/x")):
+        r = post({**lmdeploy, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field and "not supported" in r.text, r.text
+        body = r.json()  # the flat keys (vLLM's older shape, lmdeploy's tests) beside OpenAI's
+        assert body["object"] == "error" and {k: body[k] for k in body["error"]} == body["error"], body
+    r = post({"model": "nope", "prompt": "x"})
+    assert r.status_code == 404 and "The served model name is `tiny`" in r.json()["message"], r.text
+    msgs = [{"role": "user", "content": "hi"}]
+
+    def prompt_ids(**extra) -> list[int]:
+        r = post({"model": "tiny", "messages": msgs, "max_tokens": 1, "return_token_ids": True, **extra},
+                 "/v1/chat/completions")
+        assert r.status_code == 200, r.text
+        return r.json()["prompt_token_ids"]
+
+    think, no_think = (prompt_ids(chat_template_kwargs={"enable_thinking": on}) for on in (True, False))
+    assert think != no_think
+    assert prompt_ids(reasoning_effort="none") == no_think
+    assert prompt_ids(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == think
+
+
 BAD = [  # (body, status, param)
     ({"model": "tiny", "prompt": "a\ud800b", "max_tokens": 4}, 400, "prompt"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x\udfff"}], "max_tokens": 4}, 400, "messages"),
@@ -167,6 +208,7 @@ def test_hostile_bodies(server):
     big = b'{"prompt": "' + b"x" * (17 << 20) + b'"}'
     r = post(big)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert "Payload Too Large" in r.json()["error"]["message"]  # (SGLang's test reads the phrase)
     # the largest seed with n > 1: each choice's seed stays valid; past a signed 64-bit integer a 400 (as vLLM's,
     # whose test_long_seed reads pydantic's words in the message)
     r = post({"model": "tiny", "prompt": "x", "n": 2, "seed": 2**63 - 1, "max_tokens": 3})

@@ -142,6 +142,9 @@ def _tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
               "{\"name\": ...}}", "tool_choice")
 
 
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's reasoning_effort values
+
+
 def template_kwargs(body: dict) -> dict:
     kw = body.get("chat_template_kwargs") or {}
     if not isinstance(kw, dict):
@@ -149,10 +152,12 @@ def template_kwargs(body: dict) -> dict:
     reserved = sorted(set(kw) & _RESERVED)
     if reserved:
         raise bad(f"'chat_template_kwargs' may not set {reserved}: they are request fields", "chat_template_kwargs")
-    if body.get("reasoning_effort") is not None:
-        if body["reasoning_effort"] not in ("minimal", "low", "medium", "high"):
-            raise bad("'reasoning_effort' must be minimal, low, medium or high", "reasoning_effort")
-        kw = {"reasoning_effort": body["reasoning_effort"], **kw}
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in EFFORTS:
+            raise bad(f"'reasoning_effort' must be one of {', '.join(EFFORTS)}", "reasoning_effort")
+        # to the template; "none" also turns thinking off, unless chat_template_kwargs says (as vLLM's)
+        kw = {"reasoning_effort": effort, **({"enable_thinking": False} if effort == "none" else {}), **kw}
     return kw
 
 
@@ -183,8 +188,9 @@ def parse_chat(body: dict, tokenizer, limits: Limits = NO_LIMITS, serving: ChatS
     limits = for_body(limits, body)
     text, tools, choice, name = render_chat(body, tokenizer, limits)
     if choice == "auto" and serving.tool_call_parser is None:
-        raise bad("\"auto\" tool choice needs a tool-call parser: set server.tool_call_parser (hermes, "
-                  "qwen3_coder), or send tool_choice \"none\"", "tool_choice")
+        raise bad("\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set (vLLM's "
+                  "words; here: set server.tool_call_parser to hermes or qwen3_coder), or send tool_choice \"none\"",
+                  "tool_choice")
     parallel = flag(body, "parallel_tool_calls", True)
     schema, _ = tool_call_schema(tools or [], body.get("tool_choice") if choice != "auto" else None, parallel)
     ids = tokenizer.encode(text, add_special_tokens=flag(body, "add_special_tokens", False))

@@ -19,7 +19,10 @@ class ApiError(Exception):
         self.code = code if code is not None else status
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        """OpenAI's {"error": {...}} (what the openai client and vLLM read), and the same keys flat beside it with
+        "object": "error" (vLLM's older shape, which lmdeploy's and SGLang's clients and tests still read)."""
+        e = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return {"error": e, "object": "error", **e}
 
 
 def encodable(s: str | None) -> str | None:

@@ -24,16 +24,26 @@ _COMMON = {
     # SGLang extras
     "regex", "ebnf", "json_schema", "stop_regex", "no_stop_trim",
 }
-# accepted and ignored: they cannot change the generated text (bookkeeping, caching hints, routing)
+# accepted and ignored: they cannot change the generated text (bookkeeping, caching hints, routing; SGLang's request
+# id, metric labels and DP-rank hints)
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-           "safety_identifier", "request_id", "prediction", "verbosity", "modalities"}
-
-COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "suffix", "prompt_embeds"}
+           "safety_identifier", "request_id", "prediction", "verbosity", "modalities", "rid", "custom_labels",
+           "data_parallel_rank", "routed_dp_rank"}
+# other servers' fields, accepted at their neutral value (null, or the one given) and refused by name at any other:
+# SGLang's extras (its clients send return_hidden_states false), lmdeploy's client (every body has "kwargs": {})
+NEUTRAL: dict[str, tuple] = {
+    "kwargs": ({},), "return_hidden_states": (False,), "return_routed_experts": (False,),
+    "return_cached_tokens_details": (False,), "return_meta_info": (False,), "lora_path": (), "session_params": (),
+    "extra_key": (), "bootstrap_host": (), "bootstrap_port": (), "bootstrap_room": (),
+}
+# (also lmdeploy's names: min_new_tokens for min_tokens, and on completions chat's max_completion_tokens)
+COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "suffix", "prompt_embeds", "min_new_tokens",
+                               "max_completion_tokens"}
 CHAT_FIELDS = _COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "chat_template_kwargs",
     "add_generation_prompt", "continue_final_message", "include_reasoning", "reasoning_effort",
     "separate_reasoning", "stream_reasoning", "chat_template", "documents", "functions", "function_call", "audio",
-    "web_search_options", "mm_processor_kwargs",
+    "web_search_options", "mm_processor_kwargs", "min_new_tokens",
 }
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
                    "continue_final_message", "chat_template_kwargs", "tools", "return_token_strs"}
@@ -62,6 +72,11 @@ def check_fields(body: dict, known: set[str]) -> None:
     """400 naming the first unknown field (with the nearest known name), or the first known one that is refused."""
     for key in body:
         if key in IGNORED:
+            continue
+        if key in NEUTRAL:
+            if body[key] is not None and not any(body[key] == v and type(body[key]) is type(v) for v in NEUTRAL[key]):
+                as_ = " or ".join(map(repr, (None, *NEUTRAL[key])))
+                raise bad(f"'{key}' is not supported (accepted only as {as_})", key)
             continue
         if key not in known:
             near = [SAME[key]] if SAME.get(key) in known else \

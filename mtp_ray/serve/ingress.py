@@ -24,6 +24,7 @@ from mtp_ray.serve.choices import ChoiceRunner
 from mtp_ray.serve.errors import ApiError, cause_of, first_line
 from mtp_ray.serve.fields import CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
 from mtp_ray.serve.groups import GroupClient
+from mtp_ray.serve.health import group_health
 from mtp_ray.serve.intake import check_api_key, off_loop, read_body, read_json_object
 from mtp_ray.serve.limits import Limits, cap_max_tokens, check_length
 from mtp_ray.serve.metrics import Metrics, render
@@ -77,7 +78,7 @@ class Ingress:
         self.reporter = HubReporter("ingress", self.reporter_id, self.metrics.snapshot, deploy)
         self.model_name, self.model_names = model_names[0], model_names  # any is taken; responses name the first
         # None: a checkpoint without tokenizer files serves token ids in and out (NO_TOKENIZER says how)
-        self.tok = tokenizer_or_none(tokenizer)
+        self.tok, self.server_tokenizer = tokenizer_or_none(tokenizer), tokenizer
         if self.tok is not None and self.server.template() is not None:
             self.tok.chat_template = self.server.template()
         self.serving = ChatServing(self.server.reasoning_parser, self.server.tool_call_parser, think_ids(self.tok))
@@ -87,6 +88,10 @@ class Ingress:
         self.longest_token = (max(max((len(t) for t in self.tok.get_vocab()), default=1), 1)
                               if self.tok is not None else 1)
         self._limits: Limits | None = None
+
+    def no_model(self, model) -> ApiError:
+        return ApiError(404, f"The model `{model}` does not exist. The served model name is `{self.model_name}`.",
+                        "model", "NotFoundError", "model_not_found")  # (vLLM's sentence, then SGLang's)
 
     def refused(self, e: ApiError) -> JSONResponse:
         gone = e.status == 499  # (its client went away: an abort, not a failure)
@@ -115,7 +120,7 @@ class Ingress:
             check_fields(body, known)
         model = body.get("model")
         if model is not None and model not in self.model_names:
-            raise ApiError(404, f"The model `{model}` does not exist.", "model", "NotFoundError", "model_not_found")
+            raise self.no_model(model)
         return body, size
 
     @app.post("/v1/completions")
@@ -208,28 +213,33 @@ class Ingress:
                 "root": self.model_name, "parent": None, "max_model_len": max_len}  # (created: now, as vLLM's)
 
     @app.get("/v1/models")
-    async def models(self, request: Request):
-        try:
-            check_api_key(request, self.server.api_key)
-            max_len = (await self.info())["max_model_len"]
-            return {"object": "list", "data": [self._model_card(n, max_len) for n in self.model_names]}
-        except ApiError as e:
-            return error_response(e)
-
     @app.get("/v1/models/{model_id:path}")
-    async def model(self, model_id: str, request: Request):
+    async def models(self, request: Request, model_id: str | None = None):
+        """The served names (OpenAI's list), or the one named."""
         try:
             check_api_key(request, self.server.api_key)
-            if model_id not in self.model_names:
-                raise ApiError(404, f"The model `{model_id}` does not exist.", "model", "NotFoundError",
-                               "model_not_found")
-            return self._model_card(model_id, (await self.info())["max_model_len"])
+            if model_id is not None and model_id not in self.model_names:
+                raise self.no_model(model_id)
+            max_len = (await self.info())["max_model_len"]
         except ApiError as e:
             return error_response(e)
+        names = self.model_names if model_id is None else [model_id]
+        cards = [self._model_card(n, max_len) for n in names]
+        return {"object": "list", "data": cards} if model_id is None else cards[0]
 
     @app.get("/version")
     async def version(self):
         return {"version": __version__}
+
+    @app.get("/get_model_info")
+    async def model_info(self):
+        """SGLang's: what its clients read to know the model (a generative one)."""
+        try:
+            path = (await self.info())["model"]
+        except ApiError as e:
+            return error_response(e)
+        return {"model_path": path, "tokenizer_path": self.server_tokenizer, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": None}
 
     @app.get("/load")
     async def server_load(self):
@@ -237,16 +247,11 @@ class Ingress:
         return {"server_load": self.load.n}
 
     @app.get("/health")
+    @app.get("/health_generate")  # SGLang's (its router and test harness wait on it)
+    @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's, beside /invocations (as vLLM's)
     async def health(self):
         """Open to load balancers: healthy or not, and the group's state; the details are at /admin/health."""
-        try:
-            # (a load balancer's probe waits ~5 s: while no group replica exists, the 503 comes before that)
-            h = await asyncio.wait_for(self.group.health.remote(), 3)
-        except Exception as e:
-            log.warning("health: no group answered: %s", first_line(cause_of(e)))
-            return JSONResponse({"healthy": False, "state": "unavailable",
-                                 "detail": "no engine group answered: starting, or being replaced"}, status_code=503)
-        return JSONResponse({"healthy": h["healthy"], "state": h["state"]}, status_code=200 if h["healthy"] else 503)
+        return await group_health(self.group)
 
     @app.get("/admin/health")
     async def admin_health(self, request: Request):
@@ -254,14 +259,9 @@ class Ingress:
         ?stats=1 also each rank's engine counters as they are now (bench/serve.py reads them)."""
         try:
             check_api_key(request, self.server.api_key)
-            live = request.query_params.get("stats") in ("1", "true")
-            h = await asyncio.wait_for(self.group.health.remote(live), 10)
         except ApiError as e:
             return error_response(e)
-        except Exception as e:
-            return JSONResponse({"healthy": False, "state": "unavailable", "error": first_line(cause_of(e))},
-                                status_code=503)
-        return JSONResponse(h, status_code=200 if h["healthy"] else 503)
+        return await group_health(self.group, live=request.query_params.get("stats") in ("1", "true"))
 
     @app.get("/metrics")
     async def metrics_text(self):
@@ -278,6 +278,7 @@ class Ingress:
         return PlainTextResponse(render(view, self.model_name), media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")
+    @app.post("/v1/tokenize")  # (SGLang's name)
     async def tokenize(self, request: Request):
         """vLLM's /tokenize (serve/tokenize_api.py)."""
         try:
@@ -289,6 +290,7 @@ class Ingress:
             return error_response(e)
 
     @app.post("/detokenize")
+    @app.post("/v1/detokenize")
     async def detokenize(self, request: Request):
         """vLLM's /detokenize (serve/tokenize_api.py)."""
         try:

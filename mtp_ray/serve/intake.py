@@ -43,8 +43,8 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 
 def too_large(size: int, max_bytes: int) -> ApiError:
-    return ApiError(413, f"the request body ({size} bytes or more) is larger than the server's limit of {max_bytes} "
-                         f"bytes", None, "invalid_request_error", "request_too_large")
+    return ApiError(413, f"Payload Too Large: the request body ({size} bytes or more) is larger than the server's "
+                         f"limit of {max_bytes} bytes", None, "invalid_request_error", "request_too_large")
 
 
 # bodies up to this size are parsed (and their prompts tokenised) on the event loop: two thread hops cost more

@@ -57,7 +57,7 @@ def cap_max_tokens(params: SamplingParams, limits: Limits) -> None:
 
 def prompt_text(s: str, field: str, limits: Limits) -> str:
     if limits.max_prompt_chars is not None and len(s) > limits.max_prompt_chars:
-        raise bad(f"'{field}' is too long: {len(s)} characters are more tokens than the model's context holds",
+        raise bad(f"'{field}' is too long: {len(s)} characters are more tokens than the model's context length holds",
                   field)
     return unicode_text(s, field)
 
@@ -71,6 +71,9 @@ def check_length(ids: list[int], params: SamplingParams, max_model_len: int) -> 
         sglang = (f"The input ({len(ids)} tokens) is longer than the model's context length ({max_model_len} "
                   f"tokens)." if too_long else f"Requested token count exceeds the model's maximum context length "
                   f"of {max_model_len} tokens.")
+        if (params.max_tokens or 0) > max_model_len:  # SGLang's newer words (clients parse the number out)
+            sglang += (f" max_completion_tokens is too large: {params.max_tokens}.This model supports at most "
+                       f"{max_model_len} completion tokens.")
         raise bad(f"This model's maximum context length is {max_model_len} tokens. However, you requested {want} "
                   f"tokens ({len(ids)} in the prompt, {params.max_tokens or 1} in the completion). Please reduce "
                   f"the length of the prompt or the completion. {sglang}", "prompt" if too_long else "max_tokens")

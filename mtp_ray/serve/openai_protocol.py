@@ -26,6 +26,7 @@ SAMPLING_FIELDS: dict[str, tuple[str, tuple]] = {
     "repetition_penalty": ("repetition_penalty", (int, float)), "stop_token_ids": ("stop_token_ids", (list,)),
     "presence_penalty": ("presence_penalty", (int, float)), "frequency_penalty": ("frequency_penalty", (int, float)),
     "ignore_eos": ("ignore_eos", (bool,)), "min_tokens": ("min_tokens", (int,)),
+    "min_new_tokens": ("min_tokens", (int,)),  # (lmdeploy's name)
     "skip_special_tokens": ("skip_special_tokens", (bool,)),
     "include_stop_str_in_output": ("include_stop_str_in_output", (bool,)),
     "allowed_token_ids": ("allowed_token_ids", (list,)), "logprob_token_ids": ("logprob_token_ids", (list,)),
@@ -247,7 +248,7 @@ def parse_completion(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> Parse
             raise bad("'max_tokens' must be at least 1 (0 only with 'echo')", "max_tokens")
         body = {**body, "max_tokens": 1}
         drop = True
-    req = parse_common(body, prompts, texts, "max_tokens", lp, limits,
+    req = parse_common(body, prompts, texts, "max_completion_tokens", lp, limits,  # (lmdeploy sends that here too)
                        prompt_logprobs=lp if echo and lp is not None else None)
     req.echo, req.drop_output = echo, drop
     if tokenizer is None:
