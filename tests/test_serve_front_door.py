@@ -111,6 +111,16 @@ def test_api_key_through_the_official_client(server):
             bad.models.list()
 
 
+def test_anthropic_clients_send_their_key_as_x_api_key(server):
+    import anthropic
+
+    kw = dict(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    ok = anthropic.Anthropic(base_url=BASE, api_key=KEY, max_retries=0, timeout=60).messages.create(**kw)
+    assert ok.usage.output_tokens == 2
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=BASE, api_key="wrong", max_retries=0, timeout=60).messages.create(**kw)
+
+
 def test_open_and_closed_routes(server):
     h = requests.get(f"{BASE}/health")
     assert h.status_code == 200 and h.json() == {"healthy": True, "state": "ready"}  # no internals

@@ -217,6 +217,92 @@ def test_responses_api_equals_chat_streamed_or_not(client):
     assert events[-1].response.usage.input_tokens_details.cached_tokens > 0  # the same prompt, three times
 
 
+def test_anthropic_messages_equal_chat_streamed_or_not(client):
+    """POST /v1/messages (Anthropic's Messages API, through the official anthropic client): the same greedy text and
+    token counts as the chat completion of the same messages; streamed, the events in order add up to the same
+    message; stop_sequences end it as stop_sequence; count_tokens counts the prompt; thinking gives a thinking block
+    (the reasoning parser's); bad requests are a 400 in Anthropic's error shape."""
+    import anthropic
+
+    ac = anthropic.Anthropic(base_url=BASE, api_key="unused", max_retries=0, timeout=120)
+    msgs = [{"role": "user", "content": "def add(a, b):"}]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "You write Python."},
+                                                                 *msgs], max_tokens=10, temperature=0)
+    # (temperature: the API's older versions' field; its current client sends it as an extra)
+    kw = dict(model=MODEL, system="You write Python.", messages=msgs, max_tokens=10, extra_body={"temperature": 0})
+    m = ac.messages.create(**kw)
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == chat.choices[0].message.content
+    assert m.stop_reason == "max_tokens" and m.role == "assistant" and m.id.startswith("msg_")
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert m.usage.output_tokens == 10
+    assert ac.messages.count_tokens(model=MODEL, system=kw["system"], messages=msgs).input_tokens == \
+        chat.usage.prompt_tokens
+    events = list(ac.messages.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["message_start", "content_block_start"] and kinds[-3:] == [
+        "content_block_stop", "message_delta", "message_stop"], kinds
+    assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == m.content[0].text
+    assert events[-2].delta.stop_reason == "max_tokens" and events[-2].usage.output_tokens == 10
+    with ac.messages.stream(**kw) as stream:  # the SDK's own accumulation of the events
+        final = stream.get_final_message()
+    assert final.content[0].text == m.content[0].text and final.stop_reason == "max_tokens"
+    cut = m.content[0].text[3:6]
+    stopped = ac.messages.create(**{**kw, "stop_sequences": [cut]})
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == cut
+    assert stopped.content[0].text == m.content[0].text[: m.content[0].text.index(cut)]
+    think = ac.messages.create(**{**kw, "thinking": {"type": "enabled", "budget_tokens": 1024}})
+    want = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "You write Python."},
+                                                                 *msgs], max_tokens=10, temperature=0,
+                                          extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert think.content[0].type == "thinking" and think.content[0].thinking == want.choices[0].message.reasoning
+    raw = {"model": MODEL, "messages": msgs, "max_tokens": 4}
+    image = [{"role": "user", "content": [{"type": "image", "source": {}}]}]
+    for body, param in (({"model": MODEL, "messages": msgs}, "max_tokens"), ({**raw, "messages": image}, "image"),
+                        ({**raw, "top_n": 3}, "top_n")):
+        r = requests.post(f"{BASE}/v1/messages", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        assert r.json()["error"]["type"] == "invalid_request_error" and param in r.json()["error"]["message"], r.text
+    with pytest.raises(anthropic.NotFoundError):
+        ac.messages.create(**{**kw, "model": "claude-nope"})
+    # a last assistant message is a prefill, continued (chat's continue_final_message); output_config.format holds
+    prefill = [*msgs, {"role": "assistant", "content": "    return"}]
+    cont = ac.messages.create(**{**kw, "messages": prefill})
+    want = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "You write Python."},
+                                                                 *prefill], max_tokens=10, temperature=0,
+                                          extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert cont.content[0].text == want.choices[0].message.content
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    fmt = ac.messages.create(**{**kw, "max_tokens": 20, "output_config": {"format": {"type": "json_schema",
+                                                                                    "schema": schema}}})
+    assert set(json.loads(fmt.content[0].text)) == {"a"}
+
+
+def test_anthropic_tool_use_round_trip(client):
+    """Forced tool use ({"type": "any"}) answers a tool_use block whose input holds the schema, streamed too
+    (input_json_delta events the SDK accumulates); the conversation with the call and its tool_result continues."""
+    import anthropic
+
+    ac = anthropic.Anthropic(base_url=BASE, api_key="unused", max_retries=0, timeout=120)
+    tools = [{"name": "get_time", "description": "the time in a zone", "input_schema": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}]
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "time?"}], tools=tools, max_tokens=40,
+              tool_choice={"type": "any"}, extra_body={"temperature": 0})
+    m = ac.messages.create(**kw)
+    call = next(b for b in m.content if b.type == "tool_use")
+    assert m.stop_reason == "tool_use" and call.name == "get_time" and call.input["zone"] in ("UTC", "CET"), m
+    with ac.messages.stream(**kw) as stream:
+        streamed = stream.get_final_message()
+    assert [b.input for b in streamed.content if b.type == "tool_use"] == [call.input]
+    turn = [{"role": "user", "content": "time?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": call.id, "name": call.name,
+                                               "input": call.input}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "12:00"}]}]
+    again = ac.messages.create(model=MODEL, messages=turn, tools=tools, max_tokens=3)
+    total = [u.input_tokens + u.cache_read_input_tokens for u in (again.usage, m.usage)]
+    assert again.usage.output_tokens >= 1 and total[0] > total[1], total
+
+
 def test_responses_api_function_calls_formats_and_refusals(client):
     """Forced function calls come back as function_call items, and a conversation carrying a call and its output
     continues; a JSON schema format holds; what a stateless server cannot do is a 400 naming the field."""

@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP ingress (FastAPI on Ray Serve): tokenises, validates, fans requests out to the group
-deployment, detokenises and applies stop strings, streams server-sent events, keeps the metrics."""
+deployment, detokenises and applies stop strings, streams server-sent events, keeps the metrics. The Responses API
+and Anthropic's Messages API go through the chat route (FRONTS)."""
 
 
 import asyncio
@@ -10,7 +11,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -18,7 +19,8 @@ from mtp_ray import __version__
 from mtp_ray.config.server import ServerConfig
 from mtp_ray.engine.request import check_request
 from mtp_ray.prompts import tokenizer_or_none
-from mtp_ray.serve.beams import beam_streams
+from mtp_ray.serve import messages_api, responses_api
+from mtp_ray.serve.answer import Answerer
 from mtp_ray.serve.chat_request import ChatServing, parse_chat, think_ids
 from mtp_ray.serve.choices import ChoiceRunner
 from mtp_ray.serve.errors import ApiError, cause_of, first_line
@@ -30,10 +32,8 @@ from mtp_ray.serve.limits import Limits, cap_max_tokens, check_length
 from mtp_ray.serve.metrics import Metrics, render
 from mtp_ray.serve.metrics_hub import HubReporter
 from mtp_ray.serve.openai_protocol import parse_completion
-from mtp_ray.serve.responses import choice_params, error_response, final_response, new_choices, sse_stream
-from mtp_ray.serve.responses_api import Events, Shell, chat_body
+from mtp_ray.serve.responses import error_response
 from mtp_ray.serve.server_load import ServerLoad
-from mtp_ray.serve.streaming import ChunkWriter
 from mtp_ray.serve.tokenize_api import detokenize, tokenize
 
 # no /docs, /redoc or /openapi.json: the API is OpenAI's, and an open schema browser is one more thing to expose
@@ -43,6 +43,9 @@ app = FastAPI(title="mtp-ray", docs_url=None, redoc_url=None, openapi_url=None)
 app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=False, allow_methods=["*"],
                    allow_headers=["*"])
 log = logging.getLogger("mtp_ray.ingress")
+# other APIs served through the chat route: name -> (request -> (chat body, its front), an error's answer)
+FRONTS = {"responses": (responses_api.front, error_response), "messages": (messages_api.front,
+                                                                          messages_api.error_response)}
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -83,6 +86,7 @@ class Ingress:
             self.tok.chat_template = self.server.template()
         self.serving = ChatServing(self.server.reasoning_parser, self.server.tool_call_parser, think_ids(self.tok))
         self.runner = ChoiceRunner(self.metrics, self.groups.classify)
+        self.answer = Answerer(self.groups, self.runner, self.metrics, self.tok, self.serving, self.model_name)
         # the longest token's text, once here: over a 248k vocabulary it takes ~0.1 s, and a cold server's first
         # burst used to compute it per request, on the event loop (a 64-request burst waited ~7 s for it)
         self.longest_token = (max(max((len(t) for t in self.tok.get_vocab()), default=1), 1)
@@ -93,10 +97,11 @@ class Ingress:
         return ApiError(404, f"The model `{model}` does not exist. The served model name is `{self.model_name}`.",
                         "model", "NotFoundError", "model_not_found")  # (vLLM's sentence, then SGLang's)
 
-    def refused(self, e: ApiError) -> JSONResponse:
+    def refused(self, e: ApiError, api: str | None = None) -> JSONResponse:
+        """An error's answer, counted; api: in that API's shape."""
         gone = e.status == 499  # (its client went away: an abort, not a failure)
         self.metrics.count("request_aborted_total" if gone else f'request_failed_total{{status="{e.status}"}}')
-        return error_response(e)
+        return (FRONTS[api][1] if api else error_response)(e)
 
     async def limits(self) -> Limits:
         """Per-request limits; a prompt string longer than the context could hold even at the vocabulary's longest
@@ -149,20 +154,25 @@ class Ingress:
     @app.post("/v1/responses")
     async def responses(self, request: Request):
         """OpenAI's Responses API, through the chat path (serve/responses_api.py)."""
-        return await self.load.count(self.generate(request, chat=True, responses=True))
+        return await self.load.count(self.generate(request, chat=True, api="responses"))
 
-    async def generate(self, request: Request, chat: bool, responses: bool = False):
-        """A completion or chat completion; responses: a Responses request, answered as a Response."""
+    @app.post("/v1/messages")
+    async def messages(self, request: Request):
+        """Anthropic's Messages API, through the chat path (serve/messages_api.py)."""
+        return await self.load.count(self.generate(request, chat=True, api="messages"))
+
+    async def generate(self, request: Request, chat: bool, api: str | None = None):
+        """A completion or chat completion; api: another API's request (FRONTS), answered in its own shape."""
         self.reporter.start()
         t_in = time.monotonic()
-        shell: Shell | None = None
+        front = None
         try:
-            body, size = await self._body(request, None if responses else CHAT_FIELDS if chat else COMPLETION_FIELDS)
-            if responses:
-                shell, body = Shell(body, self.model_name), chat_body(body)
+            body, size = await self._body(request, None if api else CHAT_FIELDS if chat else COMPLETION_FIELDS)
+            if api is not None:
+                body, front = FRONTS[api][0](body, self.model_name)
                 check_fields(body, CHAT_FIELDS)
             # tokenising / templating a large prompt off the event loop (a small one: here, see INLINE_BYTES)
-            limits = (await self.limits()).for_responses() if responses else await self.limits()
+            limits = (await self.limits()).for_translated() if api else await self.limits()
             req = await off_loop(lambda: parse_chat(body, self.tok, limits, self.serving) if chat
                                  else parse_completion(body, self.tok, limits), size)
             info = await self.info()
@@ -171,42 +181,13 @@ class Ingress:
                 check_request(ids, req.params, info["vocab_size"], info["max_model_len"], info["max_logprobs"])
             cap_max_tokens(req.params, limits)
         except ApiError as e:
-            return self.refused(e)
+            return self.refused(e, api)
         except asyncio.CancelledError:  # the client went away while its request was read
             self.metrics.count("request_aborted_total")
             raise
         except Exception as e:  # (a client gone while its body was read: classify's 499, counted as an abort)
-            return self.refused(self.groups.classify(e))
-        self.metrics.admitted(req.params.n, req.params.max_tokens)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        choices = new_choices(req, self.tok, self.serving)
-        t0 = time.monotonic()
-        self.metrics.hist["ingress_parse_seconds"].observe(t0 - t_in)
-        # every choice admitted by a group before the response starts: a 503 is a status, not an SSE error event
-        try:
-            if req.beam is not None:  # the whole search runs first (serve/beams.py), as vLLM's
-                opened = await beam_streams(self.groups, req, info)
-            else:
-                opened = await self.groups.open_each([(c.prompt, choice_params(req.params, c.index))
-                                                      for c in choices])
-        except asyncio.CancelledError:  # the client went away (those admitted were aborted)
-            self.metrics.count("request_aborted_total")
-            raise
-        except Exception as e:
-            return self.refused(e if isinstance(e, ApiError) else self.groups.classify(e))
-        self.metrics.hist["ingress_admit_seconds"].observe(time.monotonic() - t0)
-        streams = dict(zip((c.index for c in choices), opened, strict=True))
-        if req.stream:
-            w = ChunkWriter(rid, self.model_name, req, choices, chat, self.tok)
-            chunks = self.runner.events(w, choices, streams, t0)
-            return StreamingResponse(Events(shell).convert(chunks) if shell else sse_stream(chunks),
-                                     media_type="text/event-stream")
-        try:
-            await asyncio.gather(*[self.runner.drive(c, streams[c.index], None, t0) for c in choices])
-        except Exception as e:
-            return self.refused(e if isinstance(e, ApiError) else self.groups.classify(e))
-        out = final_response(rid, self.model_name, chat, choices, req, self.tok)
-        return JSONResponse(shell.whole(out) if shell else out)
+            return self.refused(self.groups.classify(e), api)
+        return await self.answer.respond(req, chat, info, t_in, front, lambda e: self.refused(e, api))
 
     def _model_card(self, name: str, max_len: int) -> dict:
         return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "mtp-ray",
@@ -288,6 +269,19 @@ class Ingress:
             return await off_loop(lambda: tokenize(body, self.tok, max_len), size)
         except ApiError as e:
             return error_response(e)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(self, request: Request):
+        """Anthropic's: the prompt tokens a Messages request would take (its messages, system and tools through the
+        chat template)."""
+        try:
+            body, size = await self._body(request, None)
+            chat = messages_api.chat_body(body, count_only=True)
+            chat = {k: chat[k] for k in ("messages", "tools", "chat_template_kwargs") if k in chat}
+            max_len = (await self.info())["max_model_len"]
+            return {"input_tokens": (await off_loop(lambda: tokenize(chat, self.tok, max_len), size))["count"]}
+        except ApiError as e:
+            return messages_api.error_response(e)
 
     @app.post("/detokenize")
     @app.post("/v1/detokenize")

@@ -18,12 +18,14 @@ T = TypeVar("T")
 
 
 def check_api_key(request: Request, api_key: str | None) -> None:
-    """vLLM's semantics: with a key configured, `Authorization: Bearer <key>` or 401."""
+    """vLLM's semantics: with a key configured, `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`,
+    which its clients send) or 401."""
     if api_key is None:
         return
-    got = request.headers.get("authorization", "")
-    scheme, _, token = got.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        token = request.headers.get("x-api-key", "")
+    if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
         raise ApiError(401, "Unauthorized: a valid API key is required (Authorization: Bearer <key>)", None,
                        "authentication_error", "invalid_api_key")
 

@@ -26,9 +26,9 @@ class Limits:
     force_usage: bool = False  # server.enable_force_include_usage: usage in every chunk of every stream
     prompt_details: bool = False  # server.enable_prompt_tokens_details: usage.prompt_tokens_details.cached_tokens
 
-    def for_responses(self) -> Limits:
-        """A Responses API request's: its usage always names the cached tokens (input_tokens_details, as vLLM's)
-        and its stream's usage comes once, closing it."""
+    def for_translated(self) -> Limits:
+        """A request of another API (the Responses API, Anthropic's Messages; serve/answer.py): its usage always
+        names the cached tokens (as vLLM's), and its stream's usage is what that API's front asks."""
         return replace(self, force_usage=False, prompt_details=True)
 
 

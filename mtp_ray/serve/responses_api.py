@@ -34,6 +34,11 @@ _REFUSED = {
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
+def front(body: dict, model: str) -> tuple[dict, Shell]:
+    """A Responses request -> (its chat body, the Shell that answers it)."""
+    return chat_body(body), Shell(body, model)
+
+
 def chat_body(body: dict) -> dict:
     """A Responses request -> the chat completion body that generates it (400 naming the field it cannot take)."""
     for key, value in body.items():
@@ -209,6 +214,10 @@ class Shell:
                 "tools": b.get("tools") or [], "text": {"format": fmt or {"type": "text"}},
                 "reasoning": b.get("reasoning"), "metadata": b.get("metadata"), "previous_response_id": None,
                 "store": False, "truncation": "disabled", "user": b.get("user")}
+
+    def convert(self, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+        """A chat stream -> the Responses events."""
+        return Events(self).convert(chunks)
 
     def whole(self, chat: dict) -> dict:
         """A chat completion -> the Response."""
