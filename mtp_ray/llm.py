@@ -58,10 +58,16 @@ class LLM:
         return encode_prompt(prompt, self.tokenizer)
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora_request: Any = None, priority: list[int] | None = None
+                 ) -> list[RequestOutput]:
         """vLLM's LLM.generate: one prompt or a list (strings, token-id lists, {"prompt"} / {"prompt_token_ids"}
         dicts, with "cache_salt"), with one SamplingParams or one per prompt. use_tqdm: accepted for vLLM callers (no
-        progress bar)."""
+        progress bar); lora_request None and priority 0 only (what vLLM callers pass without adapters or a
+        priority scheduler)."""
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported (pass None)")
+        if priority is not None and any(p != 0 for p in priority):
+            raise ValueError("priority: requests are scheduled first come, first served (pass None or zeros)")
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -123,13 +129,13 @@ class LLM:
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, lora_request: Any = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of them, rendered by
         the tokenizer's chat template (or `chat_template`), then generated as `generate` does."""
         texts = render_chats(self.tokenizer, messages, tools=tools, chat_template=chat_template,
                              add_generation_prompt=add_generation_prompt,
                              continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
-        return self.generate(texts, sampling_params, use_tqdm)
+        return self.generate(texts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(self, prompts: list[Any], params: BeamSearchParams, use_tqdm: bool = False,
                     concurrency_limit: int | None = None) -> list[BeamSearchOutput]:

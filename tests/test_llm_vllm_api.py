@@ -221,3 +221,16 @@ def test_one_sampling_params_for_many_prompts_is_prepared_once(llm, monkeypatch)
     outs = llm.generate([PROMPT, "x = ", "import "], sp)
     assert len(outs) == 3 and all(o.outputs[0].text.isalpha() for o in outs)
     assert (len(words), len(grammars)) == (1, 1)
+
+
+def test_vllm_callers_lora_request_none_and_priority_zero(llm):
+    """What vLLM callers pass without adapters or a priority scheduler is taken (positionally too); an adapter or
+    a priority is a ValueError naming it, never silently ignored."""
+    want = ids_of(llm, PROMPT, SamplingParams(**GREEDY))
+    out = llm.generate([PROMPT], SamplingParams(**GREEDY), False, None, priority=[0])
+    assert out[0].outputs[0].token_ids == want
+    assert llm.chat([{"role": "user", "content": "x"}], SamplingParams(**GREEDY), lora_request=None)[0].outputs
+    with pytest.raises(ValueError, match="lora_request"):
+        llm.generate([PROMPT], SamplingParams(**GREEDY), lora_request=object())
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate([PROMPT], SamplingParams(**GREEDY), priority=[1])
