@@ -190,7 +190,8 @@ def test_server_reports_cached_tokens_and_counters(ray_cluster):
     spec = spec["applications"][0]
     spec["args"]["group"] = {"num_replicas": 1}
     spec["args"]["engine"].setdefault("cache", {})["prefix_caching"] = True
-    spec["args"]["server"].update(enable_prompt_tokens_details=True, enable_force_include_usage=True)  # vLLM's flags
+    spec["args"]["server"].update(enable_prompt_tokens_details=True, enable_force_include_usage=True,  # vLLM's flags
+                                  return_tokens_as_token_ids=True)
     spec["args"]["engine"]["max_logprobs"] = -1  # (vLLM's --max-logprobs -1: up to the whole vocabulary)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(spec["args"]), name="prefix", route_prefix="/")
@@ -236,11 +237,15 @@ def test_server_reports_cached_tokens_and_counters(ray_cluster):
         assert all(e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + e["usage"]["completion_tokens"]
                    for e in events)
         assert "prompt_tokens_details" in events[-1]["usage"] and "prompt_tokens_details" not in events[0]["usage"]
-        # max_logprobs -1: a request's -1 gets every token's log-prob (the bundled vocabulary: 2048; as ids, since
-        # several ids decode to the same string, which the legacy format's keys would merge)
-        r = requests.post(f"{url}/v1/completions", timeout=120, json={
-            **body, "max_tokens": 2, "logprobs": -1, "return_tokens_as_token_ids": True}).json()
+        # max_logprobs -1: a request's -1 gets every token's log-prob (the bundled vocabulary: 2048; as ids, the
+        # server's return_tokens_as_token_ids, since several ids decode to the same string, which the legacy
+        # format's keys would merge); a request may still ask for the strings
+        r = requests.post(f"{url}/v1/completions", timeout=120, json={**body, "max_tokens": 2, "logprobs": -1}).json()
         assert [len(t) for t in r["choices"][0]["logprobs"]["top_logprobs"]] == [2048, 2048], r["usage"]
+        assert all(t.startswith("token_id:") for t in r["choices"][0]["logprobs"]["tokens"])
+        r = requests.post(f"{url}/v1/completions", timeout=120, json={
+            **body, "max_tokens": 2, "logprobs": 0, "return_tokens_as_token_ids": False}).json()
+        assert "".join(r["choices"][0]["logprobs"]["tokens"]) == r["choices"][0]["text"]
         r = requests.post(f"{url}/v1/chat/completions", timeout=120, json={
             "model": "tiny-qwen35-mtp", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
             "logprobs": True, "top_logprobs": -1, "prompt_logprobs": -1}).json()

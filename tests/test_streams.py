@@ -281,7 +281,7 @@ def test_stream_interval_is_checked_by_name():
     for bad in (-1, "5", True, 1e6):
         with pytest.raises(ValueError, match="server.stream_interval_ms"):
             ServerConfig.from_dict({"stream_interval_ms": bad})
-    for name in ("enable_force_include_usage", "enable_prompt_tokens_details"):  # vLLM's flags, off by default
+    for name in ("enable_force_include_usage", "enable_prompt_tokens_details", "return_tokens_as_token_ids"):  # vLLM's
         assert getattr(ServerConfig(), name) is False and getattr(ServerConfig.from_dict({name: True}), name) is True
         with pytest.raises(ValueError, match=f"server.{name} must be true or false"):
             ServerConfig.from_dict({name: "yes"})

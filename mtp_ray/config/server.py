@@ -42,6 +42,9 @@ class ServerConfig:
     # caching off) in every response; off, as vLLM's default, usage holds only the three counts (the Responses API's
     # input_tokens_details always has it)
     enable_prompt_tokens_details: bool = False
+    # as vLLM's --return-tokens-as-token-ids: every response's log-prob tokens as "token_id:<id>" (a request may also
+    # ask, with return_tokens_as_token_ids)
+    return_tokens_as_token_ids: bool = False
 
     def __post_init__(self) -> None:
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):

@@ -110,7 +110,8 @@ class Ingress:
             s = self.server
             max_len = (await self.info())["max_model_len"]
             self._limits = Limits(s.max_n, s.max_stop, s.max_prompts, max_len * self.longest_token, max_len,
-                                  self.defaults, s.enable_force_include_usage, s.enable_prompt_tokens_details)
+                                  self.defaults, s.enable_force_include_usage, s.enable_prompt_tokens_details,
+                                  s.return_tokens_as_token_ids)
         return self._limits
 
     async def info(self) -> dict:

@@ -25,6 +25,7 @@ class Limits:
     defaults: dict[str, Any] = field(default_factory=dict)
     force_usage: bool = False  # server.enable_force_include_usage: usage in every chunk of every stream
     prompt_details: bool = False  # server.enable_prompt_tokens_details: usage.prompt_tokens_details.cached_tokens
+    tokens_as_ids: bool = False  # server.return_tokens_as_token_ids: log-prob tokens as "token_id:<id>"
 
     def for_translated(self) -> Limits:
         """A request of another API (the Responses API, Anthropic's Messages; serve/answer.py): its usage always

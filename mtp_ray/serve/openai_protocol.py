@@ -201,7 +201,8 @@ def parse_common(body: dict, prompts: list[list[int]], texts: list[str | None], 
     return ParsedRequest(prompts, texts, params, stream, usage, top_logprobs, continuous_usage=continuous,
                          prompt_details=limits.prompt_details,
                          return_token_ids=flag(body, "return_token_ids"),
-                         tokens_as_ids=flag(body, "return_tokens_as_token_ids"), prompt_logprobs=plp,
+                         tokens_as_ids=flag(body, "return_tokens_as_token_ids", limits.tokens_as_ids),
+                         prompt_logprobs=plp,
                          stop_regex=stop_regex or [], beam=beam)
 
 
