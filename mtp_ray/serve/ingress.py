@@ -81,7 +81,7 @@ class Ingress:
         self.reporter = HubReporter("ingress", self.reporter_id, self.metrics.snapshot, deploy)
         self.model_name, self.model_names = model_names[0], model_names  # any is taken; responses name the first
         # None: a checkpoint without tokenizer files serves token ids in and out (NO_TOKENIZER says how)
-        self.tok, self.server_tokenizer = tokenizer_or_none(tokenizer), tokenizer
+        self.tok, self.tokenizer_path = tokenizer_or_none(tokenizer), tokenizer
         if self.tok is not None and self.server.template() is not None:
             self.tok.chat_template = self.server.template()
         self.serving = ChatServing(self.server.reasoning_parser, self.server.tool_call_parser, think_ids(self.tok))
@@ -220,7 +220,7 @@ class Ingress:
             path = (await self.info())["model"]
         except ApiError as e:
             return error_response(e)
-        return {"model_path": path, "tokenizer_path": self.server_tokenizer, "is_generation": True,
+        return {"model_path": path, "tokenizer_path": self.tokenizer_path, "is_generation": True,
                 "preferred_sampling_params": None, "weight_version": None}
 
     @app.get("/load")
