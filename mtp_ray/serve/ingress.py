@@ -44,8 +44,8 @@ app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=False,
                    allow_headers=["*"])
 log = logging.getLogger("mtp_ray.ingress")
 # other APIs served through the chat route: name -> (request -> (chat body, its front), an error's answer)
-FRONTS = {"responses": (responses_api.front, error_response), "messages": (messages_api.front,
-                                                                          messages_api.error_response)}
+FRONTS = {"responses": (responses_api.front, error_response),
+          "messages": (messages_api.front, messages_api.error_response)}
 
 
 @app.exception_handler(StarletteHTTPException)
