@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from mtp_ray.engine.sampling_params import SamplingParams, is_int, need
 from mtp_ray.request_output import Logprob
 
-MAX_BEAM_WIDTH = 10  # 2 x beam_width candidates per step: the engine's log-probs go up to 20
+MAX_BEAM_WIDTH = 10  # 2 x beam_width candidates per step: within the engine's default max_logprobs, 20
 
 
 @dataclass(frozen=True)

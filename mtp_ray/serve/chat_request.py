@@ -12,7 +12,7 @@ from typing import Any
 from mtp_ray.engine.chat_content import content_text
 from mtp_ray.serve.intake import unicode_text
 from mtp_ray.serve.limits import NO_LIMITS, Limits, for_body, prompt_text
-from mtp_ray.serve.openai_protocol import NO_TOKENIZER, ParsedRequest, bad, flag, parse_common
+from mtp_ray.serve.openai_protocol import ALL, NO_TOKENIZER, ParsedRequest, bad, flag, int_field, parse_common
 from mtp_ray.serve.reasoning import THINK_CLOSE, THINK_OPEN, opens_reasoning
 from mtp_ray.serve.structured import tool_call_schema
 
@@ -196,8 +196,7 @@ def parse_chat(body: dict, tokenizer, limits: Limits = NO_LIMITS, serving: ChatS
     ids = tokenizer.encode(text, add_special_tokens=flag(body, "add_special_tokens", False))
     lp_on = flag(body, "logprobs", False)
     top = body.get("top_logprobs")
-    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < -1):
-        raise bad("'top_logprobs' must be an integer >= 0 or -1 (the whole vocabulary)", "top_logprobs")
+    int_field(body, "top_logprobs", 0, minus_one=ALL)
     if top and not lp_on:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     req = parse_common(body, [ids], [text], "max_completion_tokens", (top or 0) if lp_on else None, limits,

@@ -17,8 +17,7 @@ async def group_health(group, live: bool | None = None) -> JSONResponse:
     """live None: the public answer (a load balancer's probe waits ~5 s: while no group replica exists, the 503
     comes before that); else the whole report, live: with the ranks' counters."""
     try:
-        h = await asyncio.wait_for(group.health.remote() if live is None else group.health.remote(live),
-                                   3 if live is None else 10)
+        h = await asyncio.wait_for(group.health.remote(bool(live)), 3 if live is None else 10)
     except Exception as e:
         why = first_line(cause_of(e))
         log.warning("health: no group answered: %s", why)

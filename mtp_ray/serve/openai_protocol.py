@@ -151,7 +151,7 @@ def _stream_opts(body: dict, force_usage: bool) -> tuple[bool, bool, bool]:
     return stream, usage, usage and flag(opts, "continuous_usage_stats")
 
 
-def _int_field(body: dict, key: str, lo: int, hi: int | None = None, minus_one: str | None = None) -> int | None:
+def int_field(body: dict, key: str, lo: int, hi: int | None = None, minus_one: str | None = None) -> int | None:
     """An integer field in lo..hi, or also -1 where minus_one says what it means (a 400 naming the field)."""
     v = body.get(key)
     if v is None:
@@ -168,7 +168,7 @@ def parse_common(body: dict, prompts: list[list[int]], texts: list[str | None], 
                  prompt_logprobs: int | None = None) -> ParsedRequest:
     """The fields completions and chat share -> ParsedRequest (prompts already tokenised)."""
     stream, usage, continuous = _stream_opts(body, limits.force_usage)
-    truncate = _int_field(body, "truncate_prompt_tokens", 1, minus_one="the context length")
+    truncate = int_field(body, "truncate_prompt_tokens", 1, minus_one="the context length")
     if truncate == -1:
         truncate = limits.max_model_len
     side = body.get("truncation_side", "left")
@@ -177,7 +177,7 @@ def parse_common(body: dict, prompts: list[list[int]], texts: list[str | None], 
     if truncate is not None:  # left: keep the last tokens; right: the first
         prompts = [p[-truncate:] if side == "left" else p[:truncate] for p in prompts]
         texts = [None] * len(texts)
-    plp = _int_field(body, "prompt_logprobs", 0, minus_one=ALL)  # (the engine's max_logprobs caps it)
+    plp = int_field(body, "prompt_logprobs", 0, minus_one=ALL)  # (the engine's max_logprobs caps it)
     if plp and stream:  # (as vLLM: a stream has no place for them)
         raise bad("'prompt_logprobs' are not available when 'stream' is true", "prompt_logprobs")
     params = sampling_params(body, max_tokens_key, top_logprobs, limits, tool_schema)
@@ -241,7 +241,7 @@ def parse_completion(body: dict, tokenizer, limits: Limits = NO_LIMITS) -> Parse
         if not ids:
             raise bad("prompt must not be empty", "prompt")
         prompts.append(ids)
-    lp = _int_field(body, "logprobs", 0, minus_one=ALL)
+    lp = int_field(body, "logprobs", 0, minus_one=ALL)
     echo = flag(body, "echo")
     drop = False
     if body.get("max_tokens") == 0:  # vLLM: the prompt only, with echo (lm-eval's scoring requests)
