@@ -338,6 +338,100 @@ def test_responses_api_function_calls_formats_and_refusals(client):
         assert e.value.body["param"] == param, e.value.body
 
 
+def test_sglang_native_generate(server, offline):
+    """POST /generate (SGLang's native API, as its RL and script clients call it): greedy text and ids equal the
+    offline engine's, for text and a batch of input_ids; streamed, each event holds the text and ids so far; log-probs
+    as [logprob, id, text] triples (the greedy token first among the alternatives), the prompt's from
+    logprob_start_len, and with max_new_tokens 0 the prompt's alone; stops name what matched; bad fields get a 400."""
+    ref = offline.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12))
+    greedy = {"max_new_tokens": 12, "temperature": 0}
+    one = post("/generate", {"text": PROMPTS[0], "sampling_params": greedy}).json()
+    assert one["text"] == ref[0].outputs[0].text and one["output_ids"] == ref[0].outputs[0].token_ids
+    meta = one["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 12} and meta["completion_tokens"] == 12
+    assert meta["prompt_tokens"] == len(ref[0].prompt_token_ids) and meta["e2e_latency"] > 0
+    batch = post("/generate", {"input_ids": [r.prompt_token_ids for r in ref], "sampling_params": [greedy] * 2,
+                               "rid": ["a", "b"], "return_prompt_token_ids": True}).json()
+    assert [b["text"] for b in batch] == [r.outputs[0].text for r in ref] and [b["index"] for b in batch] == [0, 1]
+    assert [b["meta_info"]["id"] for b in batch] == ["a", "b"]
+    assert [b["prompt_token_ids"] for b in batch] == [r.prompt_token_ids for r in ref]
+    r = requests.post(f"{BASE}/generate", json={"text": PROMPTS[0], "sampling_params": greedy, "stream": True},
+                      timeout=60)
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) > 2
+    outs = [json.loads(e) for e in events[:-1]]
+    assert outs[-1]["text"] == one["text"] and outs[-1]["output_ids"] == one["output_ids"]
+    assert outs[-1]["meta_info"]["finish_reason"] == meta["finish_reason"]
+    assert all(a["text"] == b["text"][: len(a["text"])] and a["meta_info"]["finish_reason"] is None
+               for a, b in zip(outs, outs[1:]))
+    lp = post("/generate", {"text": PROMPTS[0], "sampling_params": greedy, "return_logprob": True,
+                            "top_logprobs_num": 2, "logprob_start_len": 0, "return_text_in_logprobs": True}).json()
+    m = lp["meta_info"]
+    assert [t[1] for t in m["output_token_logprobs"]] == one["output_ids"]
+    assert all(isinstance(t[0], float) and t[0] <= 0 and isinstance(t[2], str) for t in m["output_token_logprobs"])
+    assert all(len(top) == 2 and top[0][1] == t[1] and top[0][0] >= top[1][0]
+               for t, top in zip(m["output_token_logprobs"], m["output_top_logprobs"]))
+    assert [t[1] for t in m["input_token_logprobs"]] == ref[0].prompt_token_ids
+    assert m["input_token_logprobs"][0][0] is None and m["input_top_logprobs"][0] is None
+    score = post("/generate", {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                               "logprob_start_len": 0}).json()
+    assert score["text"] == "" and score["output_ids"] == [] and score["meta_info"]["output_token_logprobs"] == []
+    assert score["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert "input_top_logprobs" not in score["meta_info"]  # (top_logprobs_num 0: no top lists, as SGLang)
+    assert [t[:2] for t in score["meta_info"]["input_token_logprobs"]] == \
+        [t[:2] for t in m["input_token_logprobs"]]
+    stop_id = one["output_ids"][3]
+    stopped = post("/generate", {"text": PROMPTS[0], "sampling_params": {**greedy, "stop_token_ids": [stop_id]}})
+    fin = stopped.json()["meta_info"]["finish_reason"]
+    assert fin["type"] == "stop" and fin["matched"] == stop_id, stopped.text
+    n2 = post("/generate", {"text": PROMPTS[0], "sampling_params": {**greedy, "n": 2}}).json()
+    assert isinstance(n2, list) and [o["text"] for o in n2] == [one["text"]] * 2
+    for body, param in [({"text": "x", "input_ids": [1, 2]}, "text"),
+                        ({"text": "x", "sampling_params": {"max_new_token": 3}}, "sampling_params.max_new_token"),
+                        ({"text": "x", "image_data": "a.png"}, "image_data"),
+                        ({"text": "x", "sampling_params": {"temperature": -1}}, "temperature"),
+                        ({"text": "x", "sampling_params": {"max_new_tokens": 0}, "stream": True}, "stream"),
+                        ({"input_ids": [[1, 2], [3]], "rid": ["a"]}, "rid"),
+                        ({"input_ids": [1, "2"]}, "input_ids"),
+                        ({"text": "x", "sampling_params": [{"n": 1}, {"n": 2}], }, "sampling_params")]:
+        r = post("/generate", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+NATIVE_FUZZ = {"text": ["x", ["a", "b"], "", 5, [], None], "input_ids": [[1, 2, 3], [[1], [2, 3]], [], [-1], [10**9]],
+               "sampling_params": [{}, {"max_new_tokens": -1}, {"temperature": "hot"}, {"top_k": -1},
+                                   {"stop": ["\n"], "n": 2}, [], [{"n": 1}], "x", {"max_new_tokens": 0},
+                                   {"top_p": 0.5, "sampling_seed": 3}, {"stop_token_ids": [10**9]}],
+               "stream": [True, False, "yes"], "return_logprob": [True, False], "top_logprobs_num": [0, 3, -2, "a"],
+               "logprob_start_len": [-1, 0, 1, 999, "z"], "rid": ["r", ["r"], 5], "return_text_in_logprobs": [True]}
+
+
+def test_random_generate_requests_get_200_or_400(server):
+    """Seeded random /generate bodies (SGLang's native API): each a 200 (a stream ending in [DONE]) or a 400 naming
+    the problem, and the group never restarts."""
+    import random
+
+    rng = random.Random(11)
+    before = requests.get(f"{BASE}/admin/health").json()
+    codes = {200: 0, 400: 0}
+    for _ in range(40):
+        body = {rng.choice(["text", "input_ids"]): "x"}
+        for key in rng.sample(sorted(NATIVE_FUZZ), rng.randint(1, 4)):
+            body[key] = rng.choice(NATIVE_FUZZ[key])
+        if isinstance(body.get("sampling_params", {}), dict):  # short answers (SGLang's default is 128 tokens)
+            body["sampling_params"] = {"max_new_tokens": 3, **body.get("sampling_params", {})}
+        r = post("/generate", {k: v for k, v in body.items() if v is not None})
+        assert r.status_code in (200, 400), (body, r.status_code, r.text)
+        codes[r.status_code] += 1
+        if r.status_code == 400:
+            assert r.json()["error"]["message"], body
+        elif body.get("stream") is True:
+            assert r.text.rstrip().endswith("data: [DONE]"), (body, r.text[-300:])
+    after = requests.get(f"{BASE}/admin/health").json()
+    assert after["healthy"] and after["restarts"] == before["restarts"], after
+    assert codes[200] >= 5 and codes[400] >= 5, codes
+
+
 def test_what_vllm_and_sglang_clients_send_by_default(server, client):
     """The OpenAI SDK's Responses call with its defaults spelled out (tool_choice "auto" without tools, store,
     parallel_tool_calls, truncation "disabled") is answered, streamed or not; chat takes tool_choice "none" without

@@ -4,11 +4,11 @@ produced (required: an array of {name, parameters}; named: the function's argume
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
 
 from mtp_ray.serve.call_array import CallArray
 from mtp_ray.serve.chat_request import ChatOptions
+from mtp_ray.serve.ids import new_id
 from mtp_ray.serve.reasoning import REASONING_PARSERS
 from mtp_ray.serve.tool_parsers import TOOL_PARSERS, ToolCall
 
@@ -22,7 +22,7 @@ class ChatDelta:
 
 
 def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+    return new_id("call")
 
 
 def forced_calls(text: str, opts: ChatOptions) -> list[ToolCall] | None:

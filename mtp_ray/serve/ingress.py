@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP ingress (FastAPI on Ray Serve): tokenises, validates, fans requests out to the group
 deployment, detokenises and applies stop strings, streams server-sent events, keeps the metrics. The Responses API
-and Anthropic's Messages API go through the chat route (FRONTS)."""
+and Anthropic's Messages API go through the chat route, SGLang's native /generate through completions (FRONTS)."""
 
 
 import asyncio
@@ -19,7 +19,7 @@ from mtp_ray import __version__
 from mtp_ray.config.server import ServerConfig
 from mtp_ray.engine.request import check_request
 from mtp_ray.prompts import tokenizer_or_none
-from mtp_ray.serve import messages_api, responses_api
+from mtp_ray.serve import messages_api, native_api, responses_api
 from mtp_ray.serve.answer import Answerer
 from mtp_ray.serve.chat_request import ChatServing, parse_chat, think_ids
 from mtp_ray.serve.choices import ChoiceRunner
@@ -43,9 +43,11 @@ app = FastAPI(title="mtp-ray", docs_url=None, redoc_url=None, openapi_url=None)
 app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=False, allow_methods=["*"],
                    allow_headers=["*"])
 log = logging.getLogger("mtp_ray.ingress")
-# other APIs served through the chat route: name -> (request -> (chat body, its front), an error's answer)
-FRONTS = {"responses": (responses_api.front, error_response),
-          "messages": (messages_api.front, messages_api.error_response)}
+# other APIs served through the chat route (the first two) or the completions route: name -> ((request, model,
+# tokenizer) -> (that route's body, its front), an error's answer)
+FRONTS = {"responses": (lambda body, model, _: responses_api.front(body, model), error_response),
+          "messages": (lambda body, model, _: messages_api.front(body, model), messages_api.error_response),
+          "generate": (native_api.front, error_response)}
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -152,15 +154,14 @@ class Ingress:
             chat = False  # generate() answers the malformed body
         return await self.load.count(self.generate(request, chat=chat))
 
-    @app.post("/v1/responses")
-    async def responses(self, request: Request):
-        """OpenAI's Responses API, through the chat path (serve/responses_api.py)."""
-        return await self.load.count(self.generate(request, chat=True, api="responses"))
-
-    @app.post("/v1/messages")
-    async def messages(self, request: Request):
-        """Anthropic's Messages API, through the chat path (serve/messages_api.py)."""
-        return await self.load.count(self.generate(request, chat=True, api="messages"))
+    @app.post("/v1/responses")  # OpenAI's Responses API (serve/responses_api.py)
+    @app.post("/v1/messages")  # Anthropic's Messages API (serve/messages_api.py)
+    @app.post("/generate")  # SGLang's native API (serve/native_api.py)
+    async def other_api(self, request: Request):
+        """Another API's request (FRONTS, named by the path's last part), answered through the chat or (/generate)
+        the completions path in its own shape."""
+        api = request.url.path.rstrip("/").rsplit("/", 1)[-1]
+        return await self.load.count(self.generate(request, chat=api != "generate", api=api))
 
     async def generate(self, request: Request, chat: bool, api: str | None = None):
         """A completion or chat completion; api: another API's request (FRONTS), answered in its own shape."""
@@ -170,8 +171,8 @@ class Ingress:
         try:
             body, size = await self._body(request, None if api else CHAT_FIELDS if chat else COMPLETION_FIELDS)
             if api is not None:
-                body, front = FRONTS[api][0](body, self.model_name)
-                check_fields(body, CHAT_FIELDS)
+                body, front = FRONTS[api][0](body, self.model_name, self.tok)
+                check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
             # tokenising / templating a large prompt off the event loop (a small one: here, see INLINE_BYTES)
             limits = (await self.limits()).for_translated() if api else await self.limits()
             req = await off_loop(lambda: parse_chat(body, self.tok, limits, self.serving) if chat

@@ -10,12 +10,12 @@ Stateless and text only: image / document blocks and server tools are refused by
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse
 
 from mtp_ray.serve.errors import ApiError, bad
+from mtp_ray.serve.ids import new_id
 
 # bookkeeping, hints and routing: cannot change the text (cache_control: the prefix cache works without it)
 _IGNORED = {"metadata", "service_tier", "cache_control", "diagnostics", "inference_geo", "speed", "user_profile_id",
@@ -141,7 +141,7 @@ def _messages(msgs) -> list[dict]:
             if kind in ("thinking", "redacted_thinking") and role == "assistant":
                 continue
             if kind == "tool_use" and role == "assistant" and isinstance(b.get("name"), str):
-                calls.append({"id": str(b.get("id") or _id("toolu")), "type": "function", "function": {
+                calls.append({"id": str(b.get("id") or new_id("toolu")), "type": "function", "function": {
                     "name": b["name"], "arguments": json.dumps(b.get("input") or {})}})
             elif kind == "tool_result" and role == "user" and isinstance(b.get("tool_use_id"), str):
                 content = b.get("content")
@@ -188,9 +188,6 @@ def _tool_choice(choice, has_tools: bool) -> dict:
     return out
 
 
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:24]}"
-
 
 def _usage(u: dict) -> dict:
     """Anthropic counts the prompt tokens read from the cache apart from input_tokens."""
@@ -219,7 +216,7 @@ class Messages:
     """One Messages request: its id and model; the chat answer -> the Message, or its stream's events."""
 
     def __init__(self, model: str):
-        self.id, self.model = _id("msg"), model
+        self.id, self.model = new_id("msg"), model
         self.index = -1  # the content block being streamed
         self.open: str | None = None  # its kind: thinking, text, tool_use
         self.finish: str | None = None

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from mtp_ray.serve.chat_output import call_dropped
+from mtp_ray.serve.ids import new_id
 from mtp_ray.serve.responses_request import chat_body, text_format
 
 
@@ -22,9 +22,6 @@ def front(body: dict, model: str) -> tuple[dict, Shell]:
     """A Responses request -> (its chat body, the Shell that answers it)."""
     return chat_body(body), Shell(body, model)
 
-
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def _usage(u: dict) -> dict:
@@ -53,20 +50,20 @@ def _message_item(item_id: str, text: str, status: str) -> dict:
 
 def _call_item(call: dict) -> dict:
     """A chat tool call -> a function_call item."""
-    return {"id": _id("fc"), "type": "function_call", "call_id": call["id"], "name": call["function"]["name"],
+    return {"id": new_id("fc", 32), "type": "function_call", "call_id": call["id"], "name": call["function"]["name"],
             "arguments": call["function"]["arguments"], "status": "completed"}
 
 
 def _items(reasoning: str | None, content: str | None, calls: list[dict], status: str) -> list[dict]:
-    return (([_reasoning_item(_id("rs"), reasoning)] if reasoning else [])
-            + ([_message_item(_id("msg"), content, status)] if content else []) + [_call_item(c) for c in calls])
+    return (([_reasoning_item(new_id("rs", 32), reasoning)] if reasoning else [])
+            + ([_message_item(new_id("msg", 32), content, status)] if content else []) + [_call_item(c) for c in calls])
 
 
 class Shell:
     """The fields of a Response that echo the request, and its id and time."""
 
     def __init__(self, body: dict, model: str):
-        self.id, self.created = _id("resp"), int(time.time())
+        self.id, self.created = new_id("resp", 32), int(time.time())
         self.body, self.model = body, model
 
     def response(self, status: str, output: list[dict], usage: dict | None, finish: str | None = None) -> dict:
@@ -117,7 +114,7 @@ class Events:
         out = self._close() if self.open is not None and self.open["kind"] != kind else []
         if self.open is not None:
             return out
-        self.open = {"kind": kind, "id": _id("rs" if kind == "reasoning" else "msg"), "text": ""}
+        self.open = {"kind": kind, "id": new_id("rs" if kind == "reasoning" else "msg", 32), "text": ""}
         i, item_id = len(self.output), self.open["id"]
         if kind == "reasoning":
             return out + [self._event("response.output_item.added", output_index=i, item={
