@@ -342,7 +342,8 @@ def test_sglang_native_generate(server, offline):
     """POST /generate (SGLang's native API, as its RL and script clients call it): greedy text and ids equal the
     offline engine's, for text and a batch of input_ids; streamed, each event holds the text and ids so far; log-probs
     as [logprob, id, text] triples (the greedy token first among the alternatives), the prompt's from
-    logprob_start_len, and with max_new_tokens 0 the prompt's alone; stops name what matched; bad fields get a 400."""
+    logprob_start_len, and with max_new_tokens 0 the prompt's alone; stops name what matched; bad fields get a 400.
+    GET /get_server_info names the MTP settings and the mean acceptance length so far (sglang.bench_serving's)."""
     ref = offline.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12))
     greedy = {"max_new_tokens": 12, "temperature": 0}
     one = post("/generate", {"text": PROMPTS[0], "sampling_params": greedy}).json()
@@ -386,6 +387,10 @@ def test_sglang_native_generate(server, offline):
     assert fin["type"] == "stop" and fin["matched"] == stop_id, stopped.text
     n2 = post("/generate", {"text": PROMPTS[0], "sampling_params": {**greedy, "n": 2}}).json()
     assert isinstance(n2, list) and [o["text"] for o in n2] == [one["text"]] * 2
+    info, eng = requests.get(f"{BASE}/get_server_info").json(), server["args"]["engine"]
+    k = eng["spec"]["num_speculative_tokens"]
+    assert info["context_length"] == eng["scheduler"]["max_model_len"] and info["speculative_num_steps"] == k > 0
+    assert 1 <= info["internal_states"][0]["avg_spec_accept_length"] <= k + 1, info
     for body, param in [({"text": "x", "input_ids": [1, 2]}, "text"),
                         ({"text": "x", "sampling_params": {"max_new_token": 3}}, "sampling_params.max_new_token"),
                         ({"text": "x", "image_data": "a.png"}, "image_data"),

@@ -214,15 +214,16 @@ class Ingress:
     async def version(self):
         return {"version": __version__}
 
-    @app.get("/get_model_info")
-    async def model_info(self):
-        """SGLang's: what its clients read to know the model (a generative one)."""
+    @app.get("/get_model_info")  # SGLang's (serve/native_api.py)
+    @app.get("/get_server_info")
+    async def sglang_info(self, request: Request):
         try:
-            path = (await self.info())["model"]
+            info = await self.info()
         except ApiError as e:
             return error_response(e)
-        return {"model_path": path, "tokenizer_path": self.tokenizer_path, "is_generation": True,
-                "preferred_sampling_params": None, "weight_version": None}
+        if request.url.path.endswith("/get_model_info"):
+            return native_api.model_info(info, self.tokenizer_path)
+        return native_api.server_info(info, self.tokenizer_path, self.model_name, self.metrics.totals)
 
     @app.get("/load")
     async def server_load(self):

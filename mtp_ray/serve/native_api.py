@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 
+from mtp_ray import __version__
 from mtp_ray.serve.errors import bad
 
 # sampling_params: SGLang's name -> the completion field that means the same
@@ -108,6 +109,26 @@ def _sampling(sp) -> dict:
         elif value is not None:
             out[_SAMPLING[key]] = value
     return out
+
+
+def model_info(info: dict, tokenizer_path: str) -> dict:
+    """GET /get_model_info: what SGLang's clients read to know the model (a generative one)."""
+    return {"model_path": info["model"], "tokenizer_path": tokenizer_path, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": None}
+
+
+def server_info(info: dict, tokenizer_path: str, served: str, totals: dict[str, float]) -> dict:
+    """GET /get_server_info: the server's settings in SGLang's names and its internal state (sglang.bench_serving
+    reads internal_states[0].avg_spec_accept_length: here from this ingress replica's counters)."""
+    k, dp = info["k"], info["dp"]
+    drafts = totals.get("spec_decode_num_drafts_total", 0.0)
+    state = {"avg_spec_accept_length": 1 + totals.get("spec_decode_num_accepted_tokens_total", 0.0) / drafts
+             if drafts else None}
+    return {**model_info(info, tokenizer_path), "served_model_name": served, "context_length": info["max_model_len"],
+            "dp_size": dp, "tp_size": 1, "ep_size": dp, "enable_dp_attention": dp > 1,
+            "speculative_algorithm": "NEXTN" if k else None, "speculative_num_steps": k or None,
+            "speculative_eagle_topk": 1 if k else None, "speculative_num_draft_tokens": k + 1 if k else None,
+            "version": __version__, "internal_states": [state]}
 
 
 def _list_of(x, kind: type) -> bool:
