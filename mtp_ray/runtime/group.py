@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mtp_ray.config.engine import EngineConfig
@@ -25,6 +25,7 @@ from mtp_ray.runtime.batcher import CallBatcher, detached
 from mtp_ray.runtime.group_commands import GroupCommands
 from mtp_ray.runtime.group_monitor import GroupFailed, GroupMonitor, GroupUnavailable
 from mtp_ray.runtime.messages import AddRequest, Admission, AdmitItem, RequestError
+from mtp_ray.runtime.placement import new_placement_group, rank_bundles, wait_placed
 from mtp_ray.runtime.prefix_routing import PrefixRouter
 from mtp_ray.runtime.sinks import Collector, RemoteSink, Sink, StreamSink
 from mtp_ray.runtime.worker import RankWorker
@@ -36,14 +37,6 @@ def _raise_if_error(out: StepOutput | None) -> None:
     """A request its rank refused ends with a RequestError (a ValueError: the caller's) carrying the rank's message."""
     if out is not None and out.error is not None:
         raise RequestError(out.error)
-
-
-def rank_bundles(cfg: EngineConfig) -> list[dict]:
-    """One bundle per DP rank: a GPU each on GPU machines (device cuda, or auto with GPUs in the cluster)."""
-    gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.is_initialized()
-                                   and ray.cluster_resources().get("GPU", 0) > 0)
-    cpu = cfg.parallel.cpus_per_rank
-    return [{"CPU": cpu, "GPU": 1} if gpu else {"CPU": cpu} for _ in range(cfg.parallel.dp)]
 
 
 class EngineGroup:
@@ -82,17 +75,13 @@ class EngineGroup:
 
     # ---- life cycle ----
     async def start(self) -> None:
-        bundles = rank_bundles(self.cfg)
         try:
-            if self.pg is None:
-                self.pg = placement_group(bundles, strategy=self.cfg.parallel.placement_strategy)
+            self.pg = self.pg or new_placement_group(self.cfg)
             try:
-                await asyncio.wait_for(self.pg.ready(), self.cfg.timeouts.start_s)
-            except TimeoutError:
+                await wait_placed(self.cfg, self.pg)
+            except TimeoutError as e:
                 self.end("failed")
-                self.monitor.last_failure = (
-                    f"group start failed: the placement group of {self.dp} rank bundles {bundles[0]} was not ready "
-                    f"after timeouts.start_s={self.cfg.timeouts.start_s} s (the cluster lacks the resources?)")
+                self.monitor.last_failure = str(e)
                 raise GroupFailed(self.monitor.last_failure) from None
             await self.spawn()
         except BaseException:
@@ -186,37 +175,21 @@ class EngineGroup:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        ready_timeout: float | None = None, announce: bool = False) -> AsyncIterator[StepOutput]:
-        """Token deltas of one request: one StepOutput per engine step that produced tokens for it, or, when the
-        consumer falls behind (each delta a Serve stream item costs the replica CPU), everything that arrived since
-        its last one in one delta: under load the stream carries fewer, larger deltas instead of a backlog.
-        announce: first an empty delta once the request is admitted (a caller can tell a group that never admitted
-        it, whose request may go to another group, from one that is computing its first token)."""
+        """Token deltas of one request (StreamSink.deltas: one StepOutput per engine step that produced tokens for
+        it, coalesced when the consumer falls behind). announce: first an empty delta once the request is admitted
+        (a caller can tell a group that never admitted it, whose request may go to another group, from one that is
+        computing its first token)."""
         sink = StreamSink()
         rid, rank = await self._admit(prompt_ids, params, request_id, ready_timeout, sink)
-        finished = False
         if announce:
             yield StepOutput(rid, [], [], [], False)
-        later: StepOutput | BaseException | None = None  # taken from the queue while coalescing, not yet handled
         try:
-            while True:
-                item, later = (later, None) if later is not None else (await sink.queue.get(), None)
-                while isinstance(item, StepOutput) and not item.finished and not sink.queue.empty():
-                    nxt = sink.queue.get_nowait()
-                    if isinstance(nxt, BaseException):
-                        later = nxt  # the deltas before it go out first
-                        break
-                    item = item.then(nxt)
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                if finished:
+            async for item in sink.deltas():
+                if item.finished:
                     _raise_if_error(item)
                 yield item
-                if finished:
-                    return
         finally:
-            self._release(rid, rank, finished)
+            self._release(rid, rank, sink.ended)
 
     async def collect(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                       ready_timeout: float | None = None) -> Collector:

@@ -11,6 +11,7 @@ group only hears that the request ended.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Protocol
 
 from mtp_ray.engine.outputs import StepOutput
@@ -25,12 +26,34 @@ class Sink(Protocol):
 class StreamSink:
     def __init__(self) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()  # StepOutput, or the exception that ends the request
+        self.ended = False  # its last output was taken, or what ended it was raised
 
     def put(self, out: StepOutput) -> None:
         self.queue.put_nowait(out)
 
     def fail(self, err: BaseException) -> None:
         self.queue.put_nowait(err)
+
+    async def deltas(self) -> AsyncIterator[StepOutput]:
+        """The request's outputs to its last: one per step, or, when the consumer falls behind (each delta a Serve
+        stream item costs the replica CPU), everything that arrived since its last one in one delta, so that under
+        load the stream carries fewer, larger deltas instead of a backlog. Raises what ended the request."""
+        later: StepOutput | BaseException | None = None  # taken from the queue while coalescing, not yet handled
+        while True:
+            item, later = (later, None) if later is not None else (await self.queue.get(), None)
+            while isinstance(item, StepOutput) and not item.finished and not self.queue.empty():
+                nxt = self.queue.get_nowait()
+                if isinstance(nxt, BaseException):
+                    later = nxt  # the deltas before it go out first
+                    break
+                item = item.then(nxt)
+            if isinstance(item, BaseException):
+                self.ended = True
+                raise item
+            self.ended = item.finished
+            yield item
+            if item.finished:
+                return
 
 
 class Collector:

@@ -22,7 +22,7 @@ from mtp_ray.config.engine import EngineConfig
 from mtp_ray.config.model import ModelConfig
 from mtp_ray.config.server import ServerConfig
 from mtp_ray.engine.sampling_params import model_defaults
-from mtp_ray.runtime.group import rank_bundles
+from mtp_ray.runtime.placement import rank_bundles
 from mtp_ray.serve.deployment import GroupDeployment
 from mtp_ray.serve.ingress import Ingress
 from mtp_ray.serve.routing import ServingGroupsRouter

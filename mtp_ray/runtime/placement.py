@@ -1,0 +1,34 @@
+"""Where a group's ranks run: one placement-group bundle per DP rank (a GPU each on GPU machines), reserved before
+any rank starts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import ray
+from ray.util.placement_group import placement_group
+
+from mtp_ray.config.engine import EngineConfig
+
+
+def rank_bundles(cfg: EngineConfig) -> list[dict]:
+    """One bundle per DP rank: a GPU each on GPU machines (device cuda, or auto with GPUs in the cluster)."""
+    gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.is_initialized()
+                                   and ray.cluster_resources().get("GPU", 0) > 0)
+    cpu = cfg.parallel.cpus_per_rank
+    return [{"CPU": cpu, "GPU": 1} if gpu else {"CPU": cpu} for _ in range(cfg.parallel.dp)]
+
+
+def new_placement_group(cfg: EngineConfig):
+    return placement_group(rank_bundles(cfg), strategy=cfg.parallel.placement_strategy)
+
+
+async def wait_placed(cfg: EngineConfig, pg) -> None:
+    """Until the ranks' placement group is ready; TimeoutError saying what it waited for after timeouts.start_s
+    (the group's start fails with it)."""
+    try:
+        await asyncio.wait_for(pg.ready(), cfg.timeouts.start_s)
+    except (TimeoutError, asyncio.TimeoutError):
+        raise TimeoutError(f"group start failed: the placement group of {cfg.parallel.dp} rank bundles "
+                           f"{rank_bundles(cfg)[0]} was not ready after timeouts.start_s={cfg.timeouts.start_s} s "
+                           "(the cluster lacks the resources?)") from None
