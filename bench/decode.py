@@ -43,8 +43,8 @@ from mtp_ray.layers.context import ForwardBatch, UniformDecode
 from mtp_ray.layers.linear import fuse_projections
 from mtp_ray.layers.moe import SparseMoE
 from mtp_ray.layers.rope import bind_rope_tables
+from mtp_ray.model.dummy import init_dummy_weights
 from mtp_ray.model.fp8 import Fp8Format, config_fp8, make_fp8
-from mtp_ray.model.loader import init_dummy_weights
 from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
 
 BLOCK = 16

@@ -23,16 +23,13 @@ import ray
 import torch
 
 from mtp_ray.config.engine import EngineConfig
-from mtp_ray.config.model import ModelConfig
 from mtp_ray.engine.core import EngineCore
 from mtp_ray.engine.outputs import StepOutput
-from mtp_ray.engine.runner import resolve_device, resolve_dtype
-from mtp_ray.parallel.context import DistContext, expert_ranges, free_port
-from mtp_ray.parallel.ep import make_dispatcher
-from mtp_ray.parallel.sync import DPSync
+from mtp_ray.parallel.context import DistContext, free_port
 from mtp_ray.runtime.messages import AbortRequest, AddRequest, GroupCommand
 from mtp_ray.runtime.outboxes import GROUP, Outboxes
 from mtp_ray.runtime.rank_commands import RankCommands
+from mtp_ray.runtime.rank_setup import join_and_build
 from mtp_ray.runtime.stalls import StallMonitor
 from mtp_ray.runtime.step_profile import StepProfiler
 
@@ -89,26 +86,8 @@ class RankWorker:
 
     def init(self, addr: str, port: int, peers: list) -> dict:
         """Join the collective group, load this rank's experts, warm up in lock-step, start the loop."""
-        c = self.cfg
-        device = resolve_device(c)
-        if device.type == "cuda":
-            torch.cuda.set_device(0)  # Ray exposes the bundle's one GPU as device 0
-        mc = ModelConfig.from_pretrained(c.model)
-        self.ctx = DistContext(self.rank, self.world, mc.num_experts, device, c.timeouts.collective_s,
-                               inject_ep_flip=c.parallel.inject_ep_flip_rank == self.rank,
-                               check_collectives=c.parallel.check_collectives)
-        self.ctx.init(addr, port)
+        self.ctx, self.core, expert_range, device = join_and_build(self.cfg, self.rank, self.world, addr, port)
         self.peers = [p for i, p in enumerate(peers) if i != self.rank]
-        expert_range = expert_ranges(self.ctx.num_experts, self.world)[self.rank]
-        # the most tokens a rank feeds a global decode forward that may be a graph: largest graph batch x (k + 1)
-        seqs = max(c.graphs.batch_sizes(c.scheduler.max_num_seqs)) if c.graphs.enabled else c.scheduler.max_num_seqs
-        ll_max_tokens = seqs * (1 + c.spec.k)
-        dispatch = make_dispatcher(c.parallel.ep_backend, self.ctx, mc.hidden_size, resolve_dtype(c, device),
-                                   ll_max_tokens)
-        bounded = getattr(dispatch, "ll_max_tokens", 0)  # DeepEP: fixed low-latency buffers; torch: unbounded
-        sync = DPSync(self.ctx, draft_gathers=c.parallel.draft_gathers, group_turns=c.parallel.group_turns,
-                      ll_max_tokens=bounded)
-        self.core = EngineCore(c, expert_range, dispatch, sync)
         self.commands = RankCommands(self.core, self.ctx, self.rank)
         self.stalls.install()
         self.ctx.barrier()

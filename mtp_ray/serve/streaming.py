@@ -9,8 +9,9 @@ import dataclasses
 import time
 
 from mtp_ray.serve.chat_output import ChatDelta
+from mtp_ray.serve.logprob_sections import Render
 from mtp_ray.serve.openai_protocol import ParsedRequest
-from mtp_ray.serve.responses import Choice, Render, chunk, usage
+from mtp_ray.serve.responses import Choice, chunk, usage
 
 
 class ChunkWriter:
