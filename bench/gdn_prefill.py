@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from mtp_ray.layers.context import fla_chunks
-from mtp_ray.layers.triton.gated_delta import chunk_varlen_fla, recurrent_varlen
+from mtp_ray.layers.triton.gated_delta_varlen import chunk_varlen_fla, recurrent_varlen
 
 HK, HV, DK, DV = 16, 32, 128, 128
 

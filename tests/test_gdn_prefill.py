@@ -105,7 +105,7 @@ def test_varlen_conv_and_glue(dtype, tol, heads, lens, ctxs):
 def test_varlen_fla(dtype, tol, heads, lens, ctxs):
     """The GPU path as the layer runs it: conv_varlen + fla's chunked delta rule over cu_seqlens (fp32 tolerance
     covers fla's TF32 dots; bf16 models are the ones that take this path)."""
-    from mtp_ray.layers.triton.gated_delta import chunk_varlen_fla, fla_chunk
+    from mtp_ray.layers.triton.gated_delta_varlen import chunk_varlen_fla, fla_chunk
 
     assert fla_chunk() is not None, "fla-core is part of the GPU install (tools/wheelhouse.sh)"
     m, x, batch, slots = _setup(*heads, lens, ctxs, seed=sum(lens) + heads[3])
@@ -119,7 +119,7 @@ def test_varlen_fla(dtype, tol, heads, lens, ctxs):
 def test_varlen_recurrent(dtype, tol, heads, lens, ctxs):
     """The short-piece GPU path: conv_varlen + the token-serial recurrent kernel over cu_seqlens (any length here;
     the layer sends it pieces of up to SHORT_PIECE tokens), fp32 to the reference's rounding."""
-    from mtp_ray.layers.triton.gated_delta import recurrent_varlen
+    from mtp_ray.layers.triton.gated_delta_varlen import recurrent_varlen
 
     m, x, batch, slots = _setup(*heads, lens, ctxs, seed=sum(lens) + heads[3])
     ref = _reference(m, x, batch)
@@ -134,14 +134,14 @@ def test_varlen_snapshots_equal_pieces_ending_there(kernel, tols, dtype):
     """Prefix-cache snapshots inside prefill pieces on the GPU's delta-rule kernels (the short-piece recurrence, fla's
     chunks): each snapshot slot holds the state a piece ending there leaves (tests/test_gdn_snapshots.py checks the
     same exactly on the CPU)."""
-    from mtp_ray.layers.triton import gated_delta
+    from mtp_ray.layers.triton import gated_delta_varlen
     from tests.test_gdn_snapshots import CTXS, LENS, SNAPS, _batch, _cut
 
     tol = tols[dtype is torch.bfloat16]
     m, x, _, slots = _setup(2, 4, 32, 32, LENS, CTXS, seed=7)
     ref = _reference(m, x, _batch(LENS, CTXS, slots))
     cuts = {(b, j): _cut(m, x, slots, b, j) for b, j, _ in SNAPS}
-    core, conv, ssm = _run(m, x, _batch(LENS, CTXS, slots, SNAPS), slots, dtype, getattr(gated_delta, kernel))
+    core, conv, ssm = _run(m, x, _batch(LENS, CTXS, slots, SNAPS), slots, dtype, getattr(gated_delta_varlen, kernel))
     assert _rel(core, ref[0]) < tol
     for s in slots:
         assert _rel(conv[s], ref[1][s]) < tol and _rel(ssm[s], ref[2][s]) < tol, s

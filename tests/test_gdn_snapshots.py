@@ -90,9 +90,9 @@ def _conv_varlen_torch(mixed, conv_state, weight, cu, slots, ctx, snapshots=None
 @pytest.fixture
 def torch_conv(monkeypatch):
     """The varlen path with its Triton conv replaced (Triton is not installed on the CPU machine)."""
-    fake = types.ModuleType("mtp_ray.layers.triton.gated_delta")
+    fake = types.ModuleType("mtp_ray.layers.triton.gated_delta_varlen")
     fake.conv_varlen = _conv_varlen_torch
-    monkeypatch.setitem(sys.modules, "mtp_ray.layers.triton.gated_delta", fake)
+    monkeypatch.setitem(sys.modules, "mtp_ray.layers.triton.gated_delta_varlen", fake)
 
 
 def test_varlen_snapshots_equal_pieces_ending_there(torch_conv):

@@ -16,7 +16,7 @@ from mtp_ray.layers.norm import GatedRMSNorm
 
 
 def _fla() -> Callable | None:
-    from mtp_ray.layers.triton.gated_delta import fla_chunk
+    from mtp_ray.layers.triton.gated_delta_varlen import fla_chunk
 
     return fla_chunk()
 
@@ -61,11 +61,11 @@ class GatedDeltaNet(nn.Module):
             core = recurrent_decode(conv, a_raw, b_raw, self.A_log, self.dt_bias, self.ssm_state, u.state_slots,
                                     u.spec_slots, u.q_len, self.hk, self.dk, x.dtype)
         elif x.is_cuda and batch.spec_state_slots is None and batch.short_pieces:
-            from mtp_ray.layers.triton.gated_delta import recurrent_varlen
+            from mtp_ray.layers.triton.gated_delta_varlen import recurrent_varlen
 
             core = self._varlen(mixed, a_raw, b_raw, weight, batch, recurrent_varlen, snapshots_in_kernel=True)
         elif x.is_cuda and x.dtype != torch.float32 and batch.spec_state_slots is None and _fla() is not None:
-            from mtp_ray.layers.triton.gated_delta import chunk_varlen_fla
+            from mtp_ray.layers.triton.gated_delta_varlen import chunk_varlen_fla
 
             core = self._varlen(mixed, a_raw, b_raw, weight, batch, chunk_varlen_fla)
         else:
@@ -123,7 +123,7 @@ class GatedDeltaNet(nn.Module):
         past short pieces they keep the per-sequence path. Prefix-cache snapshots: the conv kernel writes their
         conv states; the delta rule their recurrent states, in its own launch where it can (`snapshots_in_kernel`:
         the recurrent kernel), else from each snapshot's rows appended as a sequence of its own."""
-        from mtp_ray.layers.triton.gated_delta import conv_varlen
+        from mtp_ray.layers.triton.gated_delta_varlen import conv_varlen
 
         cu, ctx, slots = batch.device_lists(mixed.device)  # [N + 1], [N], [N]; ctx 0: a fresh sequence, zero states
         t, n = mixed.shape[0], len(batch.query_lens)
