@@ -21,6 +21,7 @@ for stage in "$@"; do
     tests) python3 -m pytest -q -p no:cacheprovider --durations=12 -rs -m gpu tests/test_kernels.py tests/test_gdn_prefill.py tests/test_gpu.py tests/test_deepep.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     decode) python3 bench/decode.py --out "$OUT/decode_h200.json" 2>&1 | tail -12 ;;
     offline) python3 bench/offline.py --device cuda --dtype bfloat16 --prompts 16 --repeats 3 --out "$OUT/offline_h200_bf16.json" 2>&1 | tail -16 ;;
+    mtpphases) python3 bench/mtp_phases.py --out "$OUT/mtp_phases_$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o 'H[0-9]*' | head -1 | tr A-Z a-z).json" 2>&1 | tail -40 ;;
     kernsweep) timeout 200 python3 bench/kernels.py --rows 1 --out "$OUT/kernels_h200.json" 2>&1 | tail -30 ;;
     moe) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py -k "experts or shared or moe or plan or gemv" 2>&1 | tail -2 ;;
     recurrent) python3 bench/kernels.py --recurrent --gemm-rows ${REC_ROWS:-64 256} --out "$OUT/kernels_h200_recurrent.json" 2>&1 | grep "^recurrent" ;;
