@@ -374,6 +374,11 @@ def test_sglang_native_generate(server, offline):
                for t, top in zip(m["output_token_logprobs"], m["output_top_logprobs"]))
     assert [t[1] for t in m["input_token_logprobs"]] == ref[0].prompt_token_ids
     assert m["input_token_logprobs"][0][0] is None and m["input_top_logprobs"][0] is None
+    r = requests.post(f"{BASE}/generate", json={"text": PROMPTS[0], "sampling_params": greedy, "stream": True,
+                                                "return_logprob": True, "top_logprobs_num": 2}, timeout=60)
+    last = json.loads([line[6:] for line in r.text.splitlines() if line.startswith("data: {")][-1])["meta_info"]
+    assert [t[:2] for t in last["output_token_logprobs"]] == [t[:2] for t in m["output_token_logprobs"]]
+    assert last["output_top_logprobs"] == [[t[:2] + [None] for t in top] for top in m["output_top_logprobs"]]
     score = post("/generate", {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
                                "logprob_start_len": 0}).json()
     assert score["text"] == "" and score["output_ids"] == [] and score["meta_info"]["output_token_logprobs"] == []
@@ -397,6 +402,8 @@ def test_sglang_native_generate(server, offline):
                         ({"text": "x", "sampling_params": {"temperature": -1}}, "temperature"),
                         ({"text": "x", "sampling_params": {"max_new_tokens": 0}, "stream": True}, "stream"),
                         ({"input_ids": [[1, 2], [3]], "rid": ["a"]}, "rid"),
+                        ({"text": "x", "stream": True, "return_logprob": True, "logprob_start_len": 0},
+                         "logprob_start_len"),
                         ({"input_ids": [1, "2"]}, "input_ids"),
                         ({"text": "x", "sampling_params": [{"n": 1}, {"n": 2}], }, "sampling_params")]:
         r = post("/generate", body)

@@ -62,6 +62,9 @@ def front(body: dict, model: str, tok) -> tuple[dict, Native]:
     if body.get("return_logprob"):
         out["logprobs"] = top
         if start >= 0:
+            if stream:  # (the completions path scores a prompt in a whole answer only)
+                raise bad("the prompt's log-probs (logprob_start_len >= 0) are answered whole: send 'stream' false, "
+                          "or logprob_start_len -1", "logprob_start_len")
             out["prompt_logprobs"] = top
     rid, prompts, n = body.get("rid"), 1 if single else len(prompt), out.get("n", 1)
     if rid is not None and not (isinstance(rid, str) or (_list_of(rid, str) and len(rid) == prompts)):
