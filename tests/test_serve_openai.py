@@ -418,6 +418,18 @@ NATIVE_FUZZ = {"text": ["x", ["a", "b"], "", 5, [], None], "input_ids": [[1, 2, 
                "logprob_start_len": [-1, 0, 1, 999, "z"], "rid": ["r", ["r"], 5], "return_text_in_logprobs": [True]}
 
 
+def fuzz_answer(path: str, body: dict, codes: dict[int, int]) -> requests.Response:
+    """A fuzzed body's answer: a 200 (a stream ending in [DONE]) or a 400 with a message, counted in codes."""
+    r = post(path, body)
+    assert r.status_code in (200, 400), (body, r.status_code, r.text)
+    codes[r.status_code] += 1
+    if r.status_code == 400:
+        assert r.json()["error"]["message"], body
+    elif body.get("stream") is True:
+        assert r.text.rstrip().endswith("data: [DONE]"), (body, r.text[-300:])
+    return r
+
+
 def test_random_generate_requests_get_200_or_400(server):
     """Seeded random /generate bodies (SGLang's native API): each a 200 (a stream ending in [DONE]) or a 400 naming
     the problem, and the group never restarts."""
@@ -432,13 +444,7 @@ def test_random_generate_requests_get_200_or_400(server):
             body[key] = rng.choice(NATIVE_FUZZ[key])
         if isinstance(body.get("sampling_params", {}), dict):  # short answers (SGLang's default is 128 tokens)
             body["sampling_params"] = {"max_new_tokens": 3, **body.get("sampling_params", {})}
-        r = post("/generate", {k: v for k, v in body.items() if v is not None})
-        assert r.status_code in (200, 400), (body, r.status_code, r.text)
-        codes[r.status_code] += 1
-        if r.status_code == 400:
-            assert r.json()["error"]["message"], body
-        elif body.get("stream") is True:
-            assert r.text.rstrip().endswith("data: [DONE]"), (body, r.text[-300:])
+        fuzz_answer("/generate", {k: v for k, v in body.items() if v is not None}, codes)
     after = requests.get(f"{BASE}/admin/health").json()
     assert after["healthy"] and after["restarts"] == before["restarts"], after
     assert codes[200] >= 5 and codes[400] >= 5, codes
@@ -768,14 +774,8 @@ def test_random_requests_get_200_or_400_and_never_take_the_group_down(server):
         for key in rng.sample(sorted(values), rng.randint(1, 4)):
             body[key] = rng.choice(values[key])
         body = {k: v for k, v in body.items() if v is not None}
-        r = post("/v1/chat/completions" if chat else "/v1/completions", body)
-        assert r.status_code in (200, 400), (body, r.status_code, r.text)
-        codes[r.status_code] += 1
-        if r.status_code == 400:
-            assert r.json()["error"]["message"], body
-        elif body.get("stream") is True:
-            assert r.text.rstrip().endswith("data: [DONE]"), (body, r.text[-300:])
-        else:
+        r = fuzz_answer("/v1/chat/completions" if chat else "/v1/completions", body, codes)
+        if r.status_code == 200 and body.get("stream") is not True:
             assert r.json()["usage"]["completion_tokens"] >= 1, body
     after = requests.get(f"{BASE}/admin/health").json()
     assert after["healthy"] and after["restarts"] == before["restarts"], after
