@@ -15,7 +15,10 @@ import time
 from collections.abc import AsyncIterator
 
 from mtp_ray import __version__
+from mtp_ray.engine.sampling_params import is_int
 from mtp_ray.serve.errors import bad
+from mtp_ray.serve.fields import flag
+from mtp_ray.serve.openai_protocol import int_field
 
 # sampling_params: SGLang's name -> the completion field that means the same
 _SAMPLING = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed",
@@ -47,19 +50,17 @@ def front(body: dict, model: str, tok) -> tuple[dict, Native]:
             raise bad(f"unknown field '{key}'", key)
     prompt, single = _prompt(body)
     out = {**{k: body[k] for k in _PASSED if k in body}, "prompt": prompt, **_sampling(body.get("sampling_params"))}
-    stream = bool(body.get("stream"))
+    stream, want_lp = flag(body, "stream"), flag(body, "return_logprob")
     score_only = out["max_tokens"] == 0  # the prompt's log-probs only (scoring): the completions path's echo form
     if score_only:
         if stream:
             raise bad("'max_new_tokens' 0 (scoring the prompt) is answered whole: send 'stream' false", "stream")
         out["echo"] = True
     out.update(stream=stream, return_token_ids=True, return_tokens_as_token_ids=True)
-    start, top = body.get("logprob_start_len"), body.get("top_logprobs_num")
-    start, top = -1 if start is None else start, top or 0
-    for name, v in (("logprob_start_len", start), ("top_logprobs_num", top)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < (-1 if name == "logprob_start_len" else 0):
-            raise bad(f"'{name}' must be an integer of at least {-1 if name == 'logprob_start_len' else 0}", name)
-    if body.get("return_logprob"):
+    start = int_field(body, "logprob_start_len", 0, minus_one="no prompt log-probs")
+    start = -1 if start is None else start
+    top = int_field(body, "top_logprobs_num", 0) or 0
+    if want_lp:
         out["logprobs"] = top
         if start >= 0:
             if stream:  # (the completions path scores a prompt in a whole answer only)
@@ -69,10 +70,10 @@ def front(body: dict, model: str, tok) -> tuple[dict, Native]:
     rid, prompts, n = body.get("rid"), 1 if single else len(prompt), out.get("n", 1)
     if rid is not None and not (isinstance(rid, str) or (_list_of(rid, str) and len(rid) == prompts)):
         raise bad("'rid' must be a string, or a list of strings with one per prompt", "rid")
-    n = n if isinstance(n, int) and not isinstance(n, bool) else 1  # (a bad n: the completions path names it)
-    words = tok if body.get("return_text_in_logprobs") else None
-    return out, Native(n, start, top if body.get("return_logprob") else 0, words, score_only, rid,
-                       bool(body.get("return_prompt_token_ids")), single and n == 1)
+    n = n if is_int(n) else 1  # (a bad n: the completions path names it)
+    words = tok if flag(body, "return_text_in_logprobs") else None
+    return out, Native(n, start, top if want_lp else 0, words, score_only, rid, flag(body, "return_prompt_token_ids"),
+                       single and n == 1)
 
 
 def _prompt(body: dict) -> tuple[str | list, bool]:

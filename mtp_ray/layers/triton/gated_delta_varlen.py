@@ -4,7 +4,9 @@ batch in one launch), then the delta rule over cu_seqlens: for short pieces (lay
 launch; else fla-core's chunked form (`chunk_varlen_fla`, bf16 / fp16 models), whose launches through Triton's and
 fla's Python launchers cost 0.75-1.5 ms of host time a layer, 20-60x a short piece's device time
 (bench/gdn_prefill.py). An eager step prefilling one new 32-token prompt at the 35B-A3B shapes cut to 4 layers: 0.79x
-the time on fla (bench/prefill_steps.py). Both write prefix-cache snapshots (SnapshotMeta) in the same launch.
+the time on fla (bench/prefill_steps.py). conv_varlen and recurrent_varlen write prefix-cache snapshots
+(SnapshotMeta) in their own launch; with fla each snapshot's rows run as a sequence of their own
+(layers/gated_delta.py).
 """
 
 from __future__ import annotations
