@@ -12,27 +12,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from mtp_ray import LLM, SamplingParams
+from mtp_ray import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json  # noqa: E402
-from offline import make_llm, prompts  # noqa: E402
-
-
-def decode_s(llm: LLM, rid: str, prompt: list[int], sp: SamplingParams) -> float:
-    """One request through the engine's step loop -> seconds after its first token."""
-    eng, first = llm.engine, None
-    eng.add_request(rid, prompt, sp)
-    while eng.has_unfinished():
-        outs = eng.step()
-        if first is None and any(o.new_token_ids for o in outs):
-            first = time.perf_counter()
-    return time.perf_counter() - first
+from offline import make_llm, prompts, timed  # noqa: E402
 
 
 def main() -> None:
@@ -54,7 +42,8 @@ def main() -> None:
         for i, p in enumerate(ps):
             for j in range(len(ks)):
                 e = (i + j + r) % len(ks)
-                dec[e] += decode_s(llms[e], f"{r}-{i}", p, sp)
+                _, t_first, t_all = timed(llms[e], f"{r}-{i}", p, sp)
+                dec[e] += t_all - t_first  # the time after the first token
     n_req, tokens = args.repeats * len(ps), args.repeats * len(ps) * (args.max_tokens - 1)
     rows = []
     for e, llm in enumerate(llms):
