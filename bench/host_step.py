@@ -1,39 +1,65 @@
 """Host cost of a CUDA-graph decode step, measured on the CPU: the engine's graph path (schedule, pack inputs,
-DPMeta, device-greedy result handling, outputs) with the graph replay replaced by a no-op, so only the Python /
-host work of a step is timed. On the GPU this work runs while the device idles (the tiny bundled model's steps are
-host-bound: see docs/performance.md), so it bounds tokens/s there.
+DPMeta, device-greedy result handling, outputs) with each graph replay replaced by a stand-in that only writes the
+greedy block a replay leaves (argmax ids, log-probs and, k > 0, `--accept` accepted drafts and the next drafts), so
+only the Python / host work of a step is timed, with the acceptance a real model shows. On the GPU this work runs
+while the device idles (the tiny bundled model's steps are host-bound: docs/performance.md), so it bounds tokens/s
+there, and a k = 3 step's extra host time bounds issue 27's bundled-model metric.
 
-    python bench/host_step.py [--batches 1 32 128] [--k 0 3] [--steps 100] [--out bench/results/host_step.json]
+    python bench/host_step.py [--batches 1 32] [--k 0 3] [--accept 2] [--rounds 10] [--block 100] [--out ...json]
 
-Writes JSON: per (k, batch) the host milliseconds per step and per sequence.
+The engines of each k run side by side, in alternating blocks of steps. Writes JSON: per (k, batch) the host
+microseconds per step, per sequence and per phase (the engine's PhaseClock; medians over the rounds), and per k > 0
+its excess over the k = 0 step.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
-import platform
+import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from mtp_ray import LLM, SamplingParams
+from mtp_ray.engine.core import EngineCore
 from mtp_ray.engine.graphs import CudaGraphs
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, write_json  # noqa: E402
 
-class _NoReplay:
-    def replay(self) -> None:  # the static outputs keep what the capture-time run wrote
-        pass
+ACCEPT = 2  # accepted drafts per verify in the stand-in replays (the bundled model accepts ~1.8 of 3)
 
 
-def _capture(self: CudaGraphs, fn):  # stands in for CudaGraphs._capture: run once, never replay
+class _BlockReplay:
+    """Stands in for a captured graph: replay() writes the greedy block (the last output) as a step would leave
+    it, in one copy whatever k (so the stand-in costs a k = 3 step no more than a k = 0 step): ids 3, 4, ... per
+    row, log-probs -0.5, with k the accepted count and the next drafts."""
+
+    def __init__(self, block: torch.Tensor, q: int, k: int):
+        self.block = block
+        self.template = torch.empty_like(block)
+        self.template[:, :q] = torch.arange(3, 3 + q, dtype=block.dtype)
+        self.template[:, q : 2 * q] = -0.5
+        if k:
+            self.template[:, 2 * q] = min(ACCEPT, k)
+            self.template[:, 2 * q + 1 :] = 5.0
+
+    def replay(self) -> None:
+        self.block.copy_(self.template)
+
+
+def _capture(self: CudaGraphs, fn):  # stands in for CudaGraphs._capture: run once, replays write the block only
     self.barrier()
-    return _NoReplay(), fn()
+    out = fn()
+    return _BlockReplay(out[-1], self.q, self.k), out
 
 
-def measure(k: int, batch: int, steps: int) -> dict:
+def start(k: int, batch: int, steps: int) -> EngineCore:
+    """An engine of k drafts with graphs of size `batch` (replays stood in for), `batch` requests decoding, long
+    enough for `steps` more graph steps."""
     llm = LLM(num_speculative_tokens=k, max_num_seqs=batch, device="cpu", dtype="float32")
     eng, r = llm.engine, llm.engine.runner
     r.graphs = CudaGraphs(r.model, (batch,), r.k, r.blocks_per_seq, llm.config.cache.block_size, r.device,
@@ -42,37 +68,76 @@ def measure(k: int, batch: int, steps: int) -> dict:
     eng.warmup()
     gc.collect()
     gc.freeze()  # as a rank does after warmup (runtime/worker.py): collections skip the model and caches
-    sp = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
+    # every timed step must fit the context (1 + accepted tokens a step), which ends the requests
+    assert 32 + (steps + 20) * (1 + min(ACCEPT, k)) <= eng.max_model_len, f"{steps} steps run past max_model_len"
+    sp = SamplingParams(temperature=0, max_tokens=eng.max_model_len, ignore_eos=True)
     for i in range(batch):
         eng.add_request(f"r{i}", [(7 * i + j) % 2000 + 3 for j in range(32)], sp)
     while any(q.is_prefill or not q.output_ids for q in eng.requests.values()):
         eng.step()
     for _ in range(5):
         eng.step()
-    g0 = eng.stats.device_greedy_steps
+    return eng
+
+
+def timed_block(eng: EngineCore, steps: int) -> dict[str, float]:
+    """`steps` graph steps -> host us a step: "step" (measured around them) and each PhaseClock phase."""
+    g0, c0 = eng.stats.device_greedy_steps, eng.clock.snapshot().get("graph", {})
     t0 = time.perf_counter()
     for _ in range(steps):
         eng.step()
-    ms = 1e3 * (time.perf_counter() - t0) / steps
+    us = 1e6 * (time.perf_counter() - t0) / steps
     assert eng.stats.device_greedy_steps - g0 == steps, "a step left the graph path"
-    return {"k": k, "batch": batch, "host_ms_per_step": round(ms, 3), "host_us_per_seq": round(1e3 * ms / batch, 2)}
+    c1 = eng.clock.snapshot()["graph"]
+    return {"step": us, **{ph: 1e6 * (v - c0.get(ph, 0.0)) / steps for ph, v in c1.items()
+                           if ph not in ("steps", "drafts")}}
+
+
+def measure(k: int, batch: int, steps: int) -> dict:
+    """One engine alone (bench/actor_step.py): host us per graph step."""
+    us = timed_block(start(k, batch, steps), steps)["step"]
+    return {"k": k, "batch": batch, "host_ms_per_step": round(us / 1e3, 3), "host_us_per_seq": round(us / batch, 2)}
+
+
+def compare(ks: list[int], batch: int, rounds: int, block: int) -> list[dict]:
+    """Engines of each k side by side, timed in alternating blocks of steps (the order rotating each round), so
+    that the machine's drift (this 2-core host moves by +-10 % between minutes) falls on all of them alike; per
+    engine the median over rounds of each figure."""
+    engines = [start(k, batch, rounds * block) for k in ks]
+    blocks: list[list[dict[str, float]]] = [[] for _ in ks]
+    for r in range(rounds):
+        for j in range(len(ks)):
+            e = (j + r) % len(ks)
+            blocks[e].append(timed_block(engines[e], block))
+    rows = []
+    for k, bs in zip(ks, blocks, strict=True):
+        med = {ph: round(statistics.median(b[ph] for b in bs), 1) for ph in bs[0]}
+        rows.append({"k": k, "batch": batch, "host_us_per_step": med.pop("step"),
+                     "host_us_per_seq": round(statistics.median(b["step"] for b in bs) / batch, 2),
+                     "phases_us": med})
+    return rows
 
 
 def main() -> None:
+    global ACCEPT
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--k", type=int, nargs="+", default=[0, 3])
-    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--accept", type=int, default=ACCEPT, help="accepted drafts per verify (k > 0)")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--block", type=int, default=100, help="graph steps per timed block")
     ap.add_argument("--out", default="bench/results/host_step.json")
     args = ap.parse_args()
+    ACCEPT = args.accept
     torch.set_num_threads(1)
     CudaGraphs._capture = _capture
-    rows = [measure(k, b, args.steps) for k in args.k for b in args.batches]
-    res = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "torch": torch.__version__,
-           "runs": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
-    print(json.dumps(res, indent=1))
+    rows = [row for b in args.batches for row in compare(args.k, b, args.rounds, args.block)]
+    base = {r["batch"]: r for r in rows if r["k"] == 0}
+    excess = {f"k{r['k']}_b{r['batch']}": {ph: round(v - base[r["batch"]]["phases_us"][ph], 1)
+                                           for ph, v in r["phases_us"].items()}
+              for r in rows if r["k"] and r["batch"] in base}
+    write_json({"machine": machine(), "torch": torch.__version__, "accept": ACCEPT, "rounds": args.rounds,
+                "block": args.block, "runs": rows, "excess_over_k0_us": excess}, args.out)
 
 
 if __name__ == "__main__":

@@ -265,6 +265,37 @@ def test_uniform_inputs_are_views_of_one_packed_tensor():
     assert plain.batch.uniform.spec_slots is None and plain.input_ids.tolist() == [p.tokens[0] for p in pieces]
 
 
+def test_fed_inputs_move_on_the_device_to_the_full_inputs():
+    """build_uniform(fed=True) (every row follows a verify in flight) leaves tokens, positions and KV slots to the
+    device: after feed_in_flight, with any accepted counts, the graph's inputs equal those from a full build."""
+    import torch
+
+    from mtp_ray.engine.graph_ops import feed_in_flight_torch
+    from mtp_ray.engine.inputs import build_uniform, target_pieces, uniform_layout
+
+    s = make(k=2)
+    for i in range(3):
+        s.add(req(i, 3 + 4 * i))
+    while any(r.num_computed < len(r.prompt_ids) for r in s.running) or len(s.running) < 3:
+        run_step(s)
+    for r in s.running:
+        r.drafts = [11, 12]
+    pieces = target_pieces(s.schedule())
+    n, lay = len(pieces), uniform_layout(4, 3, 6, spec=True)
+    full, fed = (build_uniform(pieces, s.blocks, 3, size=4, width=6, fed=f) for f in (False, True))
+    assert fed.input_ids[: 3 * n].eq(0).all() and fed.batch.slot_mapping[: 3 * n].eq(0).all()
+    src = torch.tensor([2, 0, 1, -1])  # rows 0..2 follow rows of the step in flight; row 3 is padding
+    next_ids, drafts = torch.arange(100, 109), torch.tensor([[21, 22], [23, 24], [25, 26]])
+    for accepted in ([0, 0, 0], [2, 1, 0], [1, 2, 2]):
+        moved = []
+        for inp in (full, fed):
+            v = lay.views(inp.packed.clone())
+            feed_in_flight_torch(v, src, torch.tensor(accepted), next_ids, drafts, 3, 2, s.blocks.block_size)
+            moved.append(v)
+        for name in moved[0]:
+            assert torch.equal(moved[0][name], moved[1][name]), (accepted, name)
+
+
 def _check_rows(inp, pieces, blocks) -> None:
     """inp's live tokens and tables equal a per-token reference built from each piece."""
     ids = [x for p in pieces for x in p.tokens]

@@ -190,10 +190,12 @@ class EngineCore:
             self.stats.count_step(uniform, bool(table.graph_size), mixed=0 < decodes < len(sched),
                                   tokens=0 if local.is_dummy else local.num_tokens)  # the tokens it scheduled
             plan_snapshots(sched, self.blocks)
-            inp = self._inputs(sched, uniform, table)
+            # graph steps: per row, the row of the step in flight it follows (-1: its inputs are on the host)
+            src = self.greedy.src(sched) if table.graph_size else None
+            inp = self._inputs(sched, uniform, table, fed=self.k > 0 and bool(src) and min(src) >= 0)
             clock.lap("inputs")
             fused = plain and bool(sched)  # the draft loop in the target's launch (plain: a graph step)
-            hidden, all_logits = self._forward(inp, sched, table, fused)
+            hidden, all_logits = self._forward(inp, table, fused, src)
         clock.lap("launch")
         done += self.greedy.resolve()  # the step before, while the device runs this one
         clock.lap("resolve")
@@ -219,12 +221,13 @@ class EngineCore:
         """Cached prefixes no longer hold (new weights, caches reset or freed): forget them all."""
         self.blocks.index.invalidate()
 
-    def _inputs(self, sched: list[Scheduled], uniform: bool, table: Gathered) -> StepInputs:
+    def _inputs(self, sched: list[Scheduled], uniform: bool, table: Gathered, fed: bool) -> StepInputs:
         """Decodes + prefill pieces in one forward (a uniform batch is all decodes: no per-sequence scan); a graph
-        step pads to the DP-wide graph size every rank replays."""
+        step pads to the DP-wide graph size every rank replays. fed: every row follows a verify in flight, which
+        sets its tokens, positions and KV slots on the device (build_uniform)."""
         pieces, q_len = target_pieces(sched), 1 + self.k
         if table.graph_size:
-            return build_uniform(pieces, self.blocks, q_len, table.graph_size, self.runner.blocks_per_seq)
+            return build_uniform(pieces, self.blocks, q_len, table.graph_size, self.runner.blocks_per_seq, fed)
         if uniform:
             return build_uniform(pieces, self.blocks, q_len)
         return build(pieces, self.blocks) if sched else dummy_inputs()
@@ -233,12 +236,12 @@ class EngineCore:
         """k > 0 and a draft-loop graph step: whether every row is plain greedy (the device decides the step)."""
         return self.k > 0 and table.graph_drafts and all(plain_greedy(s.req) for s in sched)
 
-    def _forward(self, inp: StepInputs, sched: list[Scheduled], table: Gathered, fused: bool
+    def _forward(self, inp: StepInputs, table: Gathered, fused: bool, src: list[int] | None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target forward -> (hidden [T, H], logits [T, V] when the graph computed them, else None); fused:
-        the draft loop in the same graph launch."""
+        the draft loop in the same graph launch; src: DeviceGreedy.src of a graph step."""
         if table.graph_size:
-            return self.runner.replay_target(inp, table.graph_size, self.greedy.src(sched), fused)
+            return self.runner.replay_target(inp, table.graph_size, src, fused)
         self.stats.count_eager(inp.num_tokens)
         return self.runner.forward(inp), None
 

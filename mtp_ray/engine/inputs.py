@@ -140,12 +140,15 @@ def aligned(n: int) -> int:
 
 
 def build_uniform(pieces: list[Piece], blocks: BlockManager, q_len: int, size: int | None = None,
-                  width: int | None = None) -> StepInputs:
+                  width: int | None = None, fed: bool = False) -> StepInputs:
     """A uniform decode / verify batch (every piece has q_len tokens), padded to `size` sequences and block tables
     `width` wide. Padded rows feed token 0 at positions 0.. into reserved block 0 and state slot 0.
     Written straight into one int64 array (`StepInputs.packed`) with a few vectorized numpy operations per step
     rather than Python work per sequence: this runs every decode step, at up to max_num_seqs sequences. With a
-    size (graph steps) and q_len > 1 the snapshot slots are always present (zeros on padded rows)."""
+    size (graph steps) and q_len > 1 the snapshot slots are always present (zeros on padded rows).
+    fed (graph verify steps, async verify): every piece follows a verify still in flight, whose graph replay sets
+    the rows' tokens, positions and KV slots on the device from the tables, contexts and slots written here
+    (engine/graph_ops.py feed_in_flight), so they are left 0: the work a k > 0 step would add on the host."""
     graph = size is not None
     n = len(pieces)
     size = n if size is None else size
@@ -160,14 +163,15 @@ def build_uniform(pieces: list[Piece], blocks: BlockManager, q_len: int, size: i
     m = n * q_len
     f["pos"][m:] = np.tile(np.arange(q_len), size - n)  # padded rows: positions 0.., everything else 0
     if n:
-        ids = np.fromiter(chain.from_iterable(p.tokens for p in pieces), np.int64, m)  # raises if a piece is short
         start = np.fromiter((p.start for p in pieces), np.int64, n)  # [n]
         assert (start > 0).all(), "a uniform batch decodes on top of a cached prefix"
         _tables(held, nb, width, out=f["tables"][:n])
-        pos = start[:, None] + np.arange(q_len)  # [n, q_len]
-        f["slots"][:m] = _slots(f["tables"], np.repeat(np.arange(n), q_len), pos.reshape(-1), nb, blocks.block_size)
-        f["ids"][:m] = ids
-        f["pos"][:m] = pos.reshape(-1)
+        if not fed:
+            pos = start[:, None] + np.arange(q_len)  # [n, q_len]
+            f["slots"][:m] = _slots(f["tables"], np.repeat(np.arange(n), q_len), pos.reshape(-1), nb,
+                                    blocks.block_size)
+            f["ids"][:m] = np.fromiter(chain.from_iterable(p.tokens for p in pieces), np.int64, m)  # short: raises
+            f["pos"][:m] = pos.reshape(-1)
         f["ctx"][:n] = start
         f["state"][:n] = np.fromiter((p.req.state_slots[0] for p in pieces), np.int64, n)
         if has_spec:
