@@ -172,8 +172,12 @@ class MTPProposer:
         """The draft-loop graph of the step's padded size, in lock-step with the group -> drafts [size, k] on the
         device. next_ids / last None: the target graph already put them on the device. fused: the loop already ran
         in the target's launch (the fused graph); counted as a draft loop all the same, as on every other rank."""
+        if fused:  # counted only (no forward to pair with the table: a context manager's cost a step, saved)
+            self.sync.graph_drafts(table)
+            self.sync.done()
+            return None
         with self.sync.draft_graph(table):
-            return None if fused else self.runner.replay_drafts(next_ids, last, table.graph_size)
+            return self.runner.replay_drafts(next_ids, last, table.graph_size)
 
     def _dummy_hidden(self) -> torch.Tensor:
         r = self.runner
