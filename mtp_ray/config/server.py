@@ -45,6 +45,9 @@ class ServerConfig:
     # as vLLM's --return-tokens-as-token-ids: every response's log-prob tokens as "token_id:<id>" (a request may also
     # ask, with return_tokens_as_token_ids)
     return_tokens_as_token_ids: bool = False
+    # the routes that act on every engine group (serve/admin_api.py): vLLM's /sleep, /wake_up, /is_sleeping,
+    # /reset_prefix_cache, SGLang's /flush_cache and memory release / resume; behind api_key when it is set
+    admin_routes: bool = True
 
     def __post_init__(self) -> None:
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):

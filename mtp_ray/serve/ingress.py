@@ -19,7 +19,7 @@ from mtp_ray import __version__
 from mtp_ray.config.server import ServerConfig
 from mtp_ray.engine.request import check_request
 from mtp_ray.prompts import tokenizer_or_none
-from mtp_ray.serve import messages_api, native_api, responses_api
+from mtp_ray.serve import admin_api, messages_api, native_api, responses_api
 from mtp_ray.serve.answer import Answerer
 from mtp_ray.serve.chat_request import ChatServing, parse_chat, think_ids
 from mtp_ray.serve.choices import ChoiceRunner
@@ -224,6 +224,23 @@ class Ingress:
         if request.url.path.endswith("/get_model_info"):
             return native_api.model_info(info, self.tokenizer_path)
         return native_api.server_info(info, self.tokenizer_path, self.model_name, self.metrics.totals)
+
+    @app.post("/sleep")  # the admin routes, for every group of the server (serve/admin_api.py)
+    @app.post("/wake_up")
+    @app.get("/is_sleeping")
+    @app.post("/reset_prefix_cache")
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/release_memory_occupation")
+    @app.post("/resume_memory_occupation")
+    async def admin_command(self, request: Request):
+        try:
+            if not self.server.admin_routes:
+                raise ApiError(404, "the admin routes are off (server.admin_routes: false)")
+            check_api_key(request, self.server.api_key)
+            self.reporter.start()
+            return await admin_api.answer(request.url.path.rstrip("/").rsplit("/", 1)[-1], request, self.reporter.hub)
+        except ApiError as e:
+            return error_response(e)
 
     @app.get("/load")
     async def server_load(self):

@@ -131,6 +131,7 @@ def group_snapshot(health: dict) -> dict[str, Any]:
                                 "abort_calls_total": sum(health.get("abort_calls", [])),
                                 "abort_errors_total": sum(health.get("abort_errors", []))}
     gauges: dict[str, float] = {"group_healthy": int(bool(health.get("healthy"))),
+                                "group_sleep_level": health.get("sleeping", 0),  # (GET /is_sleeping reads it)
                                 "num_requests_waiting": sum(r.get("num_waiting", 0) for r in health.get("ranks", []))}
     for r, rank in enumerate(health.get("ranks", [])):
         c, lab, pc = rank.get("counters", {}), f'{{rank="{r}"}}', rank.get("prefix_cache", {})
