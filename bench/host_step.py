@@ -5,7 +5,8 @@ only the Python / host work of a step is timed, with the acceptance a real model
 while the device idles (the tiny bundled model's steps are host-bound: docs/performance.md), so it bounds tokens/s
 there, and a k = 3 step's extra host time bounds issue 27's bundled-model metric.
 
-    python bench/host_step.py [--batches 1 32] [--k 0 3] [--accept 2] [--rounds 10] [--block 100] [--out ...json]
+    python bench/host_step.py [--batches 1 32] [--k 0 3] [--accept 2] [--rounds 10] [--block 100] [--context 512]
+        [--out ...json]
 
 The engines of each k run side by side, in alternating blocks of steps. Writes JSON: per (k, batch) the host
 microseconds per step, per sequence and per phase (the engine's PhaseClock; medians over the rounds), and per k > 0
@@ -57,9 +58,8 @@ def _capture(self: CudaGraphs, fn):  # stands in for CudaGraphs._capture: run on
     return _BlockReplay(out[-1], self.q, self.k), out
 
 
-def start(k: int, batch: int, steps: int) -> EngineCore:
-    """An engine of k drafts with graphs of size `batch` (replays stood in for), `batch` requests decoding, long
-    enough for `steps` more graph steps."""
+def start(k: int, batch: int) -> EngineCore:
+    """An engine of k drafts with graphs of size `batch` (replays stood in for)."""
     llm = LLM(num_speculative_tokens=k, max_num_seqs=batch, device="cpu", dtype="float32")
     eng, r = llm.engine, llm.engine.runner
     r.graphs = CudaGraphs(r.model, (batch,), r.k, r.blocks_per_seq, llm.config.cache.block_size, r.device,
@@ -68,16 +68,19 @@ def start(k: int, batch: int, steps: int) -> EngineCore:
     eng.warmup()
     gc.collect()
     gc.freeze()  # as a rank does after warmup (runtime/worker.py): collections skip the model and caches
-    # every timed step must fit the context (1 + accepted tokens a step), which ends the requests
-    assert 32 + (steps + 20) * (1 + min(ACCEPT, k)) <= eng.max_model_len, f"{steps} steps run past max_model_len"
-    sp = SamplingParams(temperature=0, max_tokens=eng.max_model_len, ignore_eos=True)
+    return eng
+
+
+def refill(eng: EngineCore, batch: int, prompt_len: int, seed: int) -> None:
+    """`batch` new requests of prompt_len tokens (the old ones aborted), prefilled and decoding (untimed)."""
+    eng.abort_all()
+    sp = SamplingParams(temperature=0, max_tokens=eng.max_model_len - prompt_len, ignore_eos=True)
     for i in range(batch):
-        eng.add_request(f"r{i}", [(7 * i + j) % 2000 + 3 for j in range(32)], sp)
+        eng.add_request(f"{seed}-{i}", [(7 * i + 13 * seed + j) % 2000 + 3 for j in range(prompt_len)], sp)
     while any(q.is_prefill or not q.output_ids for q in eng.requests.values()):
         eng.step()
     for _ in range(5):
         eng.step()
-    return eng
 
 
 def timed_block(eng: EngineCore, steps: int) -> dict[str, float]:
@@ -95,19 +98,27 @@ def timed_block(eng: EngineCore, steps: int) -> dict[str, float]:
 
 def measure(k: int, batch: int, steps: int) -> dict:
     """One engine alone (bench/actor_step.py): host us per graph step."""
-    us = timed_block(start(k, batch, steps), steps)["step"]
+    eng = start(k, batch)
+    refill(eng, batch, 32, 0)
+    us = timed_block(eng, steps)["step"]
     return {"k": k, "batch": batch, "host_ms_per_step": round(us / 1e3, 3), "host_us_per_seq": round(us / batch, 2)}
 
 
-def compare(ks: list[int], batch: int, rounds: int, block: int) -> list[dict]:
+def compare(ks: list[int], batch: int, rounds: int, block: int, context: int) -> list[dict]:
     """Engines of each k side by side, timed in alternating blocks of steps (the order rotating each round), so
     that the machine's drift (this 2-core host moves by +-10 % between minutes) falls on all of them alike; per
-    engine the median over rounds of each figure."""
-    engines = [start(k, batch, rounds * block) for k in ks]
+    engine the median over rounds of each figure. Each block starts from new requests whose prompts put the
+    block's mean context at `context` tokens for every k (a k = 3 step adds 1 + ACCEPT tokens where a k = 0 step
+    adds 1: from equal prompts its block tables would grow three times as fast, a cost of length, not of k)."""
+    engines = [start(k, batch) for k in ks]
     blocks: list[list[dict[str, float]]] = [[] for _ in ks]
     for r in range(rounds):
         for j in range(len(ks)):
             e = (j + r) % len(ks)
+            per_step = 1 + min(ACCEPT, ks[e])
+            plen = context - block * per_step // 2
+            assert plen > 0 and context + block * per_step < engines[e].max_model_len, "--context, --block"
+            refill(engines[e], batch, plen, r)
             blocks[e].append(timed_block(engines[e], block))
     rows = []
     for k, bs in zip(ks, blocks, strict=True):
@@ -126,18 +137,19 @@ def main() -> None:
     ap.add_argument("--accept", type=int, default=ACCEPT, help="accepted drafts per verify (k > 0)")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--block", type=int, default=100, help="graph steps per timed block")
+    ap.add_argument("--context", type=int, default=512, help="mean context length of a timed block's sequences")
     ap.add_argument("--out", default="bench/results/host_step.json")
     args = ap.parse_args()
     ACCEPT = args.accept
     torch.set_num_threads(1)
     CudaGraphs._capture = _capture
-    rows = [row for b in args.batches for row in compare(args.k, b, args.rounds, args.block)]
+    rows = [row for b in args.batches for row in compare(args.k, b, args.rounds, args.block, args.context)]
     base = {r["batch"]: r for r in rows if r["k"] == 0}
     excess = {f"k{r['k']}_b{r['batch']}": {ph: round(v - base[r["batch"]]["phases_us"][ph], 1)
                                            for ph, v in r["phases_us"].items()}
               for r in rows if r["k"] and r["batch"] in base}
     write_json({"machine": machine(), "torch": torch.__version__, "accept": ACCEPT, "rounds": args.rounds,
-                "block": args.block, "runs": rows, "excess_over_k0_us": excess}, args.out)
+                "block": args.block, "context": args.context, "runs": rows, "excess_over_k0_us": excess}, args.out)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def plain_greedy(req: Request) -> bool:
     """Greedy on the raw logits (nothing reshapes or masks them), no top-n log-probs, prompt log-probs (if asked)
     already out with the first token: the device argmax decides."""
     p = req.params
-    return (p.greedy and not p.reshapes_logits and not p.alternatives and len(req.output_ids) >= p.min_tokens
+    return (req.greedy_params and len(req.output_ids) >= p.min_tokens
             and (p.prompt_logprobs is None or req.prompt_lps_sent))
 
 

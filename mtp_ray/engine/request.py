@@ -67,6 +67,13 @@ class Request:
     # prompt_logprobs: (logprob, {token: logprob} top-n, rank) of prompt token p + 1, for p = 0 .. as computed
     prompt_lps: list[tuple[float, dict[int, float], int]] = field(default_factory=list)
     prompt_lps_sent: bool = False
+    # its parameters allow the device-greedy path (engine/commit.py: plain_greedy): read per row every graph step,
+    # so decided once (the engine does not change a request's parameters)
+    greedy_params: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.greedy_params = p.greedy and not p.reshapes_logits and not p.alternatives
 
     def mask(self) -> torch.Tensor | None:
         """bool [V] of the tokens this request may sample next (None: any)."""
