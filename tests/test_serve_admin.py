@@ -56,6 +56,10 @@ def test_admin_routes_act_on_every_group(app):  # noqa: F811 (the fixture)
     assert r.status_code == 200, r.text
     assert is_sleeping() and until_reported({1}) == dict.fromkeys(sleep_levels(), 1.0)  # both groups asleep
     assert requests.post(f"{BASE}/sleep", timeout=120).status_code == 200  # asleep already: nothing to do
+    t0 = time.monotonic()  # a request while every group sleeps: held, then a 503 within the queue timeout
+    r = requests.post(f"{BASE}/v1/completions", timeout=60, json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 503 and r.headers.get("Retry-After") and time.monotonic() - t0 < 20, r.text
+    assert "asleep" in r.json()["error"]["message"], r.text
     r = requests.post(f"{BASE}/wake_up", timeout=120)
     assert r.status_code == 200, r.text
     assert not is_sleeping() and set(until_reported({0}).values()) == {0}

@@ -66,6 +66,12 @@ class GroupDeployment(RolloutEngine):
         cancelling it aborts those still running. Params as validated by the ingress. `avoid` is for Serve's
         router (serve/routing.py): groups that refused this ingress's requests lately; this group was not one, or
         none other could be chosen. A refusal says which group refused, for the ingress's next `avoid`."""
+        if self.group.commands.sleeping:  # refused at once, whatever set_asleep_policy says (that is the RL
+            # handle's): the ingress tries the other groups and answers a 503 naming this cause after queue_s
+            refusal = GroupUnavailable("the engine group is asleep (POST /wake_up, or the handle's wake_up)")
+            refusal.group_id = self.group.group_id
+            yield [refusal] * len(items)
+            return
         async for results in self.group.admit_batch(items, subscriber):
             for r in results:
                 if isinstance(r, (GroupUnavailable, GroupFailed)):
@@ -81,7 +87,8 @@ class GroupDeployment(RolloutEngine):
         """Read by Serve's request router (serve/routing.py) every second: a group that cannot serve (failed,
         restarting, or a rank that did not take a request and has not answered since) is passed over while another
         can; and how many requests it holds, for the router's least-requests choice."""
-        return {"serving": self.group.state == "ready" and not self.group.monitor.silent,
+        return {"serving": self.group.state == "ready" and not self.group.monitor.silent
+                and not self.group.commands.sleeping,
                 IN_FLIGHT: len(self.group.reqs), STAMP: time.time(), GROUP: self.group.group_id}
 
     async def info(self) -> dict:
