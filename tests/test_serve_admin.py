@@ -51,6 +51,8 @@ def test_admin_routes_act_on_every_group(app):  # noqa: F811 (the fixture)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
     r = requests.post(f"{BASE}/release_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30)
     assert r.status_code == 400 and "tags" in r.json()["error"]["message"], r.text
+    r = requests.post(f"{BASE}/sleep", data={"level": "1"}, timeout=30)  # a form, as a cross-site page could post
+    assert r.status_code == 415 and not is_sleeping(), r.text
 
     r = requests.post(f"{BASE}/sleep?level=1", timeout=120)
     assert r.status_code == 200, r.text

@@ -15,9 +15,11 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from mtp_ray.serve.broadcast import broadcast
 from mtp_ray.serve.errors import ApiError, bad
+from mtp_ray.serve.intake import check_content_type, read_body
 
 ROUTES = ("sleep", "wake_up", "is_sleeping", "reset_prefix_cache", "flush_cache", "release_memory_occupation",
           "resume_memory_occupation")
+BODY_BYTES = 1 << 16  # an admin body holds a few tags at most
 WHOLE = {"kv_cache", "weights"}  # the parts sleep releases together (SGLang adds cuda_graph: freed with them)
 FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
            "requests, the operation will not be performed.)\n")  # SGLang's answer
@@ -29,6 +31,7 @@ async def answer(route: str, request: Request, hub) -> Response:
         view = await hub.view.remote()
         levels = [snap.get("gauges", {}).get("group_sleep_level", 0) for snap in view["live"]["group"].values()]
         return JSONResponse({"is_sleeping": any(levels)})  # (a group asleep: the server does not serve whole)
+    check_content_type(request)  # a web page's cross-site form POST (no preflight) must not put the server to sleep
     name, args = await command(route, request)
     try:
         await broadcast(hub, name, args)
@@ -72,7 +75,7 @@ def _whole(tags: Any, param: str) -> None:
 
 async def _json(request: Request) -> dict[str, Any]:
     """An optional JSON object body ({} when empty)."""
-    raw = await request.body()
+    raw = await read_body(request, BODY_BYTES)
     if not raw.strip():
         return {}
     try:
