@@ -6,6 +6,7 @@ update_weights, ...), plus `admit_batch` for the HTTP ingress and `stream` for h
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -32,6 +33,7 @@ class GroupDeployment(RolloutEngine):
         self._started = None
         await self.start()
         # this group's counters and gauges to the application's metrics hub, once a second
+        self._posted = asyncio.Lock()
         # and the commands posted for every group (serve/broadcast.py: the admin routes) back from it
         self.reporter = HubReporter("group", self.group.group_id, lambda: group_snapshot(self.group.monitor.health()),
                                     deploy, self.posted_command)
@@ -41,13 +43,14 @@ class GroupDeployment(RolloutEngine):
         """A command an ingress posted for every group (serve/broadcast.py). Asleep, sleep does nothing; awake,
         wake_up does nothing (as vLLM's); reset_prefix_cache fails while requests run (as vLLM's)."""
         cmds = self.group.commands
-        if name == "sleep" and not cmds.sleeping:
-            await self.sleep(args.get("level", 1), args.get("in_flight", "abort"))
-        elif name == "wake_up" and cmds.sleeping:
-            await self.wake_up()
-        elif name == "reset_prefix_cache" and not await self.reset_prefix_cache():
-            raise RuntimeError("requests are running (the prefix cache is reset only with none running)")
-        return {"sleeping": cmds.sleeping}
+        async with self._posted:  # one at a time: two /sleep calls at once, the second sees the group asleep
+            if name == "sleep" and not cmds.sleeping:
+                await self.sleep(args.get("level", 1), args.get("in_flight", "abort"))
+            elif name == "wake_up" and cmds.sleeping:
+                await self.wake_up()
+            elif name == "reset_prefix_cache" and not await self.reset_prefix_cache():
+                raise RuntimeError("requests are running (the prefix cache is reset only with none running)")
+            return {"sleeping": cmds.sleeping}
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
                      ) -> AsyncIterator[StepOutput]:
