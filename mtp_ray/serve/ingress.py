@@ -9,17 +9,15 @@ import logging
 import time
 import uuid
 
-from fastapi import FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
+from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from ray import serve
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mtp_ray import __version__
 from mtp_ray.config.server import ServerConfig
 from mtp_ray.engine.request import check_request
 from mtp_ray.prompts import tokenizer_or_none
-from mtp_ray.serve import admin_api, messages_api, native_api, responses_api
+from mtp_ray.serve import admin_api, messages_api, native_api
 from mtp_ray.serve.answer import Answerer
 from mtp_ray.serve.chat_request import ChatServing, parse_chat, think_ids
 from mtp_ray.serve.choices import ChoiceRunner
@@ -27,6 +25,7 @@ from mtp_ray.serve.errors import ApiError, cause_of, first_line
 from mtp_ray.serve.fields import CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
 from mtp_ray.serve.groups import GroupClient
 from mtp_ray.serve.health import group_health
+from mtp_ray.serve.http_app import FRONTS, app
 from mtp_ray.serve.intake import check_api_key, off_loop, read_body, read_json_object
 from mtp_ray.serve.limits import Limits, cap_max_tokens, check_length
 from mtp_ray.serve.metrics import Metrics, render
@@ -36,25 +35,7 @@ from mtp_ray.serve.responses import error_response
 from mtp_ray.serve.server_load import ServerLoad
 from mtp_ray.serve.tokenize_api import detokenize, tokenize
 
-# no /docs, /redoc or /openapi.json: the API is OpenAI's, and an open schema browser is one more thing to expose
-app = FastAPI(title="mtp-ray", docs_url=None, redoc_url=None, openapi_url=None)
-# browsers' cross-origin calls, as vLLM's server answers them by default (any origin, no credentials: a key still has
-# to be sent as a bearer token); the preflight OPTIONS was a 405
-app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=False, allow_methods=["*"],
-                   allow_headers=["*"])
 log = logging.getLogger("mtp_ray.ingress")
-# other APIs served through the chat route (the first two) or the completions route: name -> ((request, model,
-# tokenizer) -> (that route's body, its front), an error's answer)
-FRONTS = {"responses": (lambda body, model, _: responses_api.front(body, model), error_response),
-          "messages": (lambda body, model, _: messages_api.front(body, model), messages_api.error_response),
-          "generate": (native_api.front, error_response)}
-
-
-@app.exception_handler(StarletteHTTPException)
-async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """Unknown routes and methods answer in OpenAI's error shape, like every other error here."""
-    return error_response(ApiError(exc.status_code, str(exc.detail), None,
-                                   "NotFoundError" if exc.status_code == 404 else "invalid_request_error"))
 
 
 @serve.ingress(app)  # at import time, so that the driver and every replica see the same class-based routes
