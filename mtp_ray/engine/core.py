@@ -205,7 +205,7 @@ class EngineCore:
         # commit (and, on the device greedy path, draft): a finished request's row (it stopped at the step that was
         # in flight) is computed and dropped
         fast = [True] if fused else [s.req.finished or plain_greedy(s.req) for s in sched]
-        if table.graph_size and (self.k == 0 or table.graph_drafts) and all(fast):
+        if fused or table.graph_size and (self.k == 0 or table.graph_drafts) and all(fast):  # (fused: all hold)
             done += self.greedy.step(sched, table, fused)
             clock.lap("commit")
             return done
