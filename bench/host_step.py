@@ -6,11 +6,12 @@ while the device idles (the tiny bundled model's steps are host-bound: docs/perf
 there, and a k = 3 step's extra host time bounds issue 27's bundled-model metric.
 
     python bench/host_step.py [--batches 1 32] [--k 0 3] [--accept 2] [--rounds 10] [--block 100] [--context 512]
-        [--out ...json]
+        [--requests 60] [--out ...json]
 
 The engines of each k run side by side, in alternating blocks of steps. Writes JSON: per (k, batch) the host
-microseconds per step, per sequence and per phase (the engine's PhaseClock; medians over the rounds), and per k > 0
-its excess over the k = 0 step.
+microseconds per step, per sequence and per phase (the engine's PhaseClock; medians over the rounds), per k > 0
+its excess over the k = 0 step, and whole batch-1 requests of 64 tokens: decode ms a request and, on host time alone,
+issue 27's metric (decode speedup over k = 0 / tokens a verify).
 """
 
 from __future__ import annotations
@@ -129,6 +130,25 @@ def compare(ks: list[int], batch: int, rounds: int, block: int, context: int) ->
     return rows
 
 
+def whole_requests(ks: list[int], n: int, max_tokens: int) -> dict[str, dict[str, float]]:
+    """Batch-1 requests start to end (48-token prompts, the engines taking turns request by request) -> per k the
+    decode ms a request (after its first token: what issue 27's metric times) and the graph steps a request."""
+    engines = [start(k, 1) for k in ks]
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    dec, steps0 = [0.0] * len(ks), [e.stats.graph_steps for e in engines]
+    for i in range(n):
+        for e, eng in enumerate(engines):
+            eng.add_request(f"w{i}", [(7 * i + j) % 2000 + 3 for j in range(48)], sp)
+            first = None
+            while eng.has_unfinished():
+                if eng.step() and first is None:
+                    first = time.perf_counter()
+            dec[e] += time.perf_counter() - first
+    return {f"k{k}": {"decode_ms_per_request": round(1e3 * d / n, 3),
+                      "graph_steps_per_request": (eng.stats.graph_steps - s0) / n}
+            for k, d, eng, s0 in zip(ks, dec, engines, steps0, strict=True)}
+
+
 def main() -> None:
     global ACCEPT
     ap = argparse.ArgumentParser()
@@ -138,6 +158,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--block", type=int, default=100, help="graph steps per timed block")
     ap.add_argument("--context", type=int, default=512, help="mean context length of a timed block's sequences")
+    ap.add_argument("--requests", type=int, default=60, help="batch-1 requests of 64 tokens per engine, start to end")
     ap.add_argument("--out", default="bench/results/host_step.json")
     args = ap.parse_args()
     ACCEPT = args.accept
@@ -148,8 +169,15 @@ def main() -> None:
     excess = {f"k{r['k']}_b{r['batch']}": {ph: round(v - base[r["batch"]]["phases_us"][ph], 1)
                                            for ph, v in r["phases_us"].items()}
               for r in rows if r["k"] and r["batch"] in base}
+    whole = whole_requests(args.k, args.requests, 64)
+    if 0 in args.k:  # issue 27's metric on host time alone: decode speedup over k = 0 / tokens a verify
+        for k in (k for k in args.k if k):
+            whole[f"k{k}"]["speedup_over_acceptance_length"] = round(
+                whole["k0"]["decode_ms_per_request"] / whole[f"k{k}"]["decode_ms_per_request"] / (1 + min(ACCEPT, k)),
+                3)
     write_json({"machine": machine(), "torch": torch.__version__, "accept": ACCEPT, "rounds": args.rounds,
-                "block": args.block, "context": args.context, "runs": rows, "excess_over_k0_us": excess}, args.out)
+                "block": args.block, "context": args.context, "runs": rows, "excess_over_k0_us": excess,
+                "requests_64_tokens": whole}, args.out)
 
 
 if __name__ == "__main__":
