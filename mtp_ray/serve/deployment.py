@@ -32,9 +32,9 @@ class GroupDeployment(RolloutEngine):
         self.group = EngineGroup(self.cfg, pg, bundle_offset=1 if pg is not None else 0, restart_on_failure=False)
         self._started = None
         await self.start()
-        # this group's counters and gauges to the application's metrics hub, once a second
-        self._posted = asyncio.Lock()
-        # and the commands posted for every group (serve/broadcast.py: the admin routes) back from it
+        self._posted = asyncio.Lock()  # posted_command: one at a time
+        # this group's counters and gauges to the application's metrics hub, once a second, and the commands
+        # posted for every group (serve/broadcast.py: the admin routes) back from it
         self.reporter = HubReporter("group", self.group.group_id, lambda: group_snapshot(self.group.monitor.health()),
                                     deploy, self.posted_command)
         self.reporter.start()
