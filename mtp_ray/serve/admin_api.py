@@ -7,7 +7,6 @@ cannot be released or resumed here: such a request is a 400 naming the tags."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from starlette.requests import Request
@@ -15,7 +14,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from mtp_ray.serve.broadcast import broadcast
 from mtp_ray.serve.errors import ApiError, bad
-from mtp_ray.serve.intake import check_content_type, read_body
+from mtp_ray.serve.intake import check_content_type, read_json_object
 
 ROUTES = ("sleep", "wake_up", "is_sleeping", "reset_prefix_cache", "flush_cache", "release_memory_occupation",
           "resume_memory_occupation")
@@ -57,7 +56,7 @@ async def command(route: str, request: Request) -> tuple[str, dict[str, Any]]:
         _whole(q.getlist("tags") or None, "tags")
         return "wake_up", {}
     if route in ("release_memory_occupation", "resume_memory_occupation"):
-        _whole((await _json(request)).get("tags"), "tags")
+        _whole((await read_json_object(request, BODY_BYTES, optional=True))[0].get("tags"), "tags")
         return ("sleep", {"level": 1, "in_flight": "abort"}) if route.startswith("release") else ("wake_up", {})
     return "reset_prefix_cache", {}  # reset_prefix_cache, flush_cache
 
@@ -71,17 +70,3 @@ def _whole(tags: Any, param: str) -> None:
     if not WHOLE <= set(tags):
         raise bad(f"{param}={tags!r}: only the whole memory ({sorted(WHOLE)} together, or no {param}) can be released "
                   "or resumed", param)
-
-
-async def _json(request: Request) -> dict[str, Any]:
-    """An optional JSON object body ({} when empty)."""
-    raw = await read_body(request, BODY_BYTES)
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise bad("the body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise bad("the body must be a JSON object")
-    return body

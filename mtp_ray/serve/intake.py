@@ -72,10 +72,13 @@ def check_content_type(request: Request) -> None:
                             f"{declared[:80]!r}", None, "invalid_request_error", "unsupported_media_type")
 
 
-async def read_json_object(request: Request, max_bytes: int) -> tuple[dict, int]:
-    """The body as a JSON object, and its size in bytes (what later work on it is sized by: `off_loop`)."""
+async def read_json_object(request: Request, max_bytes: int, optional: bool = False) -> tuple[dict, int]:
+    """The body as a JSON object, and its size in bytes (what later work on it is sized by: `off_loop`). optional:
+    an empty body is {} (the admin routes' bodies)."""
     check_content_type(request)
     raw = await read_body(request, max_bytes)
+    if optional and not raw.strip():
+        return {}, len(raw)
     try:
         body = await off_loop(lambda: _parse(raw), len(raw))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
