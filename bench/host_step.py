@@ -35,6 +35,11 @@ from common import machine, write_json  # noqa: E402
 ACCEPT = 2  # accepted drafts per verify in the stand-in replays (the bundled model accepts ~1.8 of 3)
 
 
+def per_step(k: int) -> int:
+    """Tokens a stand-in step commits per sequence."""
+    return 1 + min(ACCEPT, k)
+
+
 class _BlockReplay:
     """Stands in for a captured graph: replay() writes the greedy block (the last output) as a step would leave
     it, in one copy whatever k (so the stand-in costs a k = 3 step no more than a k = 0 step): ids 3, 4, ... per
@@ -46,7 +51,7 @@ class _BlockReplay:
         self.template[:, :q] = torch.arange(3, 3 + q, dtype=block.dtype)
         self.template[:, q : 2 * q] = -0.5
         if k:
-            self.template[:, 2 * q] = min(ACCEPT, k)
+            self.template[:, 2 * q] = per_step(k) - 1
             self.template[:, 2 * q + 1 :] = 5.0
 
     def replay(self) -> None:
@@ -116,9 +121,8 @@ def compare(ks: list[int], batch: int, rounds: int, block: int, context: int) ->
     for r in range(rounds):
         for j in range(len(ks)):
             e = (j + r) % len(ks)
-            per_step = 1 + min(ACCEPT, ks[e])
-            plen = context - block * per_step // 2
-            assert plen > 0 and context + block * per_step < engines[e].max_model_len, "--context, --block"
+            plen = context - block * per_step(ks[e]) // 2
+            assert plen > 0 and context + block * per_step(ks[e]) < engines[e].max_model_len, "--context, --block"
             refill(engines[e], batch, plen, r)
             blocks[e].append(timed_block(engines[e], block))
     rows = []
@@ -173,8 +177,7 @@ def main() -> None:
     if 0 in args.k:  # issue 27's metric on host time alone: decode speedup over k = 0 / tokens a verify
         for k in (k for k in args.k if k):
             whole[f"k{k}"]["speedup_over_acceptance_length"] = round(
-                whole["k0"]["decode_ms_per_request"] / whole[f"k{k}"]["decode_ms_per_request"] / (1 + min(ACCEPT, k)),
-                3)
+                whole["k0"]["decode_ms_per_request"] / whole[f"k{k}"]["decode_ms_per_request"] / per_step(k), 3)
     write_json({"machine": machine(), "torch": torch.__version__, "accept": ACCEPT, "rounds": args.rounds,
                 "block": args.block, "context": args.context, "runs": rows, "excess_over_k0_us": excess,
                 "requests_64_tokens": whole}, args.out)
