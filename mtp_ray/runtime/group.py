@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.util.placement_group import remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mtp_ray.config.engine import EngineConfig
 from mtp_ray.config.model import ModelConfig
@@ -25,10 +24,9 @@ from mtp_ray.runtime.batcher import CallBatcher, detached
 from mtp_ray.runtime.group_commands import GroupCommands
 from mtp_ray.runtime.group_monitor import GroupFailed, GroupMonitor, GroupUnavailable
 from mtp_ray.runtime.messages import AddRequest, Admission, AdmitItem, RequestError
-from mtp_ray.runtime.placement import new_placement_group, rank_bundles, wait_placed
-from mtp_ray.runtime.prefix_routing import PrefixRouter
+from mtp_ray.runtime.placement import new_placement_group, spawn_ranks, wait_placed
+from mtp_ray.runtime.prefix_routing import rank_router
 from mtp_ray.runtime.sinks import Collector, RemoteSink, Sink, StreamSink
-from mtp_ray.runtime.worker import RankWorker
 
 log = logging.getLogger("mtp_ray.group")
 
@@ -56,7 +54,7 @@ class EngineGroup:
         self.workers: list = []
         self.reqs: dict[str, tuple[int, Sink]] = {}
         self.load = [0] * self.dp
-        self.router = self._router()
+        self.router = rank_router(self.cfg)
         self.admit_s, self.admits = 0.0, 0  # admissions through `admit` and the time the group spent on them
         self.abort_calls = [0] * self.dp  # aborts sent per rank (cancelled streams, abort()): health shows them
         self.abort_errors = [0] * self.dp  # ... and those whose call failed
@@ -87,9 +85,7 @@ class EngineGroup:
         except BaseException:
             # a group that never served holds nothing: its own placement group goes (when it stayed, every failed
             # start of a rollout engine left its ranks' CPUs / GPUs reserved until the job ended)
-            if self.own_pg and self.pg is not None:
-                remove_placement_group(self.pg)
-                self.pg = None
+            self._drop_own_pg()
             raise
         self._tasks.append(detached(self.monitor.watchdog()))
 
@@ -108,16 +104,7 @@ class EngineGroup:
     async def spawn(self) -> None:
         self.state = "starting"
         self.epoch += 1
-        bundles = rank_bundles(self.cfg)
-        cls = ray.remote(RankWorker)
-        self.workers = [
-            cls.options(
-                num_cpus=bundles[r]["CPU"], num_gpus=bundles[r].get("GPU", 0), max_concurrency=16,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, self.bundle_offset + r),
-                name=f"mtp_ray_rank_{self.group_id}_e{self.epoch}_r{r}",
-            ).remote(self.cfg, r, self.dp)
-            for r in range(self.dp)
-        ]
+        self.workers = spawn_ranks(self.cfg, self.pg, self.bundle_offset, f"mtp_ray_rank_{self.group_id}_e{self.epoch}")
         try:
             addr, port = await self.workers[0].rendezvous_address.remote()
             infos = await asyncio.wait_for(asyncio.gather(*[w.init.remote(addr, port, self.workers)
@@ -131,7 +118,7 @@ class EngineGroup:
         self.max_model_len = infos[0]["max_model_len"]
         self.monitor.reset()
         self.load = [0] * self.dp
-        self.router = self._router()  # new ranks: empty caches
+        self.router = rank_router(self.cfg)  # new ranks: empty caches
         self._tasks += [detached(self.monitor.poll(self.epoch, r)) for r in range(self.dp)]
         self.state = "ready"
         self.ready.set()
@@ -144,6 +131,9 @@ class EngineGroup:
         for t in self._tasks:
             t.cancel()
         self.kill_workers()
+        self._drop_own_pg()
+
+    def _drop_own_pg(self) -> None:
         if self.own_pg and self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
@@ -283,13 +273,6 @@ class EngineGroup:
                                        f"{type(e).__name__}") from e
             raise
         return rid, rank
-
-    def _router(self) -> PrefixRouter | None:
-        """Cache-aware rank choice (prefix caching on, more than one rank); else the least-loaded rank."""
-        c = self.cfg
-        if not c.cache.prefix_caching or self.dp == 1:
-            return None
-        return PrefixRouter(c.cache.block_size, int(c.spec.k > 0), slack=max(2, c.scheduler.max_num_seqs // 4))
 
     def _release(self, rid: str, rank: int, finished: bool) -> None:
         if self.reqs.pop(rid, None) is not None:

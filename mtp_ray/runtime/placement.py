@@ -7,8 +7,10 @@ import asyncio
 
 import ray
 from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mtp_ray.config.engine import EngineConfig
+from mtp_ray.runtime.worker import RankWorker
 
 
 def rank_bundles(cfg: EngineConfig) -> list[dict]:
@@ -32,3 +34,17 @@ async def wait_placed(cfg: EngineConfig, pg) -> None:
         raise TimeoutError(f"group start failed: the placement group of {cfg.parallel.dp} rank bundles "
                            f"{rank_bundles(cfg)[0]} was not ready after timeouts.start_s={cfg.timeouts.start_s} s "
                            "(the cluster lacks the resources?)") from None
+
+
+def spawn_ranks(cfg: EngineConfig, pg, bundle_offset: int, name: str) -> list:
+    """One RankWorker actor per DP rank, each on its own bundle of `pg` (named `name`_r<rank> for an operator's
+    `ray list actors`)."""
+    bundles = rank_bundles(cfg)
+    cls = ray.remote(RankWorker)
+    return [
+        cls.options(
+            num_cpus=bundles[r]["CPU"], num_gpus=bundles[r].get("GPU", 0), max_concurrency=16,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, bundle_offset + r), name=f"{name}_r{r}",
+        ).remote(cfg, r, cfg.parallel.dp)
+        for r in range(cfg.parallel.dp)
+    ]

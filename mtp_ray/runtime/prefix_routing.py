@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from mtp_ray.config.engine import EngineConfig
 from mtp_ray.engine.prefix_cache import BlockHash, prompt_block_names
 
 
@@ -39,3 +40,10 @@ class PrefixRouter:
         while len(self.owner) > self.capacity:
             self.owner.popitem(last=False)
         return rank
+
+
+def rank_router(cfg: EngineConfig) -> PrefixRouter | None:
+    """A group's cache-aware rank choice (prefix caching on, more than one rank); None: the least-loaded rank."""
+    if not cfg.cache.prefix_caching or cfg.parallel.dp == 1:
+        return None
+    return PrefixRouter(cfg.cache.block_size, int(cfg.spec.k > 0), slack=max(2, cfg.scheduler.max_num_seqs // 4))
