@@ -411,3 +411,27 @@ def test_cancelled_group_command_still_runs_on_every_rank(ray_cluster, engine, r
         if seen[-1]:
             ray.get(engine.wake_up.remote(), timeout=60)
         assert gen(ray, engine) == refs["orig"]
+
+
+def test_non_finite_weights_fail_their_requests_not_the_group(ray_cluster, engine, refs):
+    """An update that leaves a NaN in the weights (a diverged trainer step) fails the requests whose logits it
+    reaches, greedy or sampled, with the model's error; the group is not failed (after an update it could not
+    restart) and serves the others, then everything once the weights are finite again."""
+    ray = ray_cluster
+    name = "model.embed_tokens.weight"
+    orig = next(t for n, t in weights(0.0) if n == name)
+    poisoned = orig.clone()
+    poisoned[300] = float("nan")  # only PROMPTS[2] reads token 300
+    ray.get(engine.update_weights.remote([(name, poisoned)]))
+    try:
+        for params in (GREEDY, {**GREEDY, "temperature": 1.0, "seed": 3}):
+            calls = [engine.generate.remote(p, params) for p in PROMPTS]
+            with pytest.raises(Exception, match="not finite"):
+                ray.get(calls[2], timeout=120)
+            got = [r["token_ids"] for r in ray.get([c for i, c in enumerate(calls) if i != 2], timeout=120)]
+            if params is GREEDY:
+                assert got == [t for i, t in enumerate(refs["orig"][0]) if i != 2]
+            assert all(len(t) == GREEDY["max_tokens"] for t in got)
+    finally:
+        ray.get(engine.update_weights.remote([(name, orig)]))
+    assert gen(ray, engine) == refs["orig"]

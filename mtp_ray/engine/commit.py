@@ -13,7 +13,7 @@ from mtp_ray.engine.outputs import OutputProcessor, StepOutput
 from mtp_ray.engine.rejection import verify
 from mtp_ray.engine.request import Request
 from mtp_ray.engine.runner import ModelRunner
-from mtp_ray.engine.sampler import Row, logprob_info, reduce_rows, sample_row, top_count
+from mtp_ray.engine.sampler import NON_FINITE, NonFiniteLogits, Row, logprob_info, reduce_rows, sample_row, top_count
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.engine.scheduler import Scheduled
 
@@ -108,7 +108,10 @@ class Committer:
                 out_before = len(req.output_ids)
                 masks = req.grammar.masks_along(req.drafts) if req.grammar is not None else [req.allowed] * (k + 1)
                 rows = [self._row(req, req.drafts[:i], out_before + i, masks[i]) for i in range(k + 1)]
-                emitted = verify(logits, req.drafts, req.draft_probs, rows, req.generator)
+                try:
+                    emitted = verify(logits, req.drafts, req.draft_probs, rows, req.generator)
+                except NonFiniteLogits:
+                    return self._failed(req), None
             a = len(emitted) - 1
             self.out.commit_spec(req, a, k)
             req.num_computed = start + a + 1
@@ -120,7 +123,11 @@ class Committer:
             if fast:
                 emitted = [g_ids[-1]]
             else:
-                emitted = [sample_row(logits[-1], self._row(req, [], len(req.output_ids), req.mask()), req.generator)]
+                try:
+                    emitted = [sample_row(logits[-1], self._row(req, [], len(req.output_ids), req.mask()),
+                                          req.generator)]
+                except NonFiniteLogits:
+                    return self._failed(req), None
                 logprobs = logprobs[-1:]
             g_lp = g_lp[-1:]
             req.num_computed = start + s.num_new
@@ -138,6 +145,11 @@ class Committer:
         if req.finished:
             return out, self._named_kv_item(s, start, hidden, index, table) if table else None
         return out, DraftItem(req, start, hidden, True, index, committed) if self.k else None
+
+    def _failed(self, req: Request) -> StepOutput:
+        """A sampled row with no finite logit: the request ends with the model's error, the step goes on."""
+        self.out.fail(req, NON_FINITE.format(len(req.output_ids)))
+        return self.out.output(req, [], 0)
 
     def _named_kv_item(self, s: Scheduled, start: int, hidden: torch.Tensor, index: int,
                        table: list[int]) -> DraftItem | None:

@@ -20,7 +20,7 @@ from mtp_ray.engine.block_manager import BlockManager
 from mtp_ray.engine.inputs import Piece, StepInputs, build, build_uniform, dummy_inputs
 from mtp_ray.engine.request import Request
 from mtp_ray.engine.runner import ModelRunner
-from mtp_ray.engine.sampler import draw, tempered
+from mtp_ray.engine.sampler import draft_probs, draw
 from mtp_ray.engine.stats import EngineStats
 from mtp_ray.parallel.dp_meta import DPMeta, Gathered
 from mtp_ray.parallel.sync import Sync
@@ -196,6 +196,6 @@ class MTPProposer:
             if p.greedy:
                 drafts[b].append(greedy[b])
                 continue
-            q = torch.softmax(tempered(host[b], p.temperature), dim=-1)
+            q = draft_probs(host[b], p.temperature)
             drafts[b].append(draw(q, it.req.generator))
             probs[b].append(q)

@@ -10,8 +10,18 @@ import time
 from dataclasses import dataclass, field
 
 from mtp_ray.engine.request import Request
+from mtp_ray.engine.sampler import NON_FINITE
 from mtp_ray.engine.scheduler import Scheduler
 from mtp_ray.engine.stats import EngineStats
+
+
+def first_nan(logprobs: list[float]) -> int | None:
+    """The first NaN log-prob (a non-finite logit row: its argmax means nothing), or None; one sum in the common
+    case (log-probs are <= 0, so only a NaN makes the sum NaN)."""
+    s = sum(logprobs)
+    if s == s:
+        return None
+    return next(i for i, lp in enumerate(logprobs) if lp != lp)
 
 
 @dataclass
@@ -38,6 +48,7 @@ class StepOutput:
     stop_token: bool = False
     # per new token its rank in the vocabulary (1: the likeliest) where the step knew it; None: not known
     new_ranks: list[int | None] | None = None
+    model_fault: bool = False  # the error is the model's (non-finite logits), not the caller's: 500, not 400
 
     def then(self, later: StepOutput) -> StepOutput:
         """This delta followed by a later one of the same request, as one (its end state is the later one's)."""
@@ -48,7 +59,8 @@ class StepOutput:
                           later.error, later.timings,
                           self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
                           later.num_cached_tokens, later.stop_token,
-                          None if self.new_ranks is later.new_ranks is None else self.ranks() + later.ranks())
+                          None if self.new_ranks is later.new_ranks is None else self.ranks() + later.ranks(),
+                          later.model_fault)
 
     def ranks(self) -> list[int | None]:
         """new_ranks, one per new token (None where not known)."""
@@ -77,7 +89,13 @@ class OutputProcessor:
         req.drafts, req.draft_probs = [], None
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        n = self._append(req, emitted, [lp for lp, _, _ in info], [top for _, top, _ in info])
+        lps = [lp for lp, _, _ in info]
+        bad = first_nan(lps)
+        if bad is not None:
+            emitted, lps, info = emitted[:bad], lps[:bad], info[:bad]
+        n = self._append(req, emitted, lps, [top for _, top, _ in info])
+        if bad is not None and not req.finished:
+            self.fail(req, NON_FINITE.format(len(req.output_ids)))
         out = self.output(req, emitted[:n], n)
         if any(r is not None for _, _, r in info):
             out.new_ranks = [r for _, _, r in info[:n]]
@@ -89,14 +107,20 @@ class OutputProcessor:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         req.drafts = []
+        bad = first_nan(logprobs)
+        if bad is not None:
+            tokens, logprobs = tokens[:bad], logprobs[:bad]
         n = self._append(req, tokens, logprobs, None)
         if n < len(tokens):
             tokens, logprobs = tokens[:n], logprobs[:n]
+        if bad is not None and not req.finished:
+            self.fail(req, NON_FINITE.format(len(req.output_ids)))
         done = req.finished
         return StepOutput(req.request_id, tokens, logprobs, [{} for _ in tokens], done, req.finish_reason,
                           req.stop_reason, len(req.prompt_ids), req.spec_stats() if done else {}, req.error,
                           req.timings() if done else {}, None, self._cached(req),
-                          new_ranks=[1] * len(tokens) if req.params.logprobs is not None else None)  # the argmax
+                          new_ranks=[1] * len(tokens) if req.params.logprobs is not None else None,  # the argmax
+                          model_fault=req.model_fault)
 
     def commit_spec(self, req: Request, accepted: int, k: int) -> None:
         """GDN rollback: the state after token `accepted` of the verify becomes the sequence's state."""
@@ -168,8 +192,14 @@ class OutputProcessor:
             finished=req.finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             num_prompt_tokens=len(req.prompt_ids), spec=req.spec_stats() if req.finished else {},
             timings=req.timings() if req.finished else {}, num_cached_tokens=self._cached(req), error=req.error,
-            stop_token=req.stop_token,
+            stop_token=req.stop_token, model_fault=req.model_fault,
         )
+
+    def fail(self, req: Request, message: str) -> None:
+        """End a request with an error of the model's (its logits were not finite): the others go on."""
+        req.error, req.model_fault = message, True
+        self.scheduler.finish(req, "error")
+        self.requests.pop(req.request_id, None)
 
     def _cached(self, req: Request) -> int | None:
         return req.num_cached_tokens if self.scheduler.blocks.caching else None

@@ -64,6 +64,7 @@ class Request:
     compiling: Future | None = None  # the grammar being compiled (the request waits outside the scheduler)
     allowed: torch.Tensor | None = None
     error: str | None = None  # why it ended with finish_reason "error" (StepOutput.error: the caller's ValueError)
+    model_fault: bool = False  # ... and the error is the model's (non-finite logits), not the caller's
     # prompt_logprobs: (logprob, {token: logprob} top-n, rank) of prompt token p + 1, for p = 0 .. as computed
     prompt_lps: list[tuple[float, dict[int, float], int]] = field(default_factory=list)
     prompt_lps_sent: bool = False

@@ -72,9 +72,21 @@ def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.nan_to_num(logits / temperature, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
 
 
+class NonFiniteLogits(ArithmeticError):
+    """A row's logits leave nothing to sample from (every one NaN or -inf: non-finite weights, an overflow). The
+    request ends with an error of the model's (OutputProcessor.fail); the step and the group go on."""
+
+
+NON_FINITE = ("the model's logits are not finite at output token {} (NaN / inf): are its weights finite (e.g. after "
+              "update_weights) and in its dtype's range?")
+
+
 def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Processed logits [V] -> the distribution to sample from (temperature > 0)."""
+    """Processed logits [V] -> the distribution to sample from (temperature > 0). NonFiniteLogits when nothing is
+    left to sample (multinomial would raise, or assert on the device)."""
     x = tempered(logits, params.temperature)
+    if bool(torch.isneginf(x).all()):
+        raise NonFiniteLogits("no finite logit")
     if params.top_k > 0 and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -87,6 +99,15 @@ def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = (sp.cumsum(0) - sp) >= params.top_p * sp.sum()
         pr = pr.scatter(0, si[drop], 0.0)
     return pr / pr.sum()
+
+
+def draft_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A sampled draft's distribution [V]: the MTP head's tempered softmax, or all mass on token 0 when none of
+    its logits is finite (a draft only proposes: verification is exact for any distribution it was drawn from)."""
+    x = tempered(logits, temperature)
+    if bool(torch.isneginf(x).all()):
+        return torch.nn.functional.one_hot(torch.tensor(0, device=x.device), x.numel()).to(x.dtype)
+    return torch.softmax(x, dim=-1)
 
 
 def draw(pr: torch.Tensor, gen: torch.Generator | None) -> int:

@@ -23,7 +23,7 @@ from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.runtime.batcher import CallBatcher, detached
 from mtp_ray.runtime.group_commands import GroupCommands
 from mtp_ray.runtime.group_monitor import GroupFailed, GroupMonitor, GroupUnavailable
-from mtp_ray.runtime.messages import AddRequest, Admission, AdmitItem, RequestError
+from mtp_ray.runtime.messages import AddRequest, Admission, AdmitItem, request_error
 from mtp_ray.runtime.placement import new_placement_group, spawn_ranks, wait_placed
 from mtp_ray.runtime.prefix_routing import rank_router
 from mtp_ray.runtime.sinks import Collector, RemoteSink, Sink, StreamSink
@@ -32,9 +32,10 @@ log = logging.getLogger("mtp_ray.group")
 
 
 def _raise_if_error(out: StepOutput | None) -> None:
-    """A request its rank refused ends with a RequestError (a ValueError: the caller's) carrying the rank's message."""
+    """A request its rank refused ends with a RequestError (a ValueError: the caller's) carrying the rank's message;
+    one the model could not go on with, with a ModelError."""
     if out is not None and out.error is not None:
-        raise RequestError(out.error)
+        raise request_error(out)
 
 
 class EngineGroup:

@@ -17,7 +17,7 @@ import msgpack
 from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.sampling_params import SamplingParams
 
-VERSION = 5
+VERSION = 6
 # a StepOutput on the wire: its fields as a msgpack array in declaration order (one schema on both ends)
 _FIELDS = tuple(f.name for f in fields(StepOutput))
 _ROW = attrgetter(*_FIELDS)  # ~0.3 us a row (dataclasses.astuple deep-copies: ~16 us)
@@ -25,6 +25,16 @@ _ROW = attrgetter(*_FIELDS)  # ~0.3 us a row (dataclasses.astuple deep-copies: ~
 
 class RequestError(ValueError):
     """A request a rank refused (the engine's admission check raised): the caller's error, not the group's."""
+
+
+class ModelError(RuntimeError):
+    """A request the model could not go on with (its logits were not finite): the model's error, not the caller's;
+    the group serves on."""
+
+
+def request_error(out: StepOutput) -> Exception:
+    """The exception a request that ended with `out.error` raises for its caller."""
+    return ModelError(out.error) if out.model_fault else RequestError(out.error)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect
 from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.runtime.batcher import detached
-from mtp_ray.runtime.messages import Admission, AdmitItem, RequestError
+from mtp_ray.runtime.messages import Admission, AdmitItem, ModelError, request_error
 from mtp_ray.serve.admissions import Admissions, abort_at_rank
 from mtp_ray.serve.delivery import Deliveries
 from mtp_ray.serve.errors import ApiError, bad, cause_of, first_line, unavailable
@@ -75,7 +75,8 @@ class GroupClient:
 
     def classify(self, e: BaseException) -> ApiError:
         """Engine-side exceptions -> HTTP errors: bad input (ValueError, RequestError) 400, a group that cannot serve
-        503 (first line of the cause: which rank, what happened), a client gone 499, anything else 500."""
+        503 (first line of the cause: which rank, what happened), a client gone 499, the model's failure (ModelError)
+        500 with its message, anything else 500 with a reference to the log."""
         if unavailable(e):
             return self.unavailable_error(e)
         cause = cause_of(e)
@@ -83,6 +84,8 @@ class GroupClient:
             return ApiError(499, "the client closed the request", type_="client_closed_request")
         if isinstance(cause, ValueError):
             return bad(first_line(cause), getattr(cause, "param", None))
+        if isinstance(cause, ModelError):  # the model's output, not a fault of the server's: said as it is
+            return ApiError(500, first_line(cause))
         ref = uuid.uuid4().hex[:12]  # the details go to the log, not to the client
         log.error("internal error %s: %s: %s", ref, type(cause).__name__, cause, exc_info=cause)
         return ApiError(500, f"internal error (reference {ref} in the server log)")
@@ -201,8 +204,8 @@ class GroupStream:
                     got_tokens = got_tokens or bool(item.new_token_ids)
                     if item.finished:
                         self._done()
-                        if item.error is not None:  # the rank refused it: the caller's error
-                            raise RequestError(item.error)
+                        if item.error is not None:  # the rank refused it (the caller's error) or the model failed
+                            raise request_error(item)
                         yield item
                         return
                     yield item

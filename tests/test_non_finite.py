@@ -1,0 +1,67 @@
+"""A model whose logits are not finite for one request (a NaN weight row its prompt reads) fails that request with
+the model's error; the others in the same steps keep their tokens and the engine serves on (it used to raise in
+the sampler's multinomial and stop the whole step)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtp_ray import LLM, SamplingParams
+from mtp_ray.engine.outputs import StepOutput
+from mtp_ray.engine.sampler import draft_probs
+from mtp_ray.runtime.messages import ModelError, RequestError, request_error
+from mtp_ray.serve.groups import GroupClient
+
+PROMPTS = [list(range(10, 30)), [7, 300, 21, 9, 88], list(range(50, 60))]
+POISONED = 300  # its embedding row is NaN: only the second prompt reads it
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+
+
+def set_row(llm: LLM, row: torch.Tensor | float) -> torch.Tensor:
+    """Token POISONED's embedding row set to `row`; returns the row it had."""
+    emb = llm.engine.runner.model.model.embed_tokens.weight
+    old = emb[POISONED].clone()
+    with torch.no_grad():
+        emb[POISONED] = row
+    return old
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_request_with_non_finite_logits_fails_alone(k):
+    llm = LLM(num_speculative_tokens=k)
+    before = {name: [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
+              for name, sp in (("greedy", GREEDY), ("sampled", SAMPLED))}
+    old = set_row(llm, float("nan"))
+    for name, sp in (("greedy", GREEDY), ("sampled", SAMPLED)):
+        outs = [o.outputs[0] for o in llm.generate(PROMPTS, sp)]
+        bad = outs[1]
+        assert bad.finish_reason == "error" and "not finite" in bad.error, (name, bad)
+        assert bad.token_ids == [], name  # its first token already had no finite logit
+        assert [o.token_ids for o in (outs[0], outs[2])] == [before[name][0], before[name][2]], name
+        assert all(o.finish_reason == "length" for o in (outs[0], outs[2]))
+    set_row(llm, old)  # the original row back: the engine serves as before
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == before["greedy"]
+
+
+def test_a_draft_without_finite_logits_proposes_token_zero():
+    q = draft_probs(torch.full((5,), float("nan")), 0.7)
+    assert q.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert torch.allclose(draft_probs(torch.tensor([0.0, 1.0]), 1.0), torch.softmax(torch.tensor([0.0, 1.0]), -1))
+
+
+def test_the_models_error_is_a_500_that_says_it():
+    """Over HTTP the model's failure is no 400 (the request was valid) and no anonymous 500: it says what failed."""
+
+    class Handle:
+        def options(self, **_):
+            return self
+
+    client = GroupClient(Handle(), queue_s=1, retry_after_s=1)
+    err = client.classify(ModelError("the model's logits are not finite at output token 0 (NaN / inf): ..."))
+    assert err.status == 500 and "not finite" in err.message
+    assert client.classify(RequestError("prompt must not be empty")).status == 400
+    fault = StepOutput("r", [], [], [], True, "error", error="x", model_fault=True)
+    assert isinstance(request_error(fault), ModelError)
+    assert isinstance(request_error(StepOutput("r", [], [], [], True, "error", error="x")), RequestError)
