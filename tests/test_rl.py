@@ -435,3 +435,28 @@ def test_non_finite_weights_fail_their_requests_not_the_group(ray_cluster, engin
     finally:
         ray.get(engine.update_weights.remote([(name, orig)]))
     assert gen(ray, engine) == refs["orig"]
+
+
+def test_wake_up_in_two_calls_by_tags_as_vllm(ray_cluster, engine, new_weights, refs):
+    """verl's order on vLLM: wake_up(tags=["weights"]), the weights synced, wake_up(tags=["kv_cache"]); the group
+    wakes at the second call, on the new weights. Tags it does not know are a ValueError naming them."""
+    ray = ray_cluster
+    ray.get(engine.sleep.remote(2))
+    with pytest.raises(Exception, match="tags must be None or a list of"):
+        ray.get(engine.wake_up.remote(["bogus"]))
+    assert ray.get(engine.wake_up.remote(tags=["weights"])) == []  # still asleep: nothing to generate with
+    assert ray.get(engine.get_stats.remote())["health"]["sleeping"]
+    ray.get(engine.update_weights.remote(ray.put(new_weights[0])))
+    awake = ray.get(engine.wake_up.remote(tags=["kv_cache"]))
+    assert len(awake) == 2 and all(m["cache_bytes"] > 0 for m in awake)
+    assert gen(ray, engine) == refs["new"]
+    ray.get(engine.update_weights.remote(ray.put(weights(0.0))))
+    assert gen(ray, engine) == refs["orig"]
+
+
+def test_sampling_params_as_a_dict_or_a_sampling_params(ray_cluster, engine, refs):
+    ray = ray_cluster
+    got = ray.get(engine.generate.remote(PROMPTS[0], SamplingParams(**GREEDY)), timeout=120)
+    assert got["token_ids"] == refs["orig"][0][0]
+    with pytest.raises(Exception, match="sampling_params must be a dict of SamplingParams fields or a SamplingPa"):
+        ray.get(engine.generate.remote(PROMPTS[0], [1, 2]), timeout=60)

@@ -12,6 +12,7 @@ from mtp_ray.engine.detok import STOP_NEEDS_TOKENIZER, Detokenizer
 from mtp_ray.engine.outputs import prompt_logprob_dicts
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.engine.weight_sync import check_backend
+from mtp_ray.llm import WAKE_TAGS
 from mtp_ray.prompts import BAD_WORDS_NEED_TOKENIZER, tokenizer_or_none
 from mtp_ray.runtime.batcher import detached
 from mtp_ray.runtime.group import EngineGroup
@@ -22,9 +23,14 @@ STOP_REASON = {"stop": "completed", "length": "length", "abort": "aborted"}
 class RolloutEngine:
     def __init__(self, config: EngineConfig | dict, placement_group=None, bundle_offset: int = 0):
         cfg = config if isinstance(config, EngineConfig) else EngineConfig.from_dict(config)
-        self.group = EngineGroup(cfg, placement_group, bundle_offset)
+        self._attach(EngineGroup(cfg, placement_group, bundle_offset))
+
+    def _attach(self, group: EngineGroup) -> None:
+        """The handle's state over `group` (a Serve replica, serve/deployment.py, makes its group itself)."""
+        self.group = group
         self._started: asyncio.Task | None = None
         self._tok = None  # loaded for the first request with stop strings
+        self._woken: set[str] = set()  # wake_up tags named since the last sleep
 
     async def start(self) -> dict:
         if self._started is None:
@@ -32,11 +38,18 @@ class RolloutEngine:
         await self._started
         return self.group.monitor.health()
 
-    async def generate(self, prompt_token_ids: list[int] | list[list[int]], sampling_params: dict | None = None
-                       ) -> dict | list[dict]:
-        """One prompt (list of ids) -> one result; a batch (list of lists) -> a list of results, in order."""
+    async def generate(self, prompt_token_ids: list[int] | list[list[int]],
+                       sampling_params: dict | SamplingParams | None = None) -> dict | list[dict]:
+        """One prompt (list of ids) -> one result; a batch (list of lists) -> a list of results, in order.
+        sampling_params: a dict of SamplingParams fields, or a SamplingParams."""
         await self.start()
-        params = SamplingParams.from_dict(dict(sampling_params or {}))
+        if isinstance(sampling_params, SamplingParams):
+            params = sampling_params  # (a copy: it came through Ray)
+        elif sampling_params is None or isinstance(sampling_params, dict):
+            params = SamplingParams.from_dict(dict(sampling_params or {}))
+        else:
+            raise ValueError("sampling_params must be a dict of SamplingParams fields or a SamplingParams, got "
+                             f"{type(sampling_params).__name__}")
         if params.bad_words:  # to token sequences, as vLLM's: once for the batch (its prompts share the params)
             params.update_from_tokenizer(await self._tokenizer(BAD_WORDS_NEED_TOKENIZER))
         if prompt_token_ids and all(isinstance(p, list) for p in prompt_token_ids):
@@ -104,9 +117,20 @@ class RolloutEngine:
     async def sleep(self, level: int = 1, in_flight: str = "abort") -> list[dict]:
         """1: KV cache freed, weights offloaded to host; 2: both dropped. Returns each rank's memory while asleep."""
         await self.start()
-        return await self.group.commands.sleep(level, in_flight)
+        out = await self.group.commands.sleep(level, in_flight)
+        self._woken = set()
+        return out
 
-    async def wake_up(self) -> list[dict]:
+    async def wake_up(self, tags: list[str] | None = None) -> list[dict]:
+        """The weights and caches back (graphs recaptured); each rank's memory. tags (vLLM's): "weights" /
+        "kv_cache" for a wake-up in two calls with update_weights between them (it writes the sleeping weights):
+        the group wakes once both were named ([] until then); None: both."""
+        if tags is not None and not (isinstance(tags, list) and set(tags) <= WAKE_TAGS):
+            raise ValueError(f"tags must be None or a list of {sorted(WAKE_TAGS)}, got {tags!r}")
+        self._woken |= WAKE_TAGS if tags is None else set(tags)
+        if self._woken != WAKE_TAGS:
+            return []
+        self._woken = set()
         return await self.group.commands.wake_up()
 
     async def update_weights(self, weights) -> list[dict]:

@@ -29,8 +29,7 @@ class GroupDeployment(RolloutEngine):
     async def __init__(self, engine: dict, deploy: int = 0):  # Serve runs async constructors
         self.cfg = EngineConfig.from_dict(engine)
         pg = ray.util.get_current_placement_group()
-        self.group = EngineGroup(self.cfg, pg, bundle_offset=1 if pg is not None else 0, restart_on_failure=False)
-        self._started = None
+        self._attach(EngineGroup(self.cfg, pg, bundle_offset=1 if pg is not None else 0, restart_on_failure=False))
         await self.start()
         self._posted = asyncio.Lock()  # posted_command: one at a time
         # this group's counters and gauges to the application's metrics hub, once a second, and the commands
