@@ -9,7 +9,7 @@ import torch
 
 from mtp_ray import LLM, SamplingParams
 from mtp_ray.engine.outputs import StepOutput
-from mtp_ray.engine.sampler import draft_probs
+from mtp_ray.engine.sampler import draft_probs, probs
 from mtp_ray.runtime.messages import ModelError, RequestError, request_error
 from mtp_ray.serve.groups import GroupClient
 
@@ -43,6 +43,27 @@ def test_a_request_with_non_finite_logits_fails_alone(k):
         assert all(o.finish_reason == "length" for o in (outs[0], outs[2]))
     set_row(llm, old)  # the original row back: the engine serves as before
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == before["greedy"]
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_constraints_that_rule_out_every_token_are_the_requests_error(k):
+    """allowed_token_ids [5] with token 5 banned as a bad word: no token is left. The request ends with its own error
+    (a 400 over HTTP), where it used to sample from the whole vocabulary (the masks' -inf turned finite)."""
+    llm = LLM(num_speculative_tokens=k)
+    word = llm.get_tokenizer().decode([5])
+    for t in (0, 1.0):
+        out = llm.generate(["def main("], SamplingParams(temperature=t, allowed_token_ids=[5], bad_words=[word],
+                                                         max_tokens=4))[0].outputs[0]
+        assert out.finish_reason == "error" and "rule out every token" in out.error and out.token_ids == [], out
+        assert llm.generate(["def main("], SamplingParams(temperature=t, allowed_token_ids=[5], max_tokens=3)
+                            )[0].outputs[0].token_ids == [5, 5, 5]
+
+
+def test_a_tiny_temperature_is_the_argmax_not_uniform():
+    """Shifted by their max before the temperature divides them, logits far below zero cannot all overflow to -inf
+    (they became the smallest finite value each: a uniform draw)."""
+    x = torch.tensor([-3.0e38, -3.1e38, -3.2e38])
+    assert probs(x, SamplingParams(temperature=1e-8)).tolist() == [1.0, 0.0, 0.0]
 
 
 def test_a_draft_without_finite_logits_proposes_token_zero():

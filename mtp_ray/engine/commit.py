@@ -13,7 +13,16 @@ from mtp_ray.engine.outputs import OutputProcessor, StepOutput
 from mtp_ray.engine.rejection import verify
 from mtp_ray.engine.request import Request
 from mtp_ray.engine.runner import ModelRunner
-from mtp_ray.engine.sampler import NON_FINITE, NonFiniteLogits, Row, logprob_info, reduce_rows, sample_row, top_count
+from mtp_ray.engine.sampler import (
+    NO_TOKEN_LEFT,
+    NON_FINITE,
+    NoTokenLeft,
+    Row,
+    logprob_info,
+    reduce_rows,
+    sample_row,
+    top_count,
+)
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.engine.scheduler import Scheduled
 
@@ -110,8 +119,8 @@ class Committer:
                 rows = [self._row(req, req.drafts[:i], out_before + i, masks[i]) for i in range(k + 1)]
                 try:
                     emitted = verify(logits, req.drafts, req.draft_probs, rows, req.generator)
-                except NonFiniteLogits:
-                    return self._failed(req), None
+                except NoTokenLeft as e:
+                    return self._failed(req, e), None
             a = len(emitted) - 1
             self.out.commit_spec(req, a, k)
             req.num_computed = start + a + 1
@@ -126,8 +135,8 @@ class Committer:
                 try:
                     emitted = [sample_row(logits[-1], self._row(req, [], len(req.output_ids), req.mask()),
                                           req.generator)]
-                except NonFiniteLogits:
-                    return self._failed(req), None
+                except NoTokenLeft as e:
+                    return self._failed(req, e), None
                 logprobs = logprobs[-1:]
             g_lp = g_lp[-1:]
             req.num_computed = start + s.num_new
@@ -146,9 +155,10 @@ class Committer:
             return out, self._named_kv_item(s, start, hidden, index, table) if table else None
         return out, DraftItem(req, start, hidden, True, index, committed) if self.k else None
 
-    def _failed(self, req: Request) -> StepOutput:
-        """A sampled row with no finite logit: the request ends with the model's error, the step goes on."""
-        self.out.fail(req, NON_FINITE.format(len(req.output_ids)))
+    def _failed(self, req: Request, e: NoTokenLeft) -> StepOutput:
+        """A row with no token left: the request ends with the model's error (non-finite logits) or its own (its
+        constraints rule out every token); the step goes on."""
+        self.out.fail(req, (NON_FINITE if e.model else NO_TOKEN_LEFT).format(len(req.output_ids)), model=e.model)
         return self.out.output(req, [], 0)
 
     def _named_kv_item(self, s: Scheduled, start: int, hidden: torch.Tensor, index: int,

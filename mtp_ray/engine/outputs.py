@@ -195,9 +195,10 @@ class OutputProcessor:
             stop_token=req.stop_token, model_fault=req.model_fault,
         )
 
-    def fail(self, req: Request, message: str) -> None:
-        """End a request with an error of the model's (its logits were not finite): the others go on."""
-        req.error, req.model_fault = message, True
+    def fail(self, req: Request, message: str, model: bool = True) -> None:
+        """End a request with an error: the model's (its logits were not finite) or its own (model=False: its
+        constraints left no token); the others go on."""
+        req.error, req.model_fault = message, model
         self.scheduler.finish(req, "error")
         self.requests.pop(req.request_id, None)
 

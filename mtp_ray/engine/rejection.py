@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from mtp_ray.engine.sampler import Row, draw, probs, process
+from mtp_ray.engine.sampler import Row, check_left, draw, probs, process
 
 
 def accept_or_resample(p: torch.Tensor, q: torch.Tensor, d: int, gen: torch.Generator | None) -> tuple[bool, int]:
@@ -35,6 +35,7 @@ def verify(
     greedy = rows[0].params.greedy
     for i, d in enumerate(drafts):
         x = process(logits[i], rows[i])
+        check_left(logits[i], x)
         if greedy:
             t = int(x.argmax().item())
             if t != d:
@@ -45,5 +46,6 @@ def verify(
         if not ok:
             return drafts[:i] + [t]
     x = process(logits[k], rows[k])
+    check_left(logits[k], x)
     bonus = int(x.argmax().item()) if greedy else draw(probs(x, rows[k].params), gen)
     return drafts + [bonus]

@@ -66,27 +66,40 @@ def banned_tokens(seqs: list[list[int]], output: list[int]) -> list[int]:
 
 
 def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits / temperature, safe to softmax: extreme but valid settings (a tiny temperature, a huge penalty) can
-    overflow, so +inf becomes the largest finite value (the distribution's limit: the argmax) and nan is never drawn;
-    a step must never fail on one request's parameters."""
-    return torch.nan_to_num(logits / temperature, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+    """logits / temperature, safe to softmax: +inf (a huge bias or penalty) becomes the largest finite value (the
+    distribution's limit: the argmax), nan is never drawn, a masked token (-inf) stays masked, and the logits are
+    shifted by their max first, so a tiny temperature cannot overflow (softmax does not see the shift). A row with
+    no finite logit stays all -inf (`probs` and `draft_probs` say so)."""
+    x = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
+    top = x.max()
+    return x if bool(torch.isneginf(top)) else (x - top) / temperature
 
 
-class NonFiniteLogits(ArithmeticError):
-    """A row's logits leave nothing to sample from (every one NaN or -inf: non-finite weights, an overflow). The
-    request ends with an error of the model's (OutputProcessor.fail); the step and the group go on."""
+class NoTokenLeft(ArithmeticError):
+    """Every token of a row is ruled out: by non-finite logits (`model`: non-finite weights, an overflow) or by the
+    request's own constraints (allowed_token_ids with bad_words, min_tokens or a logit bias). The request ends with
+    that error (OutputProcessor.fail); the step and the group go on."""
+
+    def __init__(self, model: bool):
+        super().__init__("non-finite logits" if model else "constraints rule out every token")
+        self.model = model
 
 
 NON_FINITE = ("the model's logits are not finite at output token {} (NaN / inf): are its weights finite (e.g. after "
               "update_weights) and in its dtype's range?")
+NO_TOKEN_LEFT = ("allowed_token_ids, bad_words, min_tokens and logit_bias together rule out every token at output "
+                 "token {}")
+
+
+def check_left(logits: torch.Tensor, x: torch.Tensor) -> None:
+    """NoTokenLeft unless some token of the processed row x survives (logits: the row as the model computed it)."""
+    if not bool((x > float("-inf")).any()):  # (NaN compares false: a NaN-only row has none left either)
+        raise NoTokenLeft(model=not bool(torch.isfinite(logits).any()))
 
 
 def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Processed logits [V] -> the distribution to sample from (temperature > 0). NonFiniteLogits when nothing is
-    left to sample (multinomial would raise, or assert on the device)."""
+    """Processed logits [V] (check_left passed) -> the distribution to sample from (temperature > 0)."""
     x = tempered(logits, params.temperature)
-    if bool(torch.isneginf(x).all()):
-        raise NonFiniteLogits("no finite logit")
     if params.top_k > 0 and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -116,6 +129,7 @@ def draw(pr: torch.Tensor, gen: torch.Generator | None) -> int:
 
 def sample_row(logits: torch.Tensor, row: Row, gen: torch.Generator | None) -> int:
     x = process(logits, row)
+    check_left(logits, x)  # (multinomial would raise, or assert on a device; an argmax would pick a banned token)
     if row.params.greedy:
         return int(x.argmax().item())
     return draw(probs(x, row.params), gen)
