@@ -89,13 +89,7 @@ class OutputProcessor:
         req.drafts, req.draft_probs = [], None
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        lps = [lp for lp, _, _ in info]
-        bad = first_nan(lps)
-        if bad is not None:
-            emitted, lps, info = emitted[:bad], lps[:bad], info[:bad]
-        n = self._append(req, emitted, lps, [top for _, top, _ in info])
-        if bad is not None and not req.finished:
-            self.fail(req, NON_FINITE.format(len(req.output_ids)))
+        n = self._append(req, emitted, [lp for lp, _, _ in info], [top for _, top, _ in info])
         out = self.output(req, emitted[:n], n)
         if any(r is not None for _, _, r in info):
             out.new_ranks = [r for _, _, r in info[:n]]
@@ -107,14 +101,9 @@ class OutputProcessor:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         req.drafts = []
-        bad = first_nan(logprobs)
-        if bad is not None:
-            tokens, logprobs = tokens[:bad], logprobs[:bad]
         n = self._append(req, tokens, logprobs, None)
         if n < len(tokens):
             tokens, logprobs = tokens[:n], logprobs[:n]
-        if bad is not None and not req.finished:
-            self.fail(req, NON_FINITE.format(len(req.output_ids)))
         done = req.finished
         return StepOutput(req.request_id, tokens, logprobs, [{} for _ in tokens], done, req.finish_reason,
                           req.stop_reason, len(req.prompt_ids), req.spec_stats() if done else {}, req.error,
@@ -138,7 +127,14 @@ class OutputProcessor:
     def _append(self, req: Request, tokens: list[int], logprobs: list[float],
                 tops: list[dict[int, float]] | None) -> int:
         """Append emitted tokens (with their log-probs and top log-probs: None, none asked) until a stop condition;
-        returns how many were kept."""
+        returns how many were kept. A NaN log-prob (no finite logit in its row) ends the request with the model's
+        error after the tokens before it."""
+        bad = first_nan(logprobs)
+        if bad is not None:
+            n = self._append(req, tokens[:bad], logprobs[:bad], None if tops is None else tops[:bad])
+            if not req.finished:
+                self.fail(req, NON_FINITE.format(len(req.output_ids)))
+            return n
         p = req.params
         if self._none_stops(req, tokens):  # the common case, in bulk: a verify emits up to k + 1 tokens a step
             req.output_ids += tokens
@@ -160,9 +156,7 @@ class OutputProcessor:
             elif req.grammar is not None and (failed := req.grammar.commit(t)) is not None:
                 # a token the constraint cannot run past ends the request with an error, not a plausible "stop"
                 del req.output_ids[-1], req.output_logprobs[-1], req.top_logprobs[-1]
-                req.error = f"structured_outputs: the constraint failed while generating: {failed}"
-                self.scheduler.finish(req, "error")
-                self.requests.pop(req.request_id, None)
+                self.fail(req, f"structured_outputs: the constraint failed while generating: {failed}", model=False)
                 return i
             elif req.grammar is not None and req.grammar.finished:
                 reason = "stop"  # the output is complete (nothing but the end may follow): as an end token would
@@ -197,7 +191,7 @@ class OutputProcessor:
 
     def fail(self, req: Request, message: str, model: bool = True) -> None:
         """End a request with an error: the model's (its logits were not finite) or its own (model=False: its
-        constraints left no token); the others go on."""
+        constraints left no token, or its grammar failed); the others go on."""
         req.error, req.model_fault = message, model
         self.scheduler.finish(req, "error")
         self.requests.pop(req.request_id, None)
