@@ -352,6 +352,24 @@ def test_parallel_tool_calls_false_keeps_the_first_auto_call(client, parallel, s
     assert zones == (["UTC", "CET"] if parallel else ["UTC"])
 
 
+THINKING = {"chat_template_kwargs": {"enable_thinking": True}}
+
+
+@pytest.mark.parametrize("extra,reasoning", [(THINKING, True), ({}, False), ({**THINKING, "separate_reasoning": False},
+                                                                              False)])
+def test_reasoning_keys_are_always_there(client, extra, reasoning):
+    """SGLang's clients read message.reasoning_content and every delta's reasoning_content without a guard: with a
+    reasoning parser on, the keys are there, null where nothing is reasoning (thinking off, or separate_reasoning
+    false: the reasoning stays in content)."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0, extra_body=extra)
+    msg = client.chat.completions.create(**kw).choices[0].message
+    assert bool(msg.reasoning_content) == reasoning and msg.model_extra["reasoning"] == msg.reasoning_content
+    assert msg.content if not reasoning else not msg.content
+    got = "".join((ch.choices[0].delta.reasoning_content or "") + (ch.choices[0].delta.content or "")
+                  for ch in client.chat.completions.create(stream=True, **kw))  # (an AttributeError if a key is gone)
+    assert got == (msg.reasoning_content or "") + (msg.content or "")
+
+
 def detok(ids: list[int]) -> str:
     return requests.post(f"{BASE}/detokenize", json={"model": MODEL, "tokens": ids}, timeout=30).json()["prompt"]
 
@@ -427,8 +445,11 @@ def test_usage_counts_only_returned_tokens_and_stop_reason(client):
         by_token = requests.post(f"{BASE}/v1/completions", json={**body, "stop_token_ids": [ids[3]]}, timeout=60)
         by_end = requests.post(f"{BASE}/v1/completions", json={**body, "logit_bias": {"2": 100}}, timeout=60)
         by_eos = requests.post(f"{BASE}/v1/completions", json={**body, "logit_bias": {"0": 100}}, timeout=60)
-        got = [last_choice(r, stream)["matched_stop"] for r in (by_regex, by_token, by_end, by_eos)]
-        assert got == [pattern, ids[3], 2, 0], (stream, got)  # 2 and 0: the bundled model's end tokens
+        # a constraint that is complete ends the output as the end token would (SGLang's output takes it there)
+        by_grammar = requests.post(f"{BASE}/v1/completions", json={**body, "regex": "(yes|no)"}, timeout=60)
+        got = [last_choice(r, stream)["matched_stop"] for r in (by_regex, by_token, by_end, by_eos, by_grammar)]
+        assert got == [pattern, ids[3], 2, 0, 0], (stream, got)  # 2 and 0: the bundled model's end tokens
+        assert last_choice(by_grammar, stream)["stop_reason"] is None
         # vLLM's stop_reason: None for the tokenizer's end token (<|endoftext|>, 0), the id for generation_config's
         # other end token (<|im_end|>, 2)
         assert [last_choice(r, stream)["stop_reason"] for r in (by_end, by_eos)] == [2, None], stream

@@ -73,7 +73,7 @@ def check_length(ids: list[int], params: SamplingParams, max_model_len: int) -> 
                   f"tokens)." if too_long else f"Requested token count exceeds the model's maximum context length "
                   f"of {max_model_len} tokens.")
         if (params.max_tokens or 0) > max_model_len:  # SGLang's newer words (clients parse the number out)
-            sglang += (f" max_completion_tokens is too large: {params.max_tokens}.This model supports at most "
+            sglang += (f" max_completion_tokens is too large: {params.max_tokens}. This model supports at most "
                        f"{max_model_len} completion tokens.")
         raise bad(f"This model's maximum context length is {max_model_len} tokens. However, you requested {want} "
                   f"tokens ({len(ids)} in the prompt, {params.max_tokens or 1} in the completion). Please reduce "

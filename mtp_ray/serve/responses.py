@@ -41,6 +41,7 @@ class Choice:
     chat: ChatOutput | None = None  # reads the text back as an assistant message (chat completions)
     calls_sent: int = 0  # streamed tool calls
     cached_tokens: int | None = None  # prompt tokens the engine took from its prefix cache (None: caching off)
+    ended_on_token: bool = False  # its last token is the end or stop token that ended it
 
     def add(self, out: StepOutput) -> None:
         if out.prompt_logprobs is not None and self.prompt_logprobs is None:
@@ -56,6 +57,7 @@ class Choice:
             stopped = self.detok.stopped_by
             self.finish_reason = "stop" if stopped is not None else out.finish_reason
             self.stop_reason = stopped if stopped is not None else out.stop_reason
+            self.ended_on_token = out.stop_token
             self.spec = out.spec or {}
             self.timings = out.timings or {}
 
@@ -85,7 +87,9 @@ class Choice:
             return self.detok.stopped_on
         if isinstance(self.stop_reason, int):
             return self.stop_reason
-        return self.token_ids[-1] if self.token_ids else None
+        if self.ended_on_token or self.detok.tokenizer is None:
+            return self.token_ids[-1] if self.token_ids else None
+        return self.detok.tokenizer.eos_token_id  # a finished constraint ended it, as the end token would have
 
     @property
     def pending_logprobs(self) -> bool:
@@ -175,6 +179,9 @@ def chunk(rid: str, model: str, created: int, c: Choice, r: Render, text: str = 
                 c.calls_sent += len(delta.tool_calls)
             if calls:
                 d["tool_calls"] = calls
+        if c.chat is not None and c.chat.parses_reasoning:  # null beside content (SGLang's deltas carry it)
+            d.setdefault("reasoning", None)
+            d.setdefault("reasoning_content", None)
         body.update(delta=d, logprobs=lp, finish_reason=finish if finish is None else _finish(c, c.calls_sent > 0))
     else:
         body.update(text=text, logprobs=lp, finish_reason=finish)
@@ -209,8 +216,8 @@ def final_response(rid: str, model: str, chat: bool, choices: list[Choice], req:
             # model_dump with the JSON); tool_calls [] without calls (a forced call cut short too, as vLLM's tests ask)
             msg: dict = {"role": "assistant", "content": content, "refusal": None, "annotations": None,
                          "audio": None, "function_call": None, "tool_calls": _tool_calls(calls)}
-            if c.chat is not None and c.chat.reasoning is not None:
-                msg["reasoning"] = msg["reasoning_content"] = reasoning  # vLLM's name, and the older one
+            # vLLM's name and the older one, null when not split off (SGLang's clients read the key unguarded)
+            msg["reasoning"] = msg["reasoning_content"] = reasoning
             body = {"index": c.index, "message": msg, "logprobs": lp, "finish_reason": _finish(c, bool(calls)),
                     "stop_reason": c.stop_reason, "matched_stop": c.matched_stop}
         else:
