@@ -359,14 +359,18 @@ THINKING = {"chat_template_kwargs": {"enable_thinking": True}}
                                                                               False)])
 def test_reasoning_keys_are_always_there(client, extra, reasoning):
     """SGLang's clients read message.reasoning_content and every delta's reasoning_content without a guard: with a
-    reasoning parser on, the keys are there, null where nothing is reasoning (thinking off, or separate_reasoning
-    false: the reasoning stays in content)."""
+    reasoning parser on, the keys are there, null in a message where nothing is reasoning (thinking off, or
+    separate_reasoning false: the reasoning stays in content), "" in such a delta (vLLM's tests concatenate any
+    reasoning key a delta has)."""
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0, extra_body=extra)
     msg = client.chat.completions.create(**kw).choices[0].message
     assert bool(msg.reasoning_content) == reasoning and msg.model_extra["reasoning"] == msg.reasoning_content
     assert msg.content if not reasoning else not msg.content
-    got = "".join((ch.choices[0].delta.reasoning_content or "") + (ch.choices[0].delta.content or "")
-                  for ch in client.chat.completions.create(stream=True, **kw))  # (an AttributeError if a key is gone)
+    got = ""
+    for ch in client.chat.completions.create(stream=True, **kw):
+        d = ch.choices[0].delta
+        got += d.reasoning_content + (d.content or "")  # (an AttributeError if the key is gone, a TypeError if null)
+        assert "reasoning" not in d.model_extra or d.model_extra["reasoning"]  # vLLM's tests add up a present one
     assert got == (msg.reasoning_content or "") + (msg.content or "")
 
 

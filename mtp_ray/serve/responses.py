@@ -179,9 +179,10 @@ def chunk(rid: str, model: str, created: int, c: Choice, r: Render, text: str = 
                 c.calls_sent += len(delta.tool_calls)
             if calls:
                 d["tool_calls"] = calls
-        if c.chat is not None and c.chat.parses_reasoning:  # null beside content (SGLang's deltas carry it)
-            d.setdefault("reasoning", None)
-            d.setdefault("reasoning_content", None)
+        if c.chat is not None and c.chat.parses_reasoning:
+            # SGLang's clients read every delta's reasoning_content unguarded, vLLM's tests add up whatever a
+            # present reasoning / reasoning_content holds: "" beside content, and no `reasoning` key there
+            d.setdefault("reasoning_content", "")
         body.update(delta=d, logprobs=lp, finish_reason=finish if finish is None else _finish(c, c.calls_sent > 0))
     else:
         body.update(text=text, logprobs=lp, finish_reason=finish)

@@ -21,8 +21,7 @@ def tokenize(body: dict, tok, max_model_len: int) -> dict:
     else:
         raise bad("'prompt' (a string) or 'messages' is required", "prompt")
     out = {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
-    if flag(body, "return_token_strs"):
-        out["token_strs"] = tok.convert_ids_to_tokens(ids)
+    out["token_strs"] = tok.convert_ids_to_tokens(ids) if flag(body, "return_token_strs") else None  # (vLLM: null)
     return out
 
 
