@@ -374,6 +374,90 @@ def test_reasoning_keys_are_always_there(client, extra, reasoning):
     assert got == (msg.reasoning_content or "") + (msg.content or "")
 
 
+def test_responses_reasoning_effort_and_template_kwargs_turn_thinking_on_or_off(client):
+    """On /v1/responses a reasoning effort other than "none" asks for reasoning (thinking on), "none" turns it off,
+    and chat_template_kwargs (as on the chat route) has the last word: the output's reasoning item says which."""
+    def kinds(**kw):
+        r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=6, temperature=0, **kw)
+        return [o.type for o in r.output], r.usage.output_tokens_details.reasoning_tokens
+
+    assert kinds() == (["message"], 0)  # the template's default (this one: thinking off)
+    for effort in ("low", "high"):
+        assert kinds(reasoning={"effort": effort}) == (["reasoning"], 6)  # never closed: all of it is reasoning
+    assert kinds(reasoning={"effort": "none"}) == (["message"], 0)
+    assert kinds(extra_body=THINKING) == (["reasoning"], 6)
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    assert kinds(reasoning={"effort": "high"}, extra_body=off) == (["message"], 0)
+
+
+def test_responses_logprobs_and_the_options_agent_clients_set(client):
+    """/v1/responses gives the message text's log-probs when `include` names them (and top_logprobs alternatives),
+    the same entries as the chat route's for the same greedy answer, streamed or not; options the OpenAI Agents SDK
+    sends that change nothing here are taken (encrypted reasoning, built-in tool caps, cache retention, nulls)."""
+    msgs = [{"role": "user", "content": "def add(a, b):"}]
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=2)
+    want = chat.choices[0].logprobs.content
+
+    def same(got):  # the same tokens and alternatives; log-probs within float noise (another batch, another rank)
+        assert [(e.token, [t.token for t in e.top_logprobs]) for e in got] == \
+            [(e.token, [t.token for t in e.top_logprobs]) for e in want]
+        assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(got, want, strict=True))
+
+    kw = dict(model=MODEL, input=msgs, max_output_tokens=6, temperature=0, top_logprobs=2,
+              include=["message.output_text.logprobs", "reasoning.encrypted_content"],
+              extra_body={"prompt_cache_retention": "24h", "max_tool_calls": 2, "context_management": None})
+    part = client.responses.create(**kw).output[0].content[0]
+    assert part.text == chat.choices[0].message.content
+    same(part.logprobs)
+    events = list(client.responses.create(stream=True, **kw))
+    streamed = [e for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs]
+    done = next(ev for ev in events if ev.type == "response.output_text.done")
+    for got in (streamed, done.logprobs, events[-1].response.output[0].content[0].logprobs):
+        same(got)
+    plain = client.responses.create(model=MODEL, input=msgs, max_output_tokens=6, temperature=0)
+    assert plain.output[0].content[0].logprobs == []  # not asked for
+    for extra in ({"include": ["file_search_call.results"]}, {"include": [{}]}, {"top_logprobs": -1}):
+        r = post({"model": MODEL, "input": "x", "max_output_tokens": 2, **extra}, "/v1/responses")
+        assert r.status_code == 400 and r.json()["error"]["param"] in extra, r.text
+    # a null field is as if absent on every route; a set unknown one is still a 400 naming it
+    assert post({"model": MODEL, "messages": USER, "max_tokens": 2, "moderation": None}).status_code == 200
+    r = post({"model": MODEL, "messages": USER, "max_tokens": 2, "moderation": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "moderation"
+
+
+def test_the_message_text_log_probs_skip_the_reasoning_and_its_end_tag():
+    from mtp_ray.serve.responses_api import TextLogprobs
+
+    entries = [{"token": t, "logprob": -1.0} for t in ("a", "</th", "ink>", "\n\n", "b")]
+    assert TextLogprobs().text_entries(entries, "reasoning") == entries[3:]
+    assert TextLogprobs().text_entries(entries[:2], "text") == entries[:2]
+    split = TextLogprobs()  # chunk by chunk, the first before anything says how the output starts
+    got = split.text_entries(entries[:1], None) + split.text_entries(entries[1:3], "reasoning")
+    assert got + split.text_entries(entries[3:], None) == entries[3:]
+
+
+ORDERED = {"type": "object", "properties": {"zeta": {"type": "integer", "minimum": 0, "maximum": 9},
+                                            "alpha": {"enum": ["a", "b"]}, "mid": {"type": "boolean"}},
+           "required": ["zeta", "alpha", "mid"], "additionalProperties": False}
+
+
+def test_json_keys_come_in_the_schema_order(client):
+    """A schema's property order is the order the JSON is written in (OpenAI, vLLM, SGLang): "reasoning" before
+    "answer" is how a schema asks for it. Chat's json_schema, a named tool call and the Responses text.format."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "o", "schema": ORDERED, "strict": True}}
+    chat = client.chat.completions.create(model=MODEL, messages=USER, response_format=fmt, max_tokens=60,
+                                          temperature=0)
+    tool = [{"type": "function", "function": {"name": "f", "parameters": ORDERED}}]
+    call = client.chat.completions.create(model=MODEL, messages=USER, tools=tool, max_tokens=80, temperature=0,
+                                          tool_choice={"type": "function", "function": {"name": "f"}})
+    resp = client.responses.create(model=MODEL, input="x", max_output_tokens=60, temperature=0,
+                                   text={"format": {"type": "json_schema", "name": "o", "schema": ORDERED}})
+    for text in (chat.choices[0].message.content, call.choices[0].message.tool_calls[0].function.arguments,
+                 resp.output_text):
+        assert list(json.loads(text)) == ["zeta", "alpha", "mid"], text
+
+
 def detok(ids: list[int]) -> str:
     return requests.post(f"{BASE}/detokenize", json={"model": MODEL, "tokens": ids}, timeout=30).json()["prompt"]
 

@@ -1,7 +1,8 @@
 """Strict request fields: every field of a request is honoured, accepted as harmless to ignore, or a 400 naming it.
 
 A silently ignored field changes what the client gets without telling it (a typo such as "temprature" would sample
-at temperature 1), so unknown fields are refused, with the nearest known name as a hint.
+at temperature 1), so unknown fields are refused, with the nearest known name as a hint; one set to null changes
+nothing and is taken as absent (clients send options they leave unset as null).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ _COMMON = {
 # accepted and ignored: they cannot change the generated text (bookkeeping, caching hints, routing; SGLang's request
 # id, metric labels and DP-rank hints)
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-           "safety_identifier", "request_id", "prediction", "verbosity", "modalities", "rid", "custom_labels",
-           "data_parallel_rank", "routed_dp_rank"}
+           "prompt_cache_retention", "safety_identifier", "request_id", "prediction", "verbosity", "modalities", "rid",
+           "custom_labels", "data_parallel_rank", "routed_dp_rank"}
 # other servers' fields, accepted at their neutral value (null, or the one given) and refused by name at any other:
 # SGLang's extras (its clients send return_hidden_states false), lmdeploy's client (every body has "kwargs": {})
 NEUTRAL: dict[str, tuple] = {
@@ -79,6 +80,8 @@ def check_fields(body: dict, known: set[str]) -> None:
                 raise bad(f"'{key}' is not supported (accepted only as {as_})", key)
             continue
         if key not in known:
+            if body[key] is None:  # a null field is as if absent (clients send unset options as null)
+                continue
             near = [SAME[key]] if SAME.get(key) in known else \
                 difflib.get_close_matches(key, sorted(known | IGNORED), n=1)
             hint = f" (did you mean '{near[0]}'?)" if near else ""

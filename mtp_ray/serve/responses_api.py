@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 from mtp_ray.serve.chat_output import call_dropped
 from mtp_ray.serve.ids import new_id
+from mtp_ray.serve.reasoning import THINK_CLOSE
 from mtp_ray.serve.responses_request import chat_body, text_format
 
 
@@ -40,12 +41,45 @@ def _reasoning_item(item_id: str, text: str) -> dict:
     return {"id": item_id, "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict:
-    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [_text_part(text)]}
+def _message_item(item_id: str, text: str, status: str, logprobs: list[dict] | None = None) -> dict:
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [_text_part(text, logprobs)]}
+
+
+class TextLogprobs:
+    """Which of a chat choice's log-prob entries (one per generated token, reasoning included) are the message
+    text's: all of them when the output starts as text, those after the token that closes the reasoning (its
+    </think>) when it starts as reasoning. Fed in order, chunk by chunk or at once; entries that come before
+    anything says how the output starts (text held back) wait for it."""
+
+    def __init__(self):
+        self.inside: bool | None = None  # in the reasoning (None: not known yet)
+        self.seen = ""  # the reasoning's token text so far (to find its </think>)
+        self.waiting: list[dict] = []
+
+    def text_entries(self, entries: list[dict], starts: str | None) -> list[dict]:
+        """starts: "reasoning" or "text" once the output shows which it starts as, else None."""
+        if self.inside is None:
+            if starts is None:
+                self.waiting += entries
+                return []
+            self.inside, entries, self.waiting = starts == "reasoning", self.waiting + entries, []
+        out = []
+        for e in entries:
+            if not self.inside:
+                out.append(e)
+                continue
+            self.seen += e.get("token") or ""
+            self.inside = THINK_CLOSE not in self.seen
+        return out
+
+
+def _entries(choice: dict) -> list[dict]:
+    return ((choice.get("logprobs") or {}).get("content")) or []
 
 
 def _call_item(call: dict) -> dict:
@@ -88,6 +122,9 @@ class Shell:
         c = chat["choices"][0]
         msg, finish = c["message"], c["finish_reason"]
         output = _items(msg.get("reasoning"), msg.get("content"), msg.get("tool_calls") or [], _status(finish))
+        if _entries(c) and output and any(o["type"] == "message" for o in output):  # (asked for: include)
+            text = next(o for o in output if o["type"] == "message")["content"][0]
+            text["logprobs"] = TextLogprobs().text_entries(_entries(c), "reasoning" if msg.get("reasoning") else "text")
         return self.response(_status(finish), output, _usage(chat["usage"]), finish)
 
 
@@ -100,6 +137,8 @@ class Events:
         self.output: list[dict] = []  # closed items
         self.open: dict | None = None  # the item being streamed: {"kind", "id", "text"}
         self.finish: str | None = None
+        self.logprobs = TextLogprobs()
+        self.pending: list[dict] = []  # the message text's log-prob entries not sent with a delta yet
 
     def _event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.seq, **fields}
@@ -130,7 +169,11 @@ class Events:
         assert self.open is not None
         self.open["text"] += text
         name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra = {}
+        if kind != "reasoning":
+            extra = {"logprobs": self.pending}
+            self.open.setdefault("logprobs", []).extend(self.pending)
+            self.pending = []
         return out + [self._event(name, item_id=self.open["id"], output_index=len(self.output), content_index=0,
                                   delta=text, **extra)]
 
@@ -148,9 +191,11 @@ class Events:
             out = [self._event("response.function_call_arguments.done", item_id=o["id"], output_index=i,
                                name=item["name"], arguments=text)]
         else:
-            item = _message_item(o["id"], text, _status(self.finish))
+            lps = o.get("logprobs", []) + self.pending
+            self.pending = []
+            item = _message_item(o["id"], text, _status(self.finish), lps)
             out = [self._event("response.output_text.done", item_id=o["id"], output_index=i, content_index=0,
-                               text=text, logprobs=[]),
+                               text=text, logprobs=lps),
                    self._event("response.content_part.done", item_id=o["id"], output_index=i, content_index=0,
                                part=item["content"][0])]
         self.output.append(item)
@@ -191,6 +236,8 @@ class Events:
         out: list[str] = []
         for c in chunk.get("choices") or []:
             d = c.get("delta") or {}
+            starts = "reasoning" if d.get("reasoning") else "text" if d.get("content") or d.get("tool_calls") else None
+            self.pending += self.logprobs.text_entries(_entries(c), starts)
             if d.get("reasoning"):
                 out += self._delta("reasoning", d["reasoning"])
             if d.get("content"):

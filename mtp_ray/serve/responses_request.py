@@ -9,13 +9,19 @@ import json
 from mtp_ray.serve.errors import bad
 from mtp_ray.serve.fields import flag
 
-# accepted and ignored, as on the chat route (serve/fields.py IGNORED), plus the Responses API's own bookkeeping
-_IGNORED = {"metadata", "store", "user", "service_tier", "prompt_cache_key", "safety_identifier", "truncation"}
+# accepted and ignored, as on the chat route (serve/fields.py IGNORED), plus the Responses API's own bookkeeping:
+# a cap on built-in tool calls (there are none here), stream obfuscation padding
+_IGNORED = {"metadata", "store", "user", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+            "safety_identifier", "truncation", "max_tool_calls", "stream_options"}
 # passed to the chat body as they are: the Responses API's own, and the sampling extras vLLM and SGLang take here too
 _PASSED = {"model", "temperature", "top_p", "parallel_tool_calls", "stream", "seed", "top_k", "min_p", "stop",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "stop_token_ids", "ignore_eos",
-           "min_tokens", "logit_bias"}
-_MAPPED = {"input", "instructions", "max_output_tokens", "text", "tools", "tool_choice", "reasoning", "include"}
+           "min_tokens", "logit_bias", "chat_template_kwargs"}
+_MAPPED = {"input", "instructions", "max_output_tokens", "text", "tools", "tool_choice", "reasoning", "include",
+           "top_logprobs"}
+# `include` values: the message text's log-probs (honoured), encrypted reasoning (nothing is encrypted here: the
+# reasoning items carry their text, so there is nothing to add)
+_INCLUDES = {"message.output_text.logprobs", "reasoning.encrypted_content"}
 _REFUSED = {
     "previous_response_id": "this server stores no responses: send the whole conversation in 'input'",
     "conversation": "this server stores no conversations: send the whole conversation in 'input'",
@@ -30,13 +36,19 @@ def chat_body(body: dict) -> dict:
     for key, value in body.items():
         if key in _REFUSED and value not in (None, False):
             raise bad(_REFUSED[key], key)
-        if key not in _IGNORED | _PASSED | _MAPPED | set(_REFUSED):
+        if key not in _IGNORED | _PASSED | _MAPPED | set(_REFUSED) and value is not None:  # (null: as if absent)
             raise bad(f"unknown field '{key}'", key)
     if body.get("truncation") not in (None, "disabled"):
         raise bad("'truncation' must be \"disabled\": a prompt longer than the context is a 400", "truncation")
-    if body.get("include"):
-        raise bad("'include' is not supported (no output beyond text, reasoning and function calls)", "include")
+    include = body.get("include") or []
+    if not isinstance(include, list) or not all(isinstance(v, str) and v in _INCLUDES for v in include):
+        raise bad(f"'include' takes {sorted(_INCLUDES)} (no other output is made here)", "include")
     out = {k: body[k] for k in _PASSED if body.get(k) is not None}
+    top = body.get("top_logprobs")
+    if top is not None and (type(top) is not int or not 0 <= top <= 20):
+        raise bad("'top_logprobs' must be an integer from 0 to 20", "top_logprobs")
+    if "message.output_text.logprobs" in include or top:
+        out.update(logprobs=True, top_logprobs=top or 0)
     out["messages"] = ([{"role": "system", "content": _text(body["instructions"], "instructions")}]
                        if body.get("instructions") is not None else []) + _messages(body.get("input"))
     if body.get("max_output_tokens") is not None:
@@ -61,7 +73,12 @@ def chat_body(body: dict) -> dict:
         if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary"}:
             raise bad("'reasoning' takes {\"effort\": ...}", "reasoning")
         if reasoning.get("effort") is not None:
+            # asking for an effort asks for reasoning: thinking on unless "none" (the chat side turns it off) or
+            # chat_template_kwargs says otherwise (the chat route passes the effort to the template only, as vLLM's)
             out["reasoning_effort"] = reasoning["effort"]
+            kw = body.get("chat_template_kwargs")
+            if reasoning["effort"] != "none" and (kw is None or isinstance(kw, dict)):
+                out["chat_template_kwargs"] = {"enable_thinking": True, **(kw or {})}
     if flag(out, "stream"):
         out["stream_options"] = {"include_usage": True}
     return out
