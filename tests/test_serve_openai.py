@@ -294,6 +294,16 @@ def test_anthropic_tool_use_round_trip(client):
     with ac.messages.stream(**kw) as stream:
         streamed = stream.get_final_message()
     assert [b.input for b in streamed.content if b.type == "tool_use"] == [call.input]
+    # a named tool: chat ends it "stop" (as OpenAI's), Anthropic's stop_reason is tool_use, streamed or not
+    named = {**kw, "tool_choice": {"type": "tool", "name": "get_time"}}
+    assert ac.messages.create(**named).stop_reason == "tool_use"
+    with ac.messages.stream(**named) as stream:
+        assert stream.get_final_message().stop_reason == "tool_use"
+    # message_start's usage is the end's (the prompt's cached tokens apart), also when the cache holds most of it
+    events = list(ac.messages.create(stream=True, **named))
+    start, end = events[0].message.usage, events[-2].usage
+    assert (start.input_tokens, start.cache_read_input_tokens) == (end.input_tokens, end.cache_read_input_tokens)
+    assert end.cache_read_input_tokens > 0  # the same prompt, four times
     turn = [{"role": "user", "content": "time?"},
             {"role": "assistant", "content": [{"type": "tool_use", "id": call.id, "name": call.name,
                                                "input": call.input}]},

@@ -49,7 +49,7 @@ def chat_body(body: dict, count_only: bool = False) -> dict:
     for key, value in body.items():
         if key in _REFUSED and value is not None:
             raise bad(_REFUSED[key], key)
-        if key not in known:
+        if key not in known and value is not None:  # (null: as if absent)
             raise bad(f"unknown field '{key}'", key)
     out = {k: body[k] for k in _PASSED if body.get(k) is not None}
     if not count_only:
@@ -188,7 +188,6 @@ def _tool_choice(choice, has_tools: bool) -> dict:
     return out
 
 
-
 def _usage(u: dict) -> dict:
     """Anthropic counts the prompt tokens read from the cache apart from input_tokens."""
     cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
@@ -196,10 +195,13 @@ def _usage(u: dict) -> dict:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
-def _stop(finish: str | None, stop_reason) -> tuple[str, str | None]:
-    """chat finish_reason (and vLLM's stop_reason: the stop string that ended it) -> (stop_reason, stop_sequence)."""
+def _stop(finish: str | None, stop_reason, called: bool) -> tuple[str, str | None]:
+    """chat finish_reason, vLLM's stop_reason (the stop string that ended it) and whether a tool_use block came ->
+    (stop_reason, stop_sequence); a named call ends "stop" on chat (as OpenAI's) but is tool_use here."""
     if finish == "stop" and isinstance(stop_reason, str):
         return "stop_sequence", stop_reason
+    if finish == "stop" and called:
+        return "tool_use", None
     return _STOP.get(finish or "", "end_turn"), None
 
 
@@ -222,6 +224,7 @@ class Messages:
         self.finish: str | None = None
         self.stop_reason = None
         self.started = False
+        self.called = False  # a tool_use block was streamed
 
     def message(self, content: list[dict], stop: tuple[str | None, str | None], usage: dict) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
@@ -234,7 +237,8 @@ class Messages:
         blocks = ([{"type": "thinking", "thinking": msg["reasoning"], "signature": ""}] if msg.get("reasoning")
                   else []) + ([{"type": "text", "text": msg["content"]}] if msg.get("content") else [])
         blocks += [b for b in map(_tool_use, msg.get("tool_calls") or []) if b is not None]
-        return self.message(blocks, _stop(c["finish_reason"], c.get("stop_reason")), _usage(chat["usage"]))
+        called = any(b["type"] == "tool_use" for b in blocks)
+        return self.message(blocks, _stop(c["finish_reason"], c.get("stop_reason"), called), _usage(chat["usage"]))
 
     @staticmethod
     def _event(kind: str, **fields) -> str:
@@ -262,7 +266,12 @@ class Messages:
         if "error" in chunk:
             return [self._event("error", error={"type": "api_error", "message": chunk["error"]["message"]})]
         out: list[str] = []
-        if not self.started and chunk.get("usage") is not None:
+        # message_start comes with the first chunk past the chat's role chunk, which precedes the engine's word on
+        # the prompt's cached tokens (the start's usage would differ from the end's)
+        cs = chunk.get("choices") or []
+        opening = bool(cs) and not any(c.get("finish_reason") or any((c.get("delta") or {}).get(k) for k in (
+            "reasoning", "content", "tool_calls")) for c in cs)
+        if not self.started and chunk.get("usage") is not None and not opening:
             self.started = True
             out.append(self._event("message_start", message=self.message([], (None, None), {
                 **_usage({**chunk["usage"], "completion_tokens": 0})})))
@@ -276,6 +285,7 @@ class Messages:
                     "type": "text_delta", "text": d["content"]})]
             for call in d.get("tool_calls") or []:
                 if "id" in call:
+                    self.called = True
                     out += self._block("tool_use", {"type": "tool_use", "id": call["id"],
                                                     "name": call["function"]["name"], "input": {}})
                 if call["function"].get("arguments"):
@@ -284,7 +294,7 @@ class Messages:
             if c.get("finish_reason"):
                 self.finish, self.stop_reason = c["finish_reason"], c.get("stop_reason")
         if chunk.get("usage") is not None and not chunk.get("choices"):  # the last chunk: the whole usage
-            stop_reason, stop_sequence = _stop(self.finish, self.stop_reason)
+            stop_reason, stop_sequence = _stop(self.finish, self.stop_reason, self.called)
             out += self._close() + [
                 self._event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                             usage=_usage(chunk["usage"])),

@@ -123,7 +123,8 @@ def usage(req: ParsedRequest, choices: list[Choice], whole: bool = True) -> dict
     n_prompt = sum(len(p) for p in req.prompts)
     n_gen = 0 if req.drop_output else sum(len(c.token_ids) for c in choices)
     out = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
-    if whole and req.prompt_details:  # per prompt, the most any of its n samples found cached (0: caching off)
+    # per prompt, the most any of its n samples found cached (0: caching off); in a chunk's usage once known
+    if req.prompt_details and (whole or any(c.cached_tokens is not None for c in choices)):
         n = req.params.n  # choices i * n .. i * n + n - 1 are prompt i's (new_choices)
         per_prompt = [max((c.cached_tokens or 0) for c in choices[i : i + n]) for i in range(0, len(choices), n)]
         out["prompt_tokens_details"] = {"cached_tokens": sum(per_prompt)}
