@@ -385,6 +385,15 @@ def test_responses_reasoning_effort_and_template_kwargs_turn_thinking_on_or_off(
     for effort in ("low", "high"):
         assert kinds(reasoning={"effort": effort}) == (["reasoning"], 6)  # never closed: all of it is reasoning
     assert kinds(reasoning={"effort": "none"}) == (["message"], 0)
+    # streamed: the reasoning part is added before its deltas and done after them (OpenAI's node client adds a
+    # delta to the part at its content_index: "missing content at index 0" without it)
+    events = list(client.responses.create(model=MODEL, input="Hi", max_output_tokens=6, temperature=0, stream=True,
+                                          reasoning={"effort": "low"}))
+    parts = [(i, e.type[22:], e.part) for i, e in enumerate(events) if e.type.startswith("response.content_part")]
+    assert [(kind, p.type) for _, kind, p in parts] == [("added", "reasoning_text"), ("done", "reasoning_text")]
+    deltas = [i for i, e in enumerate(events) if e.type == "response.reasoning_text.delta"]
+    assert parts[0][0] < deltas[0] and deltas[-1] < parts[1][0]
+    assert parts[1][2].text == "".join(events[i].delta for i in deltas)
     assert kinds(extra_body=THINKING) == (["reasoning"], 6)
     off = {"chat_template_kwargs": {"enable_thinking": False}}
     assert kinds(reasoning={"effort": "high"}, extra_body=off) == (["message"], 0)
@@ -417,7 +426,8 @@ def test_responses_logprobs_and_the_options_agent_clients_set(client):
         same(got)
     plain = client.responses.create(model=MODEL, input=msgs, max_output_tokens=6, temperature=0)
     assert plain.output[0].content[0].logprobs == []  # not asked for
-    for extra in ({"include": ["file_search_call.results"]}, {"include": [{}]}, {"top_logprobs": -1}):
+    for extra in ({"include": ["file_search_call.results"]}, {"include": [{}]}, {"top_logprobs": -1},
+                  {"reasoning": {"effort": "max"}}, {"input": [{"type": "item_reference", "id": "msg_1"}]}):
         r = post({"model": MODEL, "input": "x", "max_output_tokens": 2, **extra}, "/v1/responses")
         assert r.status_code == 400 and r.json()["error"]["param"] in extra, r.text
     # a null field is as if absent on every route; a set unknown one is still a 400 naming it

@@ -155,14 +155,12 @@ class Events:
             return out
         self.open = {"kind": kind, "id": new_id("rs" if kind == "reasoning" else "msg", 32), "text": ""}
         i, item_id = len(self.output), self.open["id"]
-        if kind == "reasoning":
-            return out + [self._event("response.output_item.added", output_index=i, item={
-                "id": item_id, "type": "reasoning", "summary": [], "content": []})]
-        return out + [
-            self._event("response.output_item.added", output_index=i, item={
-                "id": item_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []}),
-            self._event("response.content_part.added", item_id=item_id, output_index=i, content_index=0,
-                        part=_text_part(""))]
+        item = ({"id": item_id, "type": "reasoning", "summary": [], "content": []} if kind == "reasoning" else
+                {"id": item_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []})
+        part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else _text_part("")
+        return out + [  # the part before its deltas: OpenAI's clients add deltas to the part at content_index
+            self._event("response.output_item.added", output_index=i, item=item),
+            self._event("response.content_part.added", item_id=item_id, output_index=i, content_index=0, part=part)]
 
     def _delta(self, kind: str, text: str) -> list[str]:
         out = self._start(kind)
@@ -185,7 +183,9 @@ class Events:
         if o["kind"] == "reasoning":
             item = _reasoning_item(o["id"], text)
             out = [self._event("response.reasoning_text.done", item_id=o["id"], output_index=i, content_index=0,
-                               text=text)]
+                               text=text),
+                   self._event("response.content_part.done", item_id=o["id"], output_index=i, content_index=0,
+                               part=item["content"][0])]
         elif o["kind"] == "call":  # (closed by the next item, or at the end: a call cut short is incomplete)
             item = {**o["item"], "arguments": text, "status": "incomplete" if self._call_cut() else "completed"}
             out = [self._event("response.function_call_arguments.done", item_id=o["id"], output_index=i,

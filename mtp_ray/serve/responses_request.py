@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from mtp_ray.serve.chat_request import EFFORTS
 from mtp_ray.serve.errors import bad
 from mtp_ray.serve.fields import flag
 
@@ -73,6 +74,8 @@ def chat_body(body: dict) -> dict:
         if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary"}:
             raise bad("'reasoning' takes {\"effort\": ...}", "reasoning")
         if reasoning.get("effort") is not None:
+            if reasoning["effort"] not in EFFORTS:
+                raise bad(f"'reasoning.effort' must be one of {', '.join(EFFORTS)}", "reasoning")
             # asking for an effort asks for reasoning: thinking on unless "none" (the chat side turns it off) or
             # chat_template_kwargs says otherwise (the chat route passes the effort to the template only, as vLLM's)
             out["reasoning_effort"] = reasoning["effort"]
@@ -126,9 +129,12 @@ def _messages(items) -> list[dict]:
                          "content": out if isinstance(out, str) else json.dumps(out)})
         elif kind == "reasoning":
             continue
+        elif kind == "item_reference":  # (a client that assumes store: true sends earlier items by id)
+            raise bad(f"input[{i}]: this server stores no items: send the item itself, not an item_reference",
+                      "input")
         else:
             raise bad(f"input[{i}]: expected a message (role user, assistant, system or developer), a "
-                      f"function_call or a function_call_output item", "input")
+                      f"function_call, function_call_output or reasoning item", "input")
     return msgs
 
 
