@@ -88,9 +88,11 @@ def _call_item(call: dict) -> dict:
             "arguments": call["function"]["arguments"], "status": "completed"}
 
 
-def _items(reasoning: str | None, content: str | None, calls: list[dict], status: str) -> list[dict]:
+def _items(reasoning: str | None, content: str | None, calls: list[dict], status: str,
+           logprobs: list[dict]) -> list[dict]:
     return (([_reasoning_item(new_id("rs", 32), reasoning)] if reasoning else [])
-            + ([_message_item(new_id("msg", 32), content, status)] if content else []) + [_call_item(c) for c in calls])
+            + ([_message_item(new_id("msg", 32), content, status, logprobs)] if content else [])
+            + [_call_item(c) for c in calls])
 
 
 class Shell:
@@ -121,10 +123,9 @@ class Shell:
         """A chat completion -> the Response."""
         c = chat["choices"][0]
         msg, finish = c["message"], c["finish_reason"]
-        output = _items(msg.get("reasoning"), msg.get("content"), msg.get("tool_calls") or [], _status(finish))
-        if _entries(c) and output and any(o["type"] == "message" for o in output):  # (asked for: include)
-            text = next(o for o in output if o["type"] == "message")["content"][0]
-            text["logprobs"] = TextLogprobs().text_entries(_entries(c), "reasoning" if msg.get("reasoning") else "text")
+        # the message text's log-probs (none unless `include` asked for them)
+        lps = TextLogprobs().text_entries(_entries(c), "reasoning" if msg.get("reasoning") else "text")
+        output = _items(msg.get("reasoning"), msg.get("content"), msg.get("tool_calls") or [], _status(finish), lps)
         return self.response(_status(finish), output, _usage(chat["usage"]), finish)
 
 
