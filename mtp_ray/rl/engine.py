@@ -1,4 +1,17 @@
-"""RolloutEngine: an engine group behind a Ray actor handle that any actor can call (verl / OpenRLHF style)."""
+"""RolloutEngine: an engine group behind a Ray actor handle that any actor can call.
+
+Method names are vLLM's and SGLang's (the ones verl / OpenRLHF call); only some contracts match:
+- as SGLang: init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name,
+  backend) (default backend gloo, not nccl) and update_weights_from_distributed(names, dtypes, shapes,
+  group_name) (no flush_cache / load_format); abort_all_requests() aborts everything in flight.
+- as vLLM: sleep(level) (1: KV freed, weights to host; 2: both dropped), wake_up(tags) with "weights" /
+  "kv_cache", reset_prefix_cache().
+- not as either: generate takes token ids and a SamplingParams dict (n = 1 per prompt) and returns its own dict;
+  update_weights_from_tensor takes (name, tensor or ObjectRef) pairs, not serialized CUDA-IPC handles, so there
+  are no zero-copy colocated updates; no routed experts are returned; pause_generation's modes are "abort" and
+  "wait" only (no SGLang "retract" / "in_place", no vLLM "keep"); get_stats and set_asleep_policy are this
+  project's own.
+"""
 
 from __future__ import annotations
 
