@@ -24,15 +24,16 @@ from mtp_ray.engine.outputs import StepOutput  # noqa: E402
 from mtp_ray.prompts import load_tokenizer  # noqa: E402
 from mtp_ray.runtime.messages import Admission  # noqa: E402
 from mtp_ray.runtime.outboxes import Outboxes  # noqa: E402
-from mtp_ray.serve.chat_request import ChatServing  # noqa: E402
-from mtp_ray.serve.choices import ChoiceRunner  # noqa: E402
-from mtp_ray.serve.delivery import Deliveries  # noqa: E402
-from mtp_ray.serve.groups import Admitted, GroupStream  # noqa: E402
-from mtp_ray.serve.limits import Limits  # noqa: E402
-from mtp_ray.serve.metrics import Metrics  # noqa: E402
-from mtp_ray.serve.openai_protocol import parse_completion  # noqa: E402
-from mtp_ray.serve.responses import new_choices, sse_stream  # noqa: E402
-from mtp_ray.serve.streaming import ChunkWriter  # noqa: E402
+from mtp_ray.serve.cluster.delivery import Deliveries  # noqa: E402
+from mtp_ray.serve.cluster.groups import Admitted, GroupStream  # noqa: E402
+from mtp_ray.serve.cluster.metrics import Metrics  # noqa: E402
+from mtp_ray.serve.http.choices import ChoiceRunner  # noqa: E402
+from mtp_ray.serve.openai.bodies import sse_stream  # noqa: E402
+from mtp_ray.serve.openai.chat_request import ChatServing  # noqa: E402
+from mtp_ray.serve.openai.choice import new_choices  # noqa: E402
+from mtp_ray.serve.openai.limits import Limits  # noqa: E402
+from mtp_ray.serve.openai.request import parse_completion  # noqa: E402
+from mtp_ray.serve.openai.streaming import ChunkWriter  # noqa: E402
 
 MODEL = str(Path(__file__).resolve().parent.parent / "mtp_ray/assets/tiny-qwen35-mtp")
 

@@ -5,7 +5,7 @@ completed ones and keeps the beam_width best of the rest by cumulative log-prob 
 length counts the prompt, as vLLM's). After max_tokens steps the beam_width best of completed + live are the result.
 
 `BeamSearch` is one prompt's bookkeeping alone, pure Python: whoever runs the model (LLM.beam_search in this
-process, serve/beams.py over the engine groups) loops `pending()` -> the engine -> `advance()`, several prompts'
+process, serve/http/beams.py over the engine groups) loops `pending()` -> the engine -> `advance()`, several prompts'
 searches side by side. Each step is a new request
 for prompt + beam, so the prefix cache (cache.prefix_caching) saves recomputing the shared part."""
 

@@ -218,13 +218,13 @@ def test_a_failed_call_with_a_gap_still_fails_its_items():
 
 
 def test_admissions_batch_hold_their_call_open_abort_orphans_and_send_structured_alone():
-    """Admissions (serve/groups.py) on a CallBatcher, with a stand-in for Serve's streaming call: one call per burst
-    (counted), a structured-output request alone, each call held open after its first message until the group ends
-    it, a request given up before its call left not sent, one admitted after its submitter stopped waiting aborted at
-    its rank."""
+    """Admissions (serve/cluster/admissions.py) on a CallBatcher, with a stand-in for Serve's streaming call: one call
+    per burst (counted), a structured-output request alone, each call held open after its first message until the group
+    ends it, a request given up before its call left not sent, one admitted after its submitter stopped waiting aborted
+    at its rank."""
     from mtp_ray.engine.sampling_params import SamplingParams
     from mtp_ray.runtime.messages import Admission, AdmitItem
-    from mtp_ray.serve.admissions import Admissions
+    from mtp_ray.serve.cluster.admissions import Admissions
 
     class Worker:
         def __init__(self):
@@ -306,7 +306,7 @@ def test_admission_gap_from_server_config(gap_ms):
     from mtp_ray.config.server import ServerConfig
     from mtp_ray.engine.sampling_params import SamplingParams
     from mtp_ray.runtime.messages import Admission
-    from mtp_ray.serve.groups import GroupClient
+    from mtp_ray.serve.cluster.groups import GroupClient
 
     class Call:
         def __init__(self, items):
@@ -370,13 +370,13 @@ def test_admission_gap_is_checked_by_name():
 
 
 def test_the_router_counts_a_call_the_groups_count_may_have_missed():
-    """serve/routing.py: a group's routing stats stamped just after a call was sent to it, but counted before the
-    call arrived, said 0: the burst's next call then went to the same group of two (test_serve_faults' burst
-    spread failed a CI run: [1, 15]). A call sent shortly before the stamp still counts."""
+    """serve/cluster/routing.py: a group's routing stats stamped just after a call was sent to it, but counted before
+    the call arrived, said 0: the burst's next call then went to the same group of two (test_serve_faults' burst spread
+    failed a CI run: [1, 15]). A call sent shortly before the stamp still counts."""
     import time
     from types import SimpleNamespace
 
-    from mtp_ray.serve.routing import IN_FLIGHT, STAMP, ServingGroupsRouter
+    from mtp_ray.serve.cluster.routing import IN_FLIGHT, STAMP, ServingGroupsRouter
 
     def replica(name: str, in_flight: int, at: float):
         return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name),
@@ -395,19 +395,19 @@ def test_the_router_counts_a_call_the_groups_count_may_have_missed():
 
 
 def test_a_group_that_refused_is_avoided_for_a_while():
-    """serve/routing.py + serve/groups.py: a request refused by a group that cannot serve (a stopped rank: it waited
-    out the ack time) was sent again through a least-requests choice that could pick the same group until its stats
-    said otherwise (test_a_stopped_rank_costs_one_wait_and_its_group_is_replaced failed a CI run: two waits). The
-    refusal names its group; the ingress's next calls name it in `avoid` for AVOID_S and the router passes over it
-    while another can serve."""
+    """serve/cluster/routing.py + serve/cluster/groups.py: a request refused by a group that cannot serve (a stopped
+    rank: it waited out the ack time) was sent again through a least-requests choice that could pick the same group
+    until its stats said otherwise (test_a_stopped_rank_costs_one_wait_and_its_group_is_replaced failed a CI run: two
+    waits). The refusal names its group; the ingress's next calls name it in `avoid` for AVOID_S and the router passes
+    over it while another can serve."""
     import time
     from types import SimpleNamespace
 
     from mtp_ray.engine.sampling_params import SamplingParams
     from mtp_ray.runtime.group_monitor import GroupUnavailable
     from mtp_ray.runtime.messages import Admission, AdmitItem
-    from mtp_ray.serve import admissions
-    from mtp_ray.serve.routing import GROUP, IN_FLIGHT, STAMP, ServingGroupsRouter
+    from mtp_ray.serve.cluster import admissions
+    from mtp_ray.serve.cluster.routing import GROUP, IN_FLIGHT, STAMP, ServingGroupsRouter
 
     def replica(name: str, in_flight: int):
         return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name),

@@ -10,10 +10,10 @@ import torch
 from mtp_ray import LLM, SamplingParams
 from mtp_ray.config.engine import BUNDLED_MODEL
 from mtp_ray.model.loader import checkpoint_tensors
-from mtp_ray.serve.chat_request import parse_chat
-from mtp_ray.serve.errors import ApiError
-from mtp_ray.serve.fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
-from mtp_ray.serve.openai_protocol import parse_completion
+from mtp_ray.serve.openai.chat_request import parse_chat
+from mtp_ray.serve.openai.errors import ApiError
+from mtp_ray.serve.openai.fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
+from mtp_ray.serve.openai.request import parse_completion
 
 PROMPT = "def parse(self, text):\n    "
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}

@@ -11,7 +11,7 @@ from mtp_ray import LLM, SamplingParams
 from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.sampler import draft_probs, probs
 from mtp_ray.runtime.messages import ModelError, RequestError, request_error
-from mtp_ray.serve.groups import GroupClient
+from mtp_ray.serve.cluster.groups import GroupClient
 
 PROMPTS = [list(range(10, 30)), [7, 300, 21, 9, 88], list(range(50, 60))]
 POISONED = 300  # its embedding row is NaN: only the second prompt reads it

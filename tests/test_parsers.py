@@ -7,8 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from mtp_ray.serve.reasoning import REASONING_PARSERS, Qwen3ReasoningParser, opens_reasoning, reasoning_token_count
-from mtp_ray.serve.tool_parsers import TOOL_PARSERS, ToolCall
+from mtp_ray.serve.parsers.reasoning import (
+    REASONING_PARSERS,
+    Qwen3ReasoningParser,
+    opens_reasoning,
+    reasoning_token_count,
+)
+from mtp_ray.serve.parsers.tool_calls import TOOL_PARSERS, ToolCall
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "mtp_ray" / "assets" / "tiny-qwen35-mtp"
 

@@ -83,7 +83,7 @@ def test_admin_routes_act_on_every_group(app):  # noqa: F811 (the fixture)
 
 
 def test_command_board_hands_each_command_once_and_never_waits_for_a_gone_group():
-    from mtp_ray.serve.broadcast import CommandBoard
+    from mtp_ray.serve.cluster.broadcast import CommandBoard
 
     board = CommandBoard(keep_s=60)
     seq = board.post("sleep", {"level": 1}, ["g1", "g2"])

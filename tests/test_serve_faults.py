@@ -356,7 +356,7 @@ def test_the_metrics_hub_outlives_the_placement_group_of_the_replica_that_made_i
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from mtp_ray.serve.metrics_hub import hub_for
+    from mtp_ray.serve.cluster.metrics_hub import hub_for
 
     ray = ray_cluster
 
@@ -385,7 +385,7 @@ def test_a_new_deploy_starts_the_metrics_from_zero_and_the_hub_ends_when_the_app
     name showed the old totals. A report stamped with a later deploy (build_app's) starts the totals from zero,
     reports of an earlier deploy (replicas still draining) are not counted, and a hub nobody reports to for idle_s
     ends itself."""
-    from mtp_ray.serve.metrics_hub import NAMESPACE, MetricsHub, end_this_actor
+    from mtp_ray.serve.cluster.metrics_hub import NAMESPACE, MetricsHub, end_this_actor
 
     hub = MetricsHub()
     hub.report("ingress", "a", {"totals": {"x": 5.0}}, deploy=1)
@@ -459,7 +459,7 @@ def test_a_burst_is_spread_over_the_groups(app):
     """Two groups, bursts of 16 streams: each group admits a fair share. One admission call carries what arrived
     within its gap, and Serve's router counted calls, not requests: a group got 2-5 of 16 (0 when the burst was split
     but the router counted its calls only once routed). Now a burst is split over the groups and each call goes to
-    the group with the fewest requests (serve/routing.py)."""
+    the group with the fewest requests (serve/cluster/routing.py)."""
     def admits() -> dict[str, float]:
         return {s: v for s, v in scrape().items() if s.startswith("mtp_ray:group_admits_total")}
 

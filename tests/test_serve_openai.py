@@ -794,7 +794,7 @@ def test_random_requests_get_200_or_400_and_never_take_the_group_down(server):
 
 def test_64_concurrent_streams_complete(server):
     """... and are admitted in fewer calls to the group than requests (one Serve call carries the requests that
-    arrived while the previous one was in flight: serve/groups.py, Admissions)."""
+    arrived while the previous one was in flight: serve/cluster/groups.py, Admissions)."""
     from openai import AsyncOpenAI
 
     calls = settled("ingress_admission_calls_total")

@@ -119,7 +119,7 @@ def test_group_policy_scales_on_the_groups_requests_not_serve_calls():
     from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
     from mtp_ray.serve.app import build_app
-    from mtp_ray.serve.scaling import POLICY, REQUESTS_IN_FLIGHT, group_policy, with_group_policy
+    from mtp_ray.serve.cluster.scaling import POLICY, REQUESTS_IN_FLIGHT, group_policy, with_group_policy
 
     did = DeploymentID(name="EngineGroup", app_name="a")
     replicas = [ReplicaID(unique_id=f"r{i}", deployment_id=did) for i in range(2)]

@@ -437,7 +437,7 @@ def test_responses_logprobs_and_the_options_agent_clients_set(client):
 
 
 def test_the_message_text_log_probs_skip_the_reasoning_and_its_end_tag():
-    from mtp_ray.serve.responses_api import TextLogprobs
+    from mtp_ray.serve.apis.responses_out import TextLogprobs
 
     entries = [{"token": t, "logprob": -1.0} for t in ("a", "</th", "ink>", "\n\n", "b")]
     assert TextLogprobs().text_entries(entries, "reasoning") == entries[3:]

@@ -12,7 +12,7 @@ from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.runtime.group_monitor import GroupFailed
 from mtp_ray.runtime.messages import Admission, unpack_step
 from mtp_ray.runtime.outboxes import GROUP, Outboxes
-from mtp_ray.serve.delivery import Deliveries
+from mtp_ray.serve.cluster.delivery import Deliveries
 
 
 def out(rid: str, toks: list[int], done: bool = False) -> StepOutput:
@@ -135,7 +135,7 @@ def test_a_rank_gone_with_its_stopped_group_reads_as_the_stop():
     later call is asked (a crash still reads as a rank gone)."""
     from ray.exceptions import RayActorError
 
-    from mtp_ray.serve.delivery import rank_gone, settled
+    from mtp_ray.serve.cluster.delivery import rank_gone, settled
 
     class Died(RayActorError):
         def __init__(self, text: str):
@@ -174,7 +174,7 @@ def test_the_long_polls_leave_no_task_record_in_the_gcs():
     """pull, poll and the metrics reports run several times a second per rank and replica: Ray's per-call task
     records made the GCS grow ~30 MB per 1,000 requests in a soak (77 % of the records were these)."""
     from mtp_ray.runtime.worker import RankWorker
-    from mtp_ray.serve.metrics_hub import MetricsHub
+    from mtp_ray.serve.cluster.metrics_hub import MetricsHub
 
     for method in (RankWorker.pull, RankWorker.poll, MetricsHub.report):
         assert method.__ray_enable_task_events__ is False, method
@@ -184,7 +184,7 @@ def test_pulls_are_spaced_by_the_stream_interval_only_for_many_streams():
     """A rank stepping every 5 ms: with SPACED_STREAMS streams on it the replica pulls at most once per interval
     (each pull bringing the steps since the last, as larger deltas), with fewer it pulls after every step; no token
     is lost either way."""
-    from mtp_ray.serve.delivery import SPACED_STREAMS
+    from mtp_ray.serve.cluster.delivery import SPACED_STREAMS
 
     async def run(streams: int, interval: float) -> tuple[int, list[int]]:
         d, box = Deliveries(interval), Outboxes()

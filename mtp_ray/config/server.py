@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-REASONING_PARSER_NAMES = frozenset({"qwen3", "deepseek_r1"})  # serve/reasoning.py
-TOOL_PARSER_NAMES = frozenset({"qwen3_coder", "hermes"})  # serve/tool_parsers.py
+REASONING_PARSER_NAMES = frozenset({"qwen3", "deepseek_r1"})  # serve/parsers/reasoning.py
+TOOL_PARSER_NAMES = frozenset({"qwen3_coder", "hermes"})  # serve/parsers/tool_calls.py
 API_KEY_ENV = "MTP_RAY_API_KEY"  # as vLLM's VLLM_API_KEY: used when the YAML sets no api_key
 
 
@@ -25,11 +25,11 @@ class ServerConfig:
     chat_template: str | None = None  # a Jinja file or the template itself; None: the tokenizer's
     # an ingress replica holding many streams on one rank pulls that rank's tokens at most this often (0: after every
     # step): each pull costs the rank, the ingress and Serve's proxy per call and per chunk, whatever it carries
-    # (serve/delivery.py, docs/performance.md); a few streams always get every step at once
+    # (serve/cluster/delivery.py, docs/performance.md); a few streams always get every step at once
     stream_interval_ms: float = 5.0
     # an ingress replica's admission calls to the groups leave this far apart at most often, each carrying every
     # request that arrived meanwhile (a quiet spell's first at once); 0: the next leaves when the one in flight
-    # answered (serve/admissions.py: Admissions; a Serve call costs ~1.5 ms of routing, docs/performance.md)
+    # answered (serve/cluster/admissions.py: Admissions; a Serve call costs ~1.5 ms of routing, docs/performance.md)
     admission_gap_ms: float = 20.0
     # the sampling defaults of requests that leave them out (vLLM's --generation-config): "auto", the model's
     # generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps max_tokens);
@@ -45,7 +45,7 @@ class ServerConfig:
     # as vLLM's --return-tokens-as-token-ids: every response's log-prob tokens as "token_id:<id>" (a request may also
     # ask, with return_tokens_as_token_ids)
     return_tokens_as_token_ids: bool = False
-    # the routes that act on every engine group (serve/admin_api.py): vLLM's /sleep, /wake_up, /is_sleeping,
+    # the routes that act on every engine group (serve/http/admin_api.py): vLLM's /sleep, /wake_up, /is_sleeping,
     # /reset_prefix_cache, SGLang's /flush_cache and memory release / resume; behind api_key when it is set
     admin_routes: bool = True
 

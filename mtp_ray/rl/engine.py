@@ -39,7 +39,7 @@ class RolloutEngine:
         self._attach(EngineGroup(cfg, placement_group, bundle_offset))
 
     def _attach(self, group: EngineGroup) -> None:
-        """The handle's state over `group` (a Serve replica, serve/deployment.py, makes its group itself)."""
+        """The handle's state over `group` (a Serve replica, serve/cluster/deployment.py, makes its group itself)."""
         self.group = group
         self._started: asyncio.Task | None = None
         self._tok = None  # loaded for the first request with stop strings

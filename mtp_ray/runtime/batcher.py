@@ -6,8 +6,8 @@ timer, so an idle engine sees no added latency). Why: a Ray actor task costs the
 GIL-holding CPU, time its engine thread loses; `python bench/submit.py` (2-core dev machine): a burst of 512
 requests as 512 `add` calls took 139-163 ms of the rank's CPU, through this batcher 2-9 ms. Its users: the group's
 `add_many` calls to its ranks (runtime/group.py: one result for the whole call), the ingress's admission calls to
-the groups (serve/admissions.py: Admissions; a result per item, a result nobody waits for any more aborted, calls
-server.admission_gap_ms apart: a Serve call costs more than the group's part of an admission).
+the groups (serve/cluster/admissions.py: Admissions; a result per item, a result nobody waits for any more
+aborted, calls server.admission_gap_ms apart: a Serve call costs more than the group's part of an admission).
 
 An idle batcher's call is issued inside `submit` itself, not from a task made there: such a task runs a whole
 event-loop pass later, behind every request handler that pass runs (on the H200 host, 128 arriving requests: ~50 ms

@@ -204,8 +204,8 @@ class EngineGroup:
         call (the ingress batches a burst: a Serve call costs ~1.5 ms of routing and replica work,
         bench/serve_calls.py): yields one result per item, its Admission or the error that refused it, then stays
         open until every admitted one ended. Closing it earlier aborts those still running; one alone is aborted at
-        its rank (`RankWorker.abort`). Autoscaling reads the group's count of requests (serve/scaling.py), not of
-        calls."""
+        its rank (`RankWorker.abort`). Autoscaling reads the group's count of requests (serve/cluster/scaling.py), not
+        of calls."""
         assert subscriber, "the group's own requests go through generate / collect"
         t0 = time.monotonic()
         sinks = [RemoteSink() for _ in items]

@@ -35,7 +35,7 @@ class Reader:
 
 
 class Outboxes:
-    # a live subscriber pulls at least every second while it has requests here (serve/delivery.py: PULL_S); one
+    # a live subscriber pulls at least every second while it has requests here (serve/cluster/delivery.py: PULL_S); one
     # silent for 10 s is gone (a dead replica's requests ran 30 s for nobody before)
     def __init__(self, expire_s: float = 10.0):
         self.lock = threading.Lock()

@@ -23,10 +23,10 @@ from mtp_ray.config.model import ModelConfig
 from mtp_ray.config.server import ServerConfig
 from mtp_ray.engine.sampling_params import model_defaults
 from mtp_ray.runtime.placement import rank_bundles
-from mtp_ray.serve.deployment import GroupDeployment
-from mtp_ray.serve.ingress import Ingress
-from mtp_ray.serve.routing import ServingGroupsRouter
-from mtp_ray.serve.scaling import with_group_policy
+from mtp_ray.serve.cluster.deployment import GroupDeployment
+from mtp_ray.serve.cluster.routing import ServingGroupsRouter
+from mtp_ray.serve.cluster.scaling import with_group_policy
+from mtp_ray.serve.http.ingress import Ingress
 
 REPLICA_CPU = 0.1  # bundle 0 of a group replica holds the replica actor itself; the ranks take the others
 
@@ -78,14 +78,15 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     check_model(cfg)
     server = ServerConfig.from_dict(args.get("server"))
     defaults = check_defaults(server, cfg.model)
-    deploy = time.time_ns()  # this build of the app: its metrics start from zero (serve/metrics_hub.py)
+    deploy = time.time_ns()  # this build of the app: its metrics start from zero (serve/cluster/metrics_hub.py)
     name = args.get("served_model_name") or Path(cfg.model).name
     names = [name] if isinstance(name, str) else name
     if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"served_model_name must be a model name or a list of them, got {name!r}")
     # (graceful_shutdown_timeout_s: Serve's 20 s for running requests to end before a replaced group stops)
     group_opts = {"max_ongoing_requests": 512, "health_check_period_s": 5, "health_check_timeout_s": 30,
-                  # new requests pass over a group whose stats (every second) say it cannot serve (serve/routing.py)
+                  # new requests pass over a group whose stats (every second) say it cannot serve
+                  # (serve/cluster/routing.py)
                   "request_router_config": RequestRouterConfig(request_router_class=ServingGroupsRouter,
                                                                request_routing_stats_period_s=1.0,
                                                                request_routing_stats_timeout_s=5.0),
@@ -94,7 +95,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         ray_actor_options={"num_cpus": REPLICA_CPU},
         placement_group_bundles=group_bundles(cfg),
         placement_group_strategy=cfg.parallel.placement_strategy,
-        **with_group_policy(group_opts),  # autoscaling on the groups' requests in flight (serve/scaling.py)
+        **with_group_policy(group_opts),  # autoscaling on the groups' requests in flight (serve/cluster/scaling.py)
     ).bind(engine, deploy)
     ingress_args = dict(args.get("ingress") or {})
     ingress_opts = {"max_ongoing_requests": 1000, **ingress_args,
