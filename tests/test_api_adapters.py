@@ -10,11 +10,13 @@ import json
 
 import pytest
 
-from mtp_ray.serve import messages_api, native_api, responses_api
-from mtp_ray.serve.chat_request import parse_chat
-from mtp_ray.serve.errors import ApiError
-from mtp_ray.serve.fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
-from mtp_ray.serve.tokenize_api import tokenize
+from mtp_ray.serve.apis import anthropic as messages_api
+from mtp_ray.serve.apis import responses_out as responses_api
+from mtp_ray.serve.apis import sglang as native_api
+from mtp_ray.serve.openai.chat_request import parse_chat
+from mtp_ray.serve.openai.errors import ApiError
+from mtp_ray.serve.openai.fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
+from mtp_ray.serve.openai.tokenize import tokenize
 from tests.tiny_tokenizer import data_events, named_events, stable_ids, tokenizer
 
 MODEL = "tiny"
@@ -402,9 +404,6 @@ def test_responses_stream_accumulates_in_the_openai_client():
         events[-1]["response"]["output"]))
 
 
-@pytest.mark.xfail(strict=True, reason="a function_call_output's output may be a list of input_text parts (the "
-                   "Responses API's ResponseFunctionCallOutputItemListParam): their text should be the tool message, "
-                   "not the JSON of the parts")
 def test_responses_function_call_output_as_text_parts_is_the_tool_text():
     items = [{"role": "user", "content": "time?"},
              {"type": "function_call", "call_id": "c1", "name": "get_time", "arguments": "{}"},
@@ -510,8 +509,6 @@ def test_messages_refusals_name_the_field(body, param, message):
         assert got == message
 
 
-@pytest.mark.xfail(strict=True, reason="a non-text block in 'system' is refused with param 'messages' (_text's "
-                   "param is fixed), though the message and the problem are the system's")
 def test_messages_non_text_system_block_names_system():
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
             "system": [{"type": "image", "source": {}}]}

@@ -12,14 +12,16 @@ import pytest
 
 from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.sampling_params import SamplingParams
-from mtp_ray.serve.chat_request import ChatServing, parse_chat
-from mtp_ray.serve.errors import ApiError
-from mtp_ray.serve.fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
-from mtp_ray.serve.limits import Limits
-from mtp_ray.serve.openai_protocol import parse_completion
-from mtp_ray.serve.responses import error_response, final_response, new_choices
-from mtp_ray.serve.streaming import ChunkWriter
-from mtp_ray.serve.tokenize_api import detokenize, tokenize
+from mtp_ray.serve.http.http_app import error_response
+from mtp_ray.serve.openai.bodies import final_response
+from mtp_ray.serve.openai.chat_request import ChatServing, parse_chat
+from mtp_ray.serve.openai.choice import new_choices
+from mtp_ray.serve.openai.errors import ApiError
+from mtp_ray.serve.openai.fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
+from mtp_ray.serve.openai.limits import Limits
+from mtp_ray.serve.openai.request import parse_completion
+from mtp_ray.serve.openai.streaming import ChunkWriter
+from mtp_ray.serve.openai.tokenize import detokenize, tokenize
 from tests.tiny_tokenizer import stable_ids, tokenizer
 
 MODEL = "tiny"

@@ -108,7 +108,7 @@ def _text(block, where: str) -> str:
     if isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str):
         return block["text"]
     kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-    raise bad(f"{where}: a {kind!r} block is not supported here (this model takes text only)", "messages")
+    raise bad(f"{where}: a {kind!r} block is not supported here (this model takes text only)", where.split("[")[0])
 
 
 def _system(system) -> list[dict]:

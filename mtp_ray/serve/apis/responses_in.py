@@ -125,8 +125,9 @@ def _messages(items) -> list[dict]:
                 msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output" and isinstance(it.get("call_id"), str):
             out = it.get("output")
-            msgs.append({"role": "tool", "tool_call_id": it["call_id"],
-                         "content": out if isinstance(out, str) else json.dumps(out)})
+            # a string, or parts (input_text; an image or file part is refused as text-only); other JSON as text
+            text = _content(out, i) if isinstance(out, (str, list)) else json.dumps(out)
+            msgs.append({"role": "tool", "tool_call_id": it["call_id"], "content": text})
         elif kind == "reasoning":
             continue
         elif kind == "item_reference":  # (a client that assumes store: true sends earlier items by id)
