@@ -38,8 +38,8 @@ def measure(batch: int, steps: int, notify=None, device_ms: float = 0.0) -> dict
     if notify is not None:
         step = EngineCore.step
 
-        def publishing_step(self):
-            out = step(self)
+        def publishing_step(self, next_cmd: int = 0):
+            out = step(self, next_cmd)
             notify(pack_step(0, out))
             return out
 

@@ -454,8 +454,8 @@ def test_command_queued_during_a_waves_last_step_still_runs():
     try:
         step, result = w.core.step, {}
 
-        def racing_step():
-            outs = step()  # this step's DPMeta is gathered: any command queued now is not in its table
+        def racing_step(next_cmd: int = 0):
+            outs = step(next_cmd)  # this step's DPMeta is gathered: any command queued now is not in its table
             table = w.core.sync.step_table
             if table is not None and table.all_dummy and not table.any_unfinished and "started" not in result:
                 result["started"] = True

@@ -147,3 +147,32 @@ def test_split_prefill_steps_same_tokens_more_uniform_steps(k):
         runs[split] = (outs, llm.engine.stats.mixed_batch_steps)
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] == 0 < runs[False][1], runs
+
+
+def test_a_step_is_counted_by_its_sync_and_carries_the_callers_command():
+    """The step owns its state (issue 62): EngineCore.step puts the caller's next_cmd into its DPMeta and ends in
+    its sync, which counts it; nobody writes either from outside (the rank worker publishes with `sync.step` and
+    DPMeta.step is compared across ranks). The warmup's steps are not counted, at start or on a re-warm."""
+    from mtp_ray.config.flat import engine_config
+    from mtp_ray.config.model import ModelConfig
+    from mtp_ray.engine.core import EngineCore
+    from mtp_ray.parallel.context import DistContext
+    from mtp_ray.parallel.sync import DPSync
+
+    cfg = engine_config(num_speculative_tokens=1, max_num_seqs=8, device="cpu", dtype="float32")
+    ctx = DistContext(0, 1, ModelConfig.from_pretrained(cfg.model).num_experts, torch.device("cpu"), 10.0)
+    sync = DPSync(ctx)  # a group of one: the lock-step path, no collective
+    core = EngineCore(cfg, sync=sync)
+    core.warmup()
+    assert sync.step == 0 and sync.last is not None and sync.last.ranks[0].step == 0
+    core.add_request("a", [5, 17, 200, 31], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    for n in range(6):
+        core.step(next_cmd=n % 3)  # 0: no command held
+        meta = sync.step_table.ranks[0]
+        assert (meta.step, meta.next_cmd, sync.step) == (n, n % 3, n + 1)
+        assert sync.step_table.command_ready == n % 3
+    assert not core.has_unfinished()  # steps without work are counted too (the group still gathered)
+    core.warmup()  # wake_up re-warms mid-serving: the count goes on from where it was
+    assert sync.step == 6
+    core.step()
+    assert sync.step_table.ranks[0].step == 6 and sync.step == 7

@@ -47,7 +47,6 @@ class EngineCore:
                  dispatch: ExpertDispatcher = local_dispatch, sync: Sync | None = None):
         self.cfg = cfg
         self.sync = sync or LocalSync()
-        self.meta_extra: dict[str, int] = {}  # fields the rank worker adds to each step's DPMeta (next_cmd)
         self.pending_outputs: list[StepOutput] = []  # outputs made outside a step (abort_all)
         mc = ModelConfig.from_pretrained(cfg.model)
         cfg.check_fits(mc)
@@ -145,24 +144,28 @@ class EngineCore:
         return self.scheduler.has_unfinished() or bool(self.compiling)
 
     # ---- one step ----
-    def step(self) -> list[StepOutput]:
-        """schedule -> agree (the DPMeta gather) -> forward -> commit -> draft; outputs made outside a step first."""
+    def step(self, next_cmd: int = 0) -> list[StepOutput]:
+        """schedule -> agree (the DPMeta gather) -> forward -> commit -> draft; outputs made outside a step first.
+        next_cmd: the sequence number of the oldest group command the caller holds (0: none), carried by the step's
+        DPMeta (a group runs a command once every rank has it: Gathered.command_ready). The step ends in the sync
+        (Sync.end_step), which counts it."""
         if self.compiling:
             self._admit_compiled()
         early, self.pending_outputs = self.pending_outputs, []
         steps, graphs, t0 = self.stats.steps, self.stats.graph_steps, time.perf_counter()
         self.clock.begin()
         try:
-            out = self._step()
+            out = self._step(next_cmd)
         finally:
             self.clock.close()
+        self.sync.end_step()
         if self.stats.steps > steps:
             self.stats.count_step_time(time.perf_counter() - t0, graph=self.stats.graph_steps > graphs)
         outs = early + out
         self.stats.count_outputs(sum(len(o.new_token_ids) for o in outs))
         return outs
 
-    def _step(self) -> list[StepOutput]:
+    def _step(self, next_cmd: int) -> list[StepOutput]:
         clock = self.clock
         done: list[StepOutput] = []  # outputs of the step that was in flight
         if self.greedy.inflight is not None and self.scheduler.may_preempt():
@@ -171,7 +174,7 @@ class EngineCore:
         sched = self.scheduler.schedule(self.sync.prefill_turn() if self.scheduler.split else None)
         restore_prefixes(sched, self.runner)
         uniform = is_uniform(sched, 1 + self.k)
-        local = self._local_meta(sched, uniform)
+        local = self._local_meta(sched, uniform, next_cmd)
         clock.lap("schedule")
         # agree, then forward: the gathered table is the forward context inside the block
         with self.sync.agree(local, self.runner.graph_sizes) as table:
@@ -254,8 +257,9 @@ class EngineCore:
         """All ranks together: eager dummy decode and prefill steps with the k draft forwards, then (GPU) every CUDA
         graph size is captured, largest first, on padded rows only, so that no capture stalls a serving step; then a
         small synthetic workload is served (engine/warmup.py)."""
-        warmup_forwards(self)
-        warmup_requests(self)
+        with self.sync.uncounted():  # not serving steps: the step counter stays (also on wake_up's re-warm)
+            warmup_forwards(self)
+            warmup_requests(self)
         self.drain()
         self.invalidate_prefixes()  # the workload's prefixes are nobody's
         self.pending_outputs = []  # the workload's last outputs: nobody's
@@ -276,7 +280,7 @@ class EngineCore:
         decode = any(r.is_decode or id(r) in done for r in running)
         return {"pending_prefill": int(prefill), "pending_decode": int(decode)}
 
-    def _local_meta(self, sched: list[Scheduled], uniform: bool) -> DPMeta:
+    def _local_meta(self, sched: list[Scheduled], uniform: bool, next_cmd: int) -> DPMeta:
         n = sum(s.num_new for s in sched)
         # a uniform batch decodes / verifies from a cached prefix: decoding, no chunk (is_uniform's conditions)
         decoding = uniform or (bool(sched) and all(s.verify or not s.req.is_prefill for s in sched))
@@ -285,6 +289,5 @@ class EngineCore:
             is_dummy=int(not sched), is_chunk=int(not uniform and any(not s.completes_prefill for s in sched)),
             has_unfinished=int(self.has_unfinished()), is_sleeping=int(self.runner.asleep),
             graph_ok=int(uniform or not sched), greedy_ok=int(all(s.req.params.greedy for s in sched)),
-            **self._pending(sched, uniform),
-            **self.meta_extra,
+            next_cmd=next_cmd, **self._pending(sched, uniform),
         )

@@ -9,21 +9,44 @@ and autotune here, not on the first burst of real requests (bench/cold_compiles.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from mtp_ray.engine.inputs import build_uniform, dummy_inputs
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.parallel.dp_meta import DPMeta
 
 if TYPE_CHECKING:
-    from mtp_ray.engine.core import EngineCore
+    from mtp_ray.config.engine import EngineConfig
+    from mtp_ray.engine.block_manager import BlockManager
+    from mtp_ray.engine.mtp import MTPProposer
+    from mtp_ray.engine.outputs import StepOutput
+    from mtp_ray.engine.runner import ModelRunner
+    from mtp_ray.parallel.sync import Sync
 
 BURST = 64  # short prompts prefilled in one step (a burst of chat requests)
 SHORT = 32  # their length
 TOKENS = 4  # tokens generated per request: a few decode / verify steps, with their draft loops
 
 
-def warmup_requests(core: EngineCore) -> int:
+class Engine(Protocol):
+    """What the warmup drives: an engine (engine/core.py: EngineCore) and its parts."""
+
+    cfg: EngineConfig
+    k: int
+    max_model_len: int
+    blocks: BlockManager
+    runner: ModelRunner
+    proposer: MTPProposer
+    sync: Sync
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None: ...
+
+    def step(self, next_cmd: int = 0) -> list[StepOutput]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+
+def warmup_requests(core: Engine) -> int:
     """Serve the workload to its end (every rank steps until the gathered table says no rank has work); returns
     the steps it took. Sized to the engine's limits and its free KV blocks; the blocks go back to the pool."""
     sched, k = core.cfg.scheduler, core.k
@@ -57,7 +80,7 @@ def warmup_requests(core: EngineCore) -> int:
             return steps
 
 
-def warmup_forwards(core: EngineCore) -> None:
+def warmup_forwards(core: Engine) -> None:
     """Every rank together: eager dummy decode and prefill forwards with the k draft forwards, then (GPU) every
     CUDA graph size captured, largest first, on padded rows only, so that no capture stalls a serving step."""
     # eager forwards of padded rows (KV writes dropped) at 1, 2, 9, 16 and 64 tokens: the eager kernels and their

@@ -14,6 +14,11 @@ context inside the `with` block and cleared when it ends, however the forward en
 Waves (rule 5): `wave` counts the waves this rank has finished. Every rank ends a wave at the same step (the gathered
 table shows no work anywhere), so the counter is the same on every rank; it goes into every DPMeta and the gather
 checks it, so a rank that stepped into another wave is a lock-step error naming it rather than a hang.
+
+Steps: `step` counts the serving steps this rank has ended. Each EngineCore.step ends here (`end_step`; a lock-step
+step is one target gather on every rank), so the counter is the same on every rank; it goes into every DPMeta (the
+step's own number: the steps ended before it) and the gather checks it. Warmup steps (`uncounted`) leave it where it
+was.
 """
 
 from __future__ import annotations
@@ -29,10 +34,35 @@ from mtp_ray.parallel.dp_meta import DPMeta, Gathered, draft_tables, pinned_ll_m
 
 
 class Sync(ABC):
-    """The forward-pairing context managers over a sync's target / draft / graph_drafts and done."""
+    """The forward-pairing context managers over a sync's target / draft / graph_drafts and done, and the wave and
+    step counters."""
 
-    wave: int
-    step: int
+    def __init__(self) -> None:
+        self.wave = 0  # waves finished, the same on every rank (end_wave)
+        self._steps = 0  # serving steps ended, the same on every rank (end_step)
+        self._counting = True  # False inside `uncounted` (warmup)
+
+    @property
+    def step(self) -> int:
+        """Serving steps ended: inside a step, its number (carried by its DPMeta); after it, what its outputs are
+        published with (runtime/worker.py)."""
+        return self._steps
+
+    def end_step(self) -> None:
+        """The engine's step ended (EngineCore.step, not when it raised): the counter moves on, on every rank at
+        the same step."""
+        if self._counting:
+            self._steps += 1
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Steps that are not serving steps (warmup, at start and on wake_up): every rank runs the same ones, and
+        the counter stays where it was."""
+        self._counting = False
+        try:
+            yield
+        finally:
+            self._counting = True
 
     @contextmanager
     def agree(self, local: DPMeta, graph_sizes: tuple[int, ...] = ()) -> Iterator[Gathered | None]:
@@ -82,10 +112,6 @@ class LocalSync(Sync):
     lockstep = False
     single_rank = True  # no peer: nothing collective in any forward
 
-    def __init__(self) -> None:
-        self.wave = 0
-        self.step = 0
-
     def prefill_turn(self) -> bool | None:
         return None  # one rank: the scheduler alternates on its own
 
@@ -112,13 +138,12 @@ class DPSync(Sync):
 
     def __init__(self, ctx: DistContext, draft_gathers: bool = False, group_turns: bool = True,
                  ll_max_tokens: int = 0):
+        super().__init__()
         self.ctx = ctx
         self.ll_max_tokens = ll_max_tokens  # the EP backend's low-latency capacity per rank (0: unbounded)
         self.draft_gathers, self.group_turns = draft_gathers, group_turns
         self.draft_tables: tuple[Gathered, Gathered] | None = None  # derived from the target gather: step 1, 2..k
         self.last_turn_prefill = False  # split scheduling: the group's previous turn
-        self.wave = 0  # waves finished, the same on every rank (end_wave)
-        self.step = 0  # steps run, the same on every rank (the rank worker counts them)
         self.last: Gathered | None = None  # the last gathered table (fault reports)
         self.step_table: Gathered | None = None  # the target gather of the last step (wave / command decisions)
         self.target_decode = False

@@ -6,17 +6,23 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from mtp_ray.runtime.batcher import detached
 from mtp_ray.runtime.messages import GroupCommand
 
-if TYPE_CHECKING:
-    from mtp_ray.runtime.group import EngineGroup
+
+class CommandedGroup(Protocol):
+    """What the commands need of their group (runtime/group.py: EngineGroup)."""
+
+    workers: list  # the ranks' actor handles (new ones after a restart)
+    reqs: dict  # requests in flight (wait_in_flight: until there are none)
+
+    async def wait_ready(self) -> None: ...
 
 
 class GroupCommands:
-    def __init__(self, group: EngineGroup):
+    def __init__(self, group: CommandedGroup):
         self.group = group
         self.accepting = asyncio.Event()  # cleared: new requests wait (held, not refused)
         self.accepting.set()

@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from mtp_ray.runtime.messages import unpack_step
 
 if TYPE_CHECKING:
-    from mtp_ray.runtime.group import EngineGroup
+    from mtp_ray.config.engine import EngineConfig
+    from mtp_ray.runtime.batcher import CallBatcher
+    from mtp_ray.runtime.group_commands import GroupCommands
+    from mtp_ray.runtime.sinks import Sink
 
 log = logging.getLogger("mtp_ray.group")
 
@@ -29,8 +32,37 @@ class GroupUnavailable(RuntimeError):
     group_id: str | None = None  # set on a refused admission: the ingress's router avoids that group a while
 
 
+class MonitoredGroup(Protocol):
+    """What the monitor reads and drives of its group (runtime/group.py: EngineGroup): its ranks and requests, its
+    state, its restart, and the counters its health report shows."""
+
+    cfg: EngineConfig
+    group_id: str
+    dp: int
+    workers: list  # the ranks' actor handles
+    epoch: int  # bumps on every (re)start: pollers of an older epoch exit
+    state: str
+    ready: asyncio.Event
+    restart_on_failure: bool
+    commands: GroupCommands
+    reqs: dict[str, tuple[int, Sink]]  # request id -> (rank, sink)
+    load: list[int]
+    adds: list[CallBatcher]
+    admits: int
+    admit_s: float
+    abort_calls: list[int]
+    abort_errors: list[int]
+    max_model_len: int
+
+    async def spawn(self) -> None: ...
+
+    def kill_workers(self) -> None: ...
+
+    def end(self, state: str) -> None: ...
+
+
 class GroupMonitor:
-    def __init__(self, group: EngineGroup):
+    def __init__(self, group: MonitoredGroup):
         self.group = group
         dp = group.dp
         self.progress = [(0, time.monotonic())] * dp  # (step, when it last advanced) per rank

@@ -20,7 +20,7 @@ from mtp_ray.engine.stats import EngineStats
 class _Core(Protocol):
     stats: EngineStats
 
-    def step(self) -> list: ...
+    def step(self, next_cmd: int = 0) -> list: ...
 
 
 class StepProfiler:
@@ -39,17 +39,17 @@ class StepProfiler:
         self.done.clear()
         self.left = steps  # last: the engine thread starts profiling once this is set
 
-    def run(self, core: _Core) -> list:
-        """One engine step (engine thread), profiled while steps are left."""
+    def run(self, core: _Core, next_cmd: int = 0) -> list:
+        """One engine step (engine thread; next_cmd: EngineCore.step's), profiled while steps are left."""
         if not self.left:
-            return core.step()
+            return core.step(next_cmd)
         if self.device and self.tprof is None:
             self.tprof = _torch_profiler()
             self.tprof.start()
         graphs, prof = core.stats.graph_steps, cProfile.Profile()
         prof.enable()
         try:
-            return core.step()
+            return core.step(next_cmd)
         finally:
             prof.disable()
             kind = "graph" if core.stats.graph_steps > graphs else "eager"

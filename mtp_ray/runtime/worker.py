@@ -225,10 +225,9 @@ class RankWorker:
                     t0 = time.perf_counter()
                     self._drain_inbox()
                     with self.cond:
-                        core.meta_extra = {"next_cmd": self.cmds[0].cmd.seq if self.cmds else 0}
+                        next_cmd = self.cmds[0].cmd.seq if self.cmds else 0
                     t1 = time.perf_counter()
-                    outs = self.profiler.run(core)
-                    sync.step += 1
+                    outs = self.profiler.run(core, next_cmd)  # the sync counts the step (Sync.end_step)
                     t2 = time.perf_counter()
                     if outs:
                         self.outboxes.publish(sync.step, outs)
