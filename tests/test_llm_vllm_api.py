@@ -12,7 +12,7 @@ from mtp_ray.config.engine import BUNDLED_MODEL
 from mtp_ray.model.loader import checkpoint_tensors
 from mtp_ray.serve.openai.chat_request import parse_chat
 from mtp_ray.serve.openai.errors import ApiError
-from mtp_ray.serve.openai.fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
+from mtp_ray.serve.openai.fields import check_fields
 from mtp_ray.serve.openai.request import parse_completion
 
 PROMPT = "def parse(self, text):\n    "
@@ -146,10 +146,10 @@ def test_the_server_parses_bad_words(llm):
     sp = SamplingParams(bad_words=["parse"])
     sp.update_from_tokenizer(tok)
     body = {"model": "m", "prompt": PROMPT, "bad_words": ["parse"]}
-    check_fields(body, COMPLETION_FIELDS)
+    check_fields(body, "completions")
     assert parse_completion(body, tok).params.bad_words_token_ids == sp.bad_words_token_ids
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "bad_words": ["parse"]}
-    check_fields(chat, CHAT_FIELDS)
+    check_fields(chat, "chat")
     assert parse_chat(chat, tok).params.bad_words_token_ids == sp.bad_words_token_ids
     for body, tokenizer in (({"prompt": [5, 6], "bad_words": ["parse"]}, None),
                             ({"prompt": "x", "bad_words": [""]}, tok), ({"prompt": "x", "bad_words": "x"}, tok),

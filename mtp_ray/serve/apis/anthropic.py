@@ -15,16 +15,10 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse
 
 from mtp_ray.serve.openai.errors import ApiError, bad
+from mtp_ray.serve.openai.field_table import names
+from mtp_ray.serve.openai.fields import check_fields
 from mtp_ray.serve.openai.ids import new_id
 
-# bookkeeping, hints and routing: cannot change the text (cache_control: the prefix cache works without it)
-_IGNORED = {"metadata", "service_tier", "cache_control", "diagnostics", "inference_geo", "speed", "user_profile_id",
-            "workspace_id"}
-_PASSED = {"model", "temperature", "top_p", "top_k", "stream"}  # (the sampling fields of the API's older versions)
-_MAPPED = {"messages", "max_tokens", "system", "stop_sequences", "tools", "tool_choice", "thinking", "output_config"}
-_COUNTED = {"model", "messages", "system", "tools", "tool_choice", "thinking"}  # count_tokens' fields
-_REFUSED = {"container": "containers are not supported", "mcp_servers": "MCP servers are not supported",
-            "context_management": "context management is not supported"}
 # HTTP status -> Anthropic's error type
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -45,13 +39,9 @@ def front(body: dict, model: str) -> tuple[dict, Messages]:
 def chat_body(body: dict, count_only: bool = False) -> dict:
     """A Messages request -> the chat completion body that generates it (400 naming the field it cannot take);
     count_only: count_tokens' request (no max_tokens, no sampling)."""
-    known = _COUNTED if count_only else _IGNORED | _PASSED | _MAPPED | set(_REFUSED)
-    for key, value in body.items():
-        if key in _REFUSED and value is not None:
-            raise bad(_REFUSED[key], key)
-        if key not in known and value is not None:  # (null: as if absent)
-            raise bad(f"unknown field '{key}'", key)
-    out = {k: body[k] for k in _PASSED if body.get(k) is not None}
+    route = "count_tokens" if count_only else "messages"
+    check_fields(body, route)
+    out = {k: body[k] for k in names(route, "pass") if body.get(k) is not None}
     if not count_only:
         if body.get("max_tokens") is None:  # (required by the API: no default to fall back on)
             raise bad("'max_tokens' is required", "max_tokens")

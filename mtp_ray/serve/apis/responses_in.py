@@ -8,39 +8,19 @@ import json
 
 from mtp_ray.serve.openai.chat_request import EFFORTS
 from mtp_ray.serve.openai.errors import bad
-from mtp_ray.serve.openai.fields import flag
+from mtp_ray.serve.openai.field_table import names
+from mtp_ray.serve.openai.fields import check_fields, flag
 
-# accepted and ignored, as on the chat route (serve/openai/fields.py IGNORED), plus the Responses API's own bookkeeping:
-# a cap on built-in tool calls (there are none here), stream obfuscation padding
-_IGNORED = {"metadata", "store", "user", "service_tier", "prompt_cache_key", "prompt_cache_retention",
-            "safety_identifier", "truncation", "max_tool_calls", "stream_options"}
-# passed to the chat body as they are: the Responses API's own, and the sampling extras vLLM and SGLang take here too
-_PASSED = {"model", "temperature", "top_p", "parallel_tool_calls", "stream", "seed", "top_k", "min_p", "stop",
-           "presence_penalty", "frequency_penalty", "repetition_penalty", "stop_token_ids", "ignore_eos",
-           "min_tokens", "logit_bias", "chat_template_kwargs"}
-_MAPPED = {"input", "instructions", "max_output_tokens", "text", "tools", "tool_choice", "reasoning", "include",
-           "top_logprobs"}
+_PASSED = names("responses", "pass")  # to the chat body as they are (field_table.py)
 # `include` values: the message text's log-probs (honoured), encrypted reasoning (nothing is encrypted here: the
 # reasoning items carry their text, so there is nothing to add)
 _INCLUDES = {"message.output_text.logprobs", "reasoning.encrypted_content"}
-_REFUSED = {
-    "previous_response_id": "this server stores no responses: send the whole conversation in 'input'",
-    "conversation": "this server stores no conversations: send the whole conversation in 'input'",
-    "background": "background responses are not supported",
-    "prompt": "prompt templates are not supported",
-}
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
 def chat_body(body: dict) -> dict:
     """A Responses request -> the chat completion body that generates it (400 naming the field it cannot take)."""
-    for key, value in body.items():
-        if key in _REFUSED and value not in (None, False):
-            raise bad(_REFUSED[key], key)
-        if key not in _IGNORED | _PASSED | _MAPPED | set(_REFUSED) and value is not None:  # (null: as if absent)
-            raise bad(f"unknown field '{key}'", key)
-    if body.get("truncation") not in (None, "disabled"):
-        raise bad("'truncation' must be \"disabled\": a prompt longer than the context is a 400", "truncation")
+    check_fields(body, "responses")  # (truncation: "disabled" only)
     include = body.get("include") or []
     if not isinstance(include, list) or not all(isinstance(v, str) and v in _INCLUDES for v in include):
         raise bad(f"'include' takes {sorted(_INCLUDES)} (no other output is made here)", "include")

@@ -17,37 +17,20 @@ from collections.abc import AsyncIterator
 from mtp_ray import __version__
 from mtp_ray.engine.sampling_params import is_int
 from mtp_ray.serve.openai.errors import bad
-from mtp_ray.serve.openai.fields import flag
+from mtp_ray.serve.openai.field_table import names, renames
+from mtp_ray.serve.openai.fields import check_fields, flag
 from mtp_ray.serve.openai.request import int_field
 
-# sampling_params: SGLang's name -> the completion field that means the same
-_SAMPLING = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed",
-             **{k: k for k in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-                               "repetition_penalty", "stop", "stop_token_ids", "stop_regex", "ignore_eos",
-                               "skip_special_tokens", "spaces_between_special_tokens", "n", "json_schema", "regex",
-                               "ebnf", "no_stop_trim", "logit_bias")}}
-_SAMPLING_NEUTRAL = {"custom_params": None, "structural_tag": None}  # accepted at this value only
-_SAMPLING_IGNORED = {"stream_interval"}  # a streaming hint: the server's own interval applies
 _DEFAULT_MAX_NEW = 128  # SGLang's max_new_tokens default
-_TOP = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len", "top_logprobs_num",
-        "return_text_in_logprobs", "return_prompt_token_ids", "rid", "log_metrics"}
-# passed on to the completions route as they are: its field rules take them (honoured, ignored, or neutral values
-# only: serve/openai/fields.py)
-_PASSED = {"lora_path", "return_hidden_states", "custom_labels", "data_parallel_rank", "routed_dp_rank", "priority",
-           "return_routed_experts", "bootstrap_host", "bootstrap_port", "bootstrap_room", "extra_key", "cache_salt"}
-_REFUSED = {"image_data": "this model takes text only", "video_data": "this model takes text only",
-            "audio_data": "this model takes text only", "input_embeds": "'input_embeds' is not supported",
-            "token_ids_logprob": "'token_ids_logprob' is not supported", "custom_logit_processor":
-            "custom logit processors are not supported", "session_params": "sessions are not supported"}
+# passed on to the completions route (its field rules take them: honoured, ignored, or neutral values only); the
+# sampling_params under the completion field's name (SGLang's max_new_tokens is max_tokens)
+_PASSED = names("generate", "pass")
+_SAMPLING = renames("sampling_params")
 
 
 def front(body: dict, model: str, tok) -> tuple[dict, Native]:
     """A /generate request -> (its completion body, the Native that answers it); 400 naming a field it cannot take."""
-    for key, value in body.items():
-        if key in _REFUSED and value is not None:
-            raise bad(_REFUSED[key], key)
-        if key not in _TOP | _PASSED | set(_REFUSED):
-            raise bad(f"unknown field '{key}'", key)
+    check_fields(body, "generate")
     prompt, single = _prompt(body)
     out = {**{k: body[k] for k in _PASSED if k in body}, "prompt": prompt, **_sampling(body.get("sampling_params"))}
     stream, want_lp = flag(body, "stream"), flag(body, "return_logprob")
@@ -102,16 +85,8 @@ def _sampling(sp) -> dict:
     if not isinstance(sp, dict):
         raise bad("'sampling_params' must be an object", "sampling_params")
     out = {"max_tokens": _DEFAULT_MAX_NEW}
-    for key, value in sp.items():
-        if key in _SAMPLING_IGNORED:
-            continue
-        if key in _SAMPLING_NEUTRAL:
-            if value != _SAMPLING_NEUTRAL[key]:
-                raise bad(f"'sampling_params.{key}' is not supported", f"sampling_params.{key}")
-        elif key not in _SAMPLING:
-            raise bad(f"unknown sampling parameter '{key}'", f"sampling_params.{key}")
-        elif value is not None:
-            out[_SAMPLING[key]] = value
+    check_fields(sp, "sampling_params")
+    out.update({_SAMPLING[k]: v for k, v in sp.items() if k in _SAMPLING and v is not None})
     return out
 
 

@@ -31,7 +31,7 @@ from mtp_ray.serve.http.intake import check_api_key, off_loop, read_body, read_j
 from mtp_ray.serve.http.server_load import ServerLoad
 from mtp_ray.serve.openai.chat_request import ChatServing, parse_chat, think_ids
 from mtp_ray.serve.openai.errors import ApiError
-from mtp_ray.serve.openai.fields import CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
+from mtp_ray.serve.openai.fields import check_fields
 from mtp_ray.serve.openai.limits import Limits, cap_max_tokens, check_length
 from mtp_ray.serve.openai.request import parse_completion
 from mtp_ray.serve.openai.tokenize import detokenize, tokenize
@@ -102,12 +102,13 @@ class Ingress:
         """The group's model facts (GroupClient.info: asked once, 503 while no group is up)."""
         return await self.groups.info()
 
-    async def _body(self, request: Request, known: set[str] | None) -> tuple[dict, int]:
-        """The request's JSON object (checked: API key, known fields unless None, model) and its size in bytes."""
+    async def _body(self, request: Request, route: str | None) -> tuple[dict, int]:
+        """The request's JSON object (checked: API key, the route's fields unless None, model) and its size in
+        bytes."""
         check_api_key(request, self.server.api_key)
         body, size = await read_json_object(request, self.server.max_body_bytes)
-        if known is not None:
-            check_fields(body, known)
+        if route is not None:
+            check_fields(body, route)
         model = body.get("model")
         if model is not None and model not in self.model_names:
             raise self.no_model(model)
@@ -151,10 +152,11 @@ class Ingress:
         t_in = time.monotonic()
         front = None
         try:
-            body, size = await self._body(request, None if api else CHAT_FIELDS if chat else COMPLETION_FIELDS)
+            route = "chat" if chat else "completions"
+            body, size = await self._body(request, None if api else route)  # (another API's adapter checks its own)
             if api is not None:
                 body, front = FRONTS[api][0](body, self.model_name, self.tok)
-                check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+                check_fields(body, route)
             # tokenising / templating a large prompt off the event loop (a small one: here, see INLINE_BYTES)
             limits = (await self.limits()).for_translated() if api else await self.limits()
             req = await off_loop(lambda: parse_chat(body, self.tok, limits, self.serving) if chat
@@ -265,7 +267,7 @@ class Ingress:
     async def tokenize(self, request: Request):
         """vLLM's /tokenize (serve/openai/tokenize.py)."""
         try:
-            body, size = await self._body(request, TOKENIZE_FIELDS)
+            body, size = await self._body(request, "tokenize")
             max_len = (await self.info())["max_model_len"]
             # a large text tokenises in a thread (as a completion's does): 14 MB held this replica's loop ~27 s
             return await off_loop(lambda: tokenize(body, self.tok, max_len), size)
@@ -290,7 +292,7 @@ class Ingress:
     async def detokenize(self, request: Request):
         """vLLM's /detokenize (serve/openai/tokenize.py)."""
         try:
-            body, size = await self._body(request, DETOKENIZE_FIELDS)
+            body, size = await self._body(request, "detokenize")
             vocab = (await self.info())["vocab_size"]
             return await off_loop(lambda: detokenize(body, self.tok, vocab), size)
         except ApiError as e:

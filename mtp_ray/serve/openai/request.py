@@ -11,6 +11,7 @@ from mtp_ray.beam_search import BeamSearchParams
 from mtp_ray.engine.sampling_params import SamplingParams
 from mtp_ray.serve.openai.beam_request import beam_request
 from mtp_ray.serve.openai.errors import bad
+from mtp_ray.serve.openai.field_table import SAMPLING_FIELDS
 from mtp_ray.serve.openai.fields import flag, unicode_text
 from mtp_ray.serve.openai.limits import NO_LIMITS, Limits, for_body, prompt_text
 from mtp_ray.serve.openai.structured import constraint
@@ -18,20 +19,6 @@ from mtp_ray.serve.openai.structured import constraint
 ALL = "the whole vocabulary"  # what logprobs -1 asks for (vLLM's)
 _DIGITS = re.compile(r"[0-9]+")  # str.isdigit() also takes "²", which int() refuses
 
-# body field -> (SamplingParams field, accepted python types)
-SAMPLING_FIELDS: dict[str, tuple[str, tuple]] = {
-    "temperature": ("temperature", (int, float)), "top_p": ("top_p", (int, float)), "top_k": ("top_k", (int,)),
-    "min_p": ("min_p", (int, float)), "seed": ("seed", (int,)), "n": ("n", (int,)),
-    "repetition_penalty": ("repetition_penalty", (int, float)), "stop_token_ids": ("stop_token_ids", (list,)),
-    "presence_penalty": ("presence_penalty", (int, float)), "frequency_penalty": ("frequency_penalty", (int, float)),
-    "ignore_eos": ("ignore_eos", (bool,)), "min_tokens": ("min_tokens", (int,)),
-    "min_new_tokens": ("min_tokens", (int,)),  # (lmdeploy's name)
-    "skip_special_tokens": ("skip_special_tokens", (bool,)),
-    "include_stop_str_in_output": ("include_stop_str_in_output", (bool,)),
-    "allowed_token_ids": ("allowed_token_ids", (list,)), "logprob_token_ids": ("logprob_token_ids", (list,)),
-    "bad_words": ("bad_words", (list,)),  # to token sequences where the prompt is tokenised (update_from_tokenizer)
-    "cache_salt": ("cache_salt", (str,)),
-}
 
 @dataclass
 class ParsedRequest:
