@@ -15,7 +15,7 @@ from mtp_ray.serve.apis import responses_out as responses_api
 from mtp_ray.serve.apis import sglang as native_api
 from mtp_ray.serve.openai.chat_request import parse_chat
 from mtp_ray.serve.openai.errors import ApiError
-from mtp_ray.serve.openai.fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
+from mtp_ray.serve.openai.fields import check_fields
 from mtp_ray.serve.openai.tokenize import tokenize
 from tests.tiny_tokenizer import data_events, named_events, stable_ids, tokenizer
 
@@ -81,7 +81,7 @@ def test_responses_string_input_instructions_and_ignored_fields():
     assert chat == {"model": MODEL, "temperature": 0.5, "top_p": 0.9, "parallel_tool_calls": True, "stream": False,
                     "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
                     "max_completion_tokens": 16}
-    check_fields(chat, CHAT_FIELDS)  # what the chat route then takes
+    check_fields(chat, "chat")  # what the chat route then takes
     assert shell.model == MODEL and shell.id.startswith("resp_") and len(shell.id) == 37
 
 
@@ -125,7 +125,7 @@ def test_responses_tools_formats_choice_logprobs_and_stream():
                                                     "parameters": TIME_SCHEMA}}],
         "tool_choice": {"type": "function", "function": {"name": "get_time"}},
         "stream_options": {"include_usage": True}}
-    check_fields(chat, CHAT_FIELDS)
+    check_fields(chat, "chat")
     # logprobs: include alone asks for the chosen tokens' (no alternatives); top_logprobs alone for both
     assert responses_api.front({"input": "x", "include": ["message.output_text.logprobs"]}, MODEL)[0] == {
         "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 0}
@@ -456,7 +456,7 @@ def test_messages_request_with_system_blocks_tool_history_and_named_tool():
         "tools": [{"type": "function", "function": {"name": "get_time", "parameters": TIME_SCHEMA,
                                                     "description": "the time"}}],
         "tool_choice": {"type": "function", "function": {"name": "get_time"}}, "parallel_tool_calls": False}
-    check_fields(chat, CHAT_FIELDS)
+    check_fields(chat, "chat")
     assert front.model == MODEL and front.id.startswith("msg_") and len(front.id) == 28
 
 
@@ -485,7 +485,7 @@ def test_messages_request_options(extra, want):
     ({"max_tokens": None}, "max_tokens", "'max_tokens' is required"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages",
      "messages[0]: a 'image' block is not supported here (this model takes text only)"),
-    ({"top_n": 3}, "top_n", "unknown field 'top_n'"),
+    ({"top_n": 3}, "top_n", "unknown field 'top_n' (did you mean 'top_p'?)"),
     ({"container": "c"}, "container", "containers are not supported"),
     ({"mcp_servers": []}, "mcp_servers", "MCP servers are not supported"),
     ({"messages": []}, "messages", "'messages' must be a non-empty list"),
@@ -691,7 +691,7 @@ def test_native_text_request_in_sglang_names():
                    "temperature": 0, "seed": 3, "min_tokens": 2, "stop": ["\n"], "no_stop_trim": True,
                    "skip_special_tokens": False, "stream": False, "return_token_ids": True,
                    "return_tokens_as_token_ids": True}
-    check_fields(out, COMPLETION_FIELDS)
+    check_fields(out, "completions")
     assert _native(native) == (1, -1, 0, None, False, "r1", False, True)
 
 

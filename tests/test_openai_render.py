@@ -17,7 +17,7 @@ from mtp_ray.serve.openai.bodies import final_response
 from mtp_ray.serve.openai.chat_request import ChatServing, parse_chat
 from mtp_ray.serve.openai.choice import new_choices
 from mtp_ray.serve.openai.errors import ApiError
-from mtp_ray.serve.openai.fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
+from mtp_ray.serve.openai.fields import check_fields
 from mtp_ray.serve.openai.limits import Limits
 from mtp_ray.serve.openai.request import parse_completion
 from mtp_ray.serve.openai.streaming import ChunkWriter
@@ -83,7 +83,7 @@ def test_completion_fields_reach_the_sampling_params(tok):
             "stop": "\n", "min_new_tokens": 1, "no_stop_trim": True, "logit_bias": {"5": 1, " 9": -100},
             "ignore_eos": "true", "stream": True, "stream_options": {"include_usage": True,
                                                                      "continuous_usage_stats": True}}
-    check_fields(body, COMPLETION_FIELDS)
+    check_fields(body, "completions")
     req = parse_completion(body, tok)
     assert (req.prompts, req.prompt_texts, req.stream, req.include_usage, req.continuous_usage, req.top_logprobs,
             req.echo, req.drop_output, req.return_token_ids, req.tokens_as_ids) == (
@@ -141,7 +141,7 @@ def test_completion_truncation_limits_and_server_switches(tok):
 ])
 def test_completion_refusals_name_the_field(tok, body, param, message):
     def parse(b):
-        check_fields(b, COMPLETION_FIELDS)
+        check_fields(b, "completions")
         return parse_completion(b, tok)
 
     status, got_param, got = refused(parse, {"prompt": "Hi", **body})
@@ -199,7 +199,7 @@ def test_chat_tool_choices(tok):
 ])
 def test_chat_refusals_name_the_field(tok, body, param, message):
     def parse(b):
-        check_fields(b, CHAT_FIELDS)
+        check_fields(b, "chat")
         return parse_chat(b, tok, serving=PARSERS)
 
     status, got_param, got = refused(parse, {"messages": USER, **body})
@@ -210,8 +210,8 @@ def test_chat_refusals_name_the_field(tok, body, param, message):
 
 def test_fields_taken_as_absent_or_neutral():
     check_fields({"messages": USER, "moderation": None, "kwargs": {}, "return_hidden_states": False,
-                  "user": "u", "rid": "r", "priority": 0}, CHAT_FIELDS)  # (no error)
-    assert refused(check_fields, {"prompt": "x", "kwargs": {"a": 1}}, COMPLETION_FIELDS)[:2] == (400, "kwargs")
+                  "user": "u", "rid": "r", "priority": 0}, "chat")  # (no error)
+    assert refused(check_fields, {"prompt": "x", "kwargs": {"a": 1}}, "completions")[:2] == (400, "kwargs")
 
 
 # ---------------------------------------------------------------------------------------------------------------
