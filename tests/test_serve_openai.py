@@ -32,6 +32,7 @@ def server(ray_cluster):
     spec = app_spec()
     # one group for this module (health, abort counters and routing observed on it); scaling is tested elsewhere
     spec["args"]["group"] = {"num_replicas": 1}
+    spec["args"]["engine"]["warmup"] = "none"  # (CPU: a faster start; the warmup has tests of its own)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(spec["args"]), name=spec["name"], route_prefix=spec["route_prefix"])
     yield spec
