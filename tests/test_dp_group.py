@@ -234,10 +234,12 @@ def test_chunked_prefill_decode_and_idle_in_one_step(dp3_k3):
     assert stats(dp3_k3)["health"]["restarts"] == 0
 
 
+@pytest.mark.slow
 def test_stress_random_arrivals_and_wave_edge_bursts(ray_cluster, dp3_k3):
     stress(dp3_k3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shared", ["dp2_k2_split"], indirect=True, scope="module")
 def test_stress_with_split_prefill_steps(ray_cluster, shared):
     """The scheduling used with CUDA graphs (prefill and decode never in one step, turns agreed by the group) under
@@ -303,6 +305,7 @@ def wait_for_wave_end(handle, seen: int, timeout: float = 30.0) -> int:
         time.sleep(0.005)
 
 
+@pytest.mark.slow
 def test_burst_of_1000_short_requests(ray_cluster):
     h = launch_engine(cfg(2, 1, scheduler={"max_num_seqs": 64, "max_num_batched_tokens": 256}))
     try:
@@ -316,6 +319,7 @@ def test_burst_of_1000_short_requests(ray_cluster):
         ray_cluster.get(h.shutdown.remote())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shared", ["dp2_k2_exact"], indirect=True, scope="module")
 def test_killed_rank_fails_inflight_requests_and_group_restarts(ray_cluster, ref, shared):
     import ray
@@ -346,6 +350,7 @@ def test_killed_rank_fails_inflight_requests_and_group_restarts(ray_cluster, ref
     assert [r["token_ids"] for r in run(h, PROMPTS, MAX_TOKENS)] == ref
 
 
+@pytest.mark.slow
 def test_a_stopped_idle_rank_fails_the_group_within_the_collective_timeout(ray_cluster, ref):
     """A rank whose process stops while the group is idle (no request, so no collective times out): its unanswered
     poll fails the group within timeouts.collective_s and the group restarts and serves; it was noticed only when
@@ -381,6 +386,7 @@ def test_a_stopped_idle_rank_fails_the_group_within_the_collective_timeout(ray_c
         ray.get(h.shutdown.remote())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shared", ["dp2_k2_split"], indirect=True, scope="module")
 @pytest.mark.parametrize("level", [1, 2])
 def test_a_rank_lost_while_asleep_restarts_asleep(ray_cluster, ref, level, shared):

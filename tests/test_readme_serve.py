@@ -47,6 +47,7 @@ def with_installed_packages(cmd: str) -> str:
     return f"{venv} && {link} && {cmd[len(venv) + 4:]}"
 
 
+@pytest.mark.ray  # (`serve run`: a Ray cluster of its own)
 @pytest.mark.slow
 @pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs the git checkout to clone from")
 def test_readme_first_command_then_curl(tmp_path):
@@ -55,8 +56,8 @@ def test_readme_first_command_then_curl(tmp_path):
     log = open(tmp_path / "serve.log", "w")
     # RAY_ADDRESS=local: a cluster of its own, never the test session's
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "RAY_AUTH_MODE")} | {"RAY_ADDRESS": "local"}
-    proc = subprocess.Popen(["bash", "-c", with_installed_packages(first_command())], cwd=repo, stdout=log, stderr=subprocess.STDOUT,
-                            env=env, start_new_session=True)
+    proc = subprocess.Popen(["bash", "-c", with_installed_packages(first_command())], cwd=repo, stdout=log,
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         deadline = time.time() + 900
         ready = False
@@ -67,7 +68,7 @@ def test_readme_first_command_then_curl(tmp_path):
                 pass
             if ready:
                 break
-            time.sleep(3)
+            time.sleep(1)
         assert ready, (tmp_path / "serve.log").read_text()[-3000:]
         body = json.dumps({"model": "tiny-qwen35-mtp", "prompt": "def fib(n):", "max_tokens": 16, "temperature": 0})
         out = subprocess.run(["curl", "-s", "-m", "120", "http://127.0.0.1:8000/v1/completions", "-H",

@@ -108,6 +108,7 @@ def stream_one(max_tokens: int, prompt: str = "def f(x):") -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("app", [2], indirect=True)
 def test_metrics_cover_every_group_and_stay_monotonic(app):
     """Two groups under load: /metrics (answered by any ingress, fed by every group) shows both groups, every counter
@@ -162,6 +163,7 @@ def test_metrics_cover_every_group_and_stay_monotonic(app):
         assert any(s.startswith(f"mtp_ray:{name}") for s in last), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("app", [2], indirect=True)
 def test_a_burst_is_spread_over_the_groups(app):
     """Two groups, bursts of 16 streams: each group admits a fair share. One admission call carries what arrived
@@ -194,6 +196,7 @@ def test_a_burst_is_spread_over_the_groups(app):
         assert burst == 0 or (len(got) == 2 and got[0] >= 6), (burst, got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("app", [2], indirect=True)
 def test_killed_rank_fails_over_requests_without_tokens(app):
     """Two groups, 80 requests 0.1 s apart, rank 0 of one group killed after the 21st: no request that had no
@@ -235,6 +238,7 @@ def test_killed_rank_fails_over_requests_without_tokens(app):
     assert 0 < tokens[0] <= tokens[1], tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("app", [2], indirect=True)
 def test_a_stopped_rank_costs_one_wait_and_its_group_is_replaced(app):
     """Two groups, a rank of one stopped: the first request sent to it waits the ack time (a quarter of queue_s)
@@ -291,6 +295,7 @@ def test_a_stopped_rank_is_named_within_the_queue_timeout(app):
     assert re.search(r"rank 0 of engine group \S+ did not take (the|a) request within 0.5s", r["error"]), r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("app", [1], indirect=True)
 def test_no_group_able_to_serve_answers_503_within_the_queue_timeout(app):
     """One group; its rank killed, and every new rank killed too for 12 s (a crash loop): every request meanwhile
@@ -487,6 +492,7 @@ def stream_through_delete(serve, app, max_tokens: int = 480) -> dict:
         return fut.result(timeout=60)
 
 
+@pytest.mark.slow
 def test_a_stream_cut_by_the_end_of_the_grace_period_says_so(serve_app):
     """Past graceful_shutdown_timeout_s Serve kills the group replica and its ranks die with it: the stream ends with
     an error naming the stop and the setting (it read "rank 0 ... is gone: ActorDiedError: The actor died

@@ -939,6 +939,7 @@ def test_rl_methods_through_the_serve_handle(server, offline):
     assert h.reset_prefix_cache.remote().result() is True
 
 
+@pytest.mark.slow
 def test_dead_rank_makes_health_503_and_serve_replaces_the_group(server, ray_cluster):
     ray = ray_cluster
     names = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("mtp_ray_rank_")]

@@ -7,6 +7,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import requests
 import yaml
 
@@ -32,6 +33,7 @@ def rank_actor_steps(ray) -> dict[str, int]:
     return out
 
 
+@pytest.mark.slow
 def test_autoscaling_adds_and_removes_whole_groups(ray_cluster):
     from ray import serve
 
