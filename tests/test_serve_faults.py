@@ -19,9 +19,10 @@ QUEUE_S = 2.0
 
 
 def app_args(groups: int, dp: int = 1) -> dict:
+    # (the warmup stays full: these tests time requests against the queue and ack timeouts, replaced groups too)
     return {
         "served_model_name": "tiny",
-        "engine": {"device": "cpu", "warmup": "none", "parallel": {"dp": dp, "cpus_per_rank": 0.2},
+        "engine": {"device": "cpu", "parallel": {"dp": dp, "cpus_per_rank": 0.2},
                    "spec": {"num_speculative_tokens": 1}, "scheduler": {"max_model_len": 512},
                    "timeouts": {"queue_s": QUEUE_S, "collective_s": 10, "progress_s": 20}},
         "group": {"num_replicas": groups, "health_check_period_s": 2},
