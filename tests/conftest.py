@@ -18,6 +18,14 @@ if COMPILE_CHECK:  # interpreter launches are recorded and compiled for that GPU
     kernel_check.install()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Lanes (CONTRIBUTING.md): every test that uses the shared Ray cluster, directly or through a fixture, is marked
+    `ray`, so `-m "not ray"` runs the tests of one process."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
+
+
 def pytest_sessionfinish(session, exitstatus):
     if COMPILE_CHECK:
         lines = kernel_check.compile_all(COMPILE_CHECK)

@@ -6,9 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.ray  # (`serve run`: a Ray cluster of its own)
+@pytest.mark.slow
 def test_serving_benchmark_smoke(tmp_path):
     out = tmp_path / "serve.json"
     cmd = [sys.executable, "bench/serve.py", "--variants", "dp2k3", "--concurrency", "1", "4", "--ranged", "4",
@@ -31,6 +35,8 @@ def test_serving_benchmark_smoke(tmp_path):
     assert v["cold_burst"]["completed"] == 4 and v["warm_burst"]["completed"] == 4 and v["cold_over_warm_ttft"] > 0
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_serving_benchmark_with_direct_ingress(tmp_path):
     """Variant suffix d: `serve run` with Ray Serve's direct ingress, the client on the ingress replica's own port
     (the proxy moved to port + 100): every stream completes, every token the ranks made reaches the client."""

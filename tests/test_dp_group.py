@@ -16,8 +16,9 @@ SCHED = {"prefill_chunk": 16, "max_num_batched_tokens": 64, "max_num_seqs": 16}
 
 
 def cfg(dp: int, k: int, **extra) -> dict:
+    # (warmup forwards: none of these tests is about the warmup's served workload, and a group starts faster)
     c = {"spec": {"num_speculative_tokens": k}, "parallel": {"dp": dp}, "scheduler": dict(SCHED),
-         "cache": {"block_size": 8}, "timeouts": {"collective_s": 20, "progress_s": 30}}
+         "cache": {"block_size": 8}, "timeouts": {"collective_s": 20, "progress_s": 30}, "warmup": "forwards"}
     for key, val in extra.items():
         c.setdefault(key, {}).update(val)
     return c
@@ -58,9 +59,35 @@ def dp3_k3(ray_cluster):
     ray_cluster.get(h.shutdown.remote())
 
 
-@pytest.mark.parametrize("dp,k,draft_gathers", [(2, 0, False), (2, 3, False), (3, 0, False), (2, 2, True)])
-def test_dp_outputs_equal_dp1(ray_cluster, ref, dp, k, draft_gathers):
-    h = launch_engine(cfg(dp, k, parallel={"draft_gathers": draft_gathers}))
+# Groups that several tests share, one alive at a time: pytest runs the tests of one parameter of this
+# module-scoped fixture together (in file order) and shuts the group down before the next one starts. A test
+# that fails a rank comes after those that count from a fresh group, and leaves the group restarted and serving.
+SHARED = {
+    # a reduced draft vocabulary changes no output: the dp = 2 / k = 3 outputs and counts hold with it
+    "dp2_k3_draft_vocab": cfg(2, 3, spec={"draft_vocab_size": 256}),
+    # exact draft gathers, and the timeouts the rank-kill test asserts
+    "dp2_k2_exact": cfg(2, 2, parallel={"draft_gathers": True},
+                        timeouts={"collective_s": 8, "progress_s": 15, "queue_s": 0.5}),
+    "dp2_k2_split": cfg(2, 2, scheduler={"split_prefill": True}, timeouts={"collective_s": 10, "progress_s": 20}),
+}
+
+
+@pytest.fixture(scope="module")
+def shared(ray_cluster, request):
+    name = getattr(request, "param", None)
+    if name is None:  # (a test case that launches its own)
+        yield None
+        return
+    h = launch_engine(SHARED[name])
+    yield h
+    ray_cluster.get(h.shutdown.remote())
+
+
+@pytest.mark.parametrize("dp,k,draft_gathers,shared", [
+    (2, 0, False, None), (2, 3, False, "dp2_k3_draft_vocab"), (3, 0, False, None), (2, 2, True, "dp2_k2_exact")],
+    indirect=["shared"], scope="module", ids=["2-0-False", "2-3-False", "3-0-False", "2-2-True"])
+def test_dp_outputs_equal_dp1(ray_cluster, ref, dp, k, draft_gathers, shared):
+    h = shared or launch_engine(cfg(dp, k, parallel={"draft_gathers": draft_gathers}))
     try:
         assert [r["token_ids"] for r in run(h, PROMPTS, MAX_TOKENS)] == ref
         st = settled_stats(h)
@@ -72,19 +99,18 @@ def test_dp_outputs_equal_dp1(ray_cluster, ref, dp, k, draft_gathers):
             assert r["gathers"] >= (r["forwards"] if draft_gathers else steps)
             assert draft_gathers or k == 0 or r["gathers"] < r["forwards"]
     finally:
-        ray_cluster.get(h.shutdown.remote())
+        if shared is None:
+            ray_cluster.get(h.shutdown.remote())
 
 
-def test_dp2_mtp_with_a_reduced_draft_vocabulary_equals_dp1(ray_cluster, ref):
+@pytest.mark.parametrize("shared", ["dp2_k3_draft_vocab"], indirect=True, scope="module")
+def test_dp2_mtp_with_a_reduced_draft_vocabulary_equals_dp1(ray_cluster, ref, shared):
     """spec.draft_vocab_size in a DP group (set from the engine config on every rank): same tokens as dp = 1, every
     rank the same collectives."""
-    h = launch_engine(cfg(2, 3, spec={"draft_vocab_size": 256}))
-    try:
-        assert [r["token_ids"] for r in run(h, PROMPTS, MAX_TOKENS)] == ref
-        st = settled_stats(h)
-        assert st["health"]["restarts"] == 0 and len({r["collectives"] for r in st["ranks"]}) == 1
-    finally:
-        ray_cluster.get(h.shutdown.remote())
+    h = shared
+    assert [r["token_ids"] for r in run(h, PROMPTS, MAX_TOKENS)] == ref
+    st = settled_stats(h)
+    assert st["health"]["restarts"] == 0 and len({r["collectives"] for r in st["ranks"]}) == 1
 
 
 def test_dp2_mtp3_near_max_model_len_finishes_and_equals_dp1(ray_cluster):
@@ -208,24 +234,22 @@ def test_chunked_prefill_decode_and_idle_in_one_step(dp3_k3):
     assert stats(dp3_k3)["health"]["restarts"] == 0
 
 
+@pytest.mark.slow
 def test_stress_random_arrivals_and_wave_edge_bursts(ray_cluster, dp3_k3):
     stress(dp3_k3)
 
 
-def test_stress_with_split_prefill_steps(ray_cluster):
+@pytest.mark.slow
+@pytest.mark.parametrize("shared", ["dp2_k2_split"], indirect=True, scope="module")
+def test_stress_with_split_prefill_steps(ray_cluster, shared):
     """The scheduling used with CUDA graphs (prefill and decode never in one step, turns agreed by the group) under
     the same random arrivals and wave-edge bursts: same tokens, lock-step kept, no mixed batch on any rank."""
-    h = launch_engine(cfg(2, 2, scheduler={"split_prefill": True}))
-    try:
-        stress(h, n=150)
-        ranks = stats(h)["ranks"]
-        assert all(r["mixed_batch_steps"] == 0 and r["uniform_steps"] > 0 for r in ranks)
-        # turns come from the gathered table, so uniform decode steps line up across ranks (graph-eligible)
-        assert len({r["uniform_group_steps"] for r in ranks}) == 1 and ranks[0]["uniform_group_steps"] > 0
-    finally:
-        import ray
-
-        ray.get(h.shutdown.remote())
+    h = shared
+    stress(h, n=150)
+    ranks = stats(h)["ranks"]
+    assert all(r["mixed_batch_steps"] == 0 and r["uniform_steps"] > 0 for r in ranks)
+    # turns come from the gathered table, so uniform decode steps line up across ranks (graph-eligible)
+    assert len({r["uniform_group_steps"] for r in ranks}) == 1 and ranks[0]["uniform_group_steps"] > 0
 
 
 def stress(handle, n: int = 300) -> None:
@@ -281,6 +305,7 @@ def wait_for_wave_end(handle, seen: int, timeout: float = 30.0) -> int:
         time.sleep(0.005)
 
 
+@pytest.mark.slow
 def test_burst_of_1000_short_requests(ray_cluster):
     h = launch_engine(cfg(2, 1, scheduler={"max_num_seqs": 64, "max_num_batched_tokens": 256}))
     try:
@@ -294,37 +319,38 @@ def test_burst_of_1000_short_requests(ray_cluster):
         ray_cluster.get(h.shutdown.remote())
 
 
-def test_killed_rank_fails_inflight_requests_and_group_restarts(ray_cluster, ref):
+@pytest.mark.slow
+@pytest.mark.parametrize("shared", ["dp2_k2_exact"], indirect=True, scope="module")
+def test_killed_rank_fails_inflight_requests_and_group_restarts(ray_cluster, ref, shared):
     import ray
 
-    h = launch_engine(cfg(2, 2, timeouts={"collective_s": 8, "progress_s": 15, "queue_s": 0.5}))
-    try:
-        workers = ray.get(h.worker_handles.remote())
-        long = [h.generate.remote(list(range(10, 40)), {"max_tokens": 3000, **GREEDY}) for _ in range(4)]
-        time.sleep(2.0)
-        t0 = time.monotonic()
-        ray.kill(workers[1])
-        for r in long:
-            with pytest.raises(ray.exceptions.RayTaskError, match="engine group failed"):
-                ray.get(r, timeout=60)
-        assert time.monotonic() - t0 < 30
-        # while it restarts, a new request waits at most timeouts.queue_s, then fails with the cause
-        t1 = time.monotonic()
-        with pytest.raises(ray.exceptions.RayTaskError, match=r"GroupUnavailable: the engine group is (re)?starting, "
-                                                              r"not ready after 0.5s; last failure: rank [01] "):
-            ray.get(h.generate.remote([5, 6, 7], {"max_tokens": 2, **GREEDY}), timeout=30)
-        assert time.monotonic() - t1 < 3
-        deadline = time.monotonic() + 120
-        while not ray.get(h.health.remote())["healthy"] and time.monotonic() < deadline:
-            time.sleep(0.5)
-        health = ray.get(h.health.remote())
-        assert health["healthy"] and health["restarts"] == 1
-        assert "rank 1" in health["last_failure"]
-        assert [r["token_ids"] for r in run(h, PROMPTS, MAX_TOKENS)] == ref
-    finally:
-        ray.get(h.shutdown.remote())
+    h = shared
+    restarts = ray.get(h.health.remote())["restarts"]
+    workers = ray.get(h.worker_handles.remote())
+    long = [h.generate.remote(list(range(10, 40)), {"max_tokens": 3000, **GREEDY}) for _ in range(4)]
+    time.sleep(2.0)
+    t0 = time.monotonic()
+    ray.kill(workers[1])
+    for r in long:
+        with pytest.raises(ray.exceptions.RayTaskError, match="engine group failed"):
+            ray.get(r, timeout=60)
+    assert time.monotonic() - t0 < 30
+    # while it restarts, a new request waits at most timeouts.queue_s, then fails with the cause
+    t1 = time.monotonic()
+    with pytest.raises(ray.exceptions.RayTaskError, match=r"GroupUnavailable: the engine group is (re)?starting, "
+                                                          r"not ready after 0.5s; last failure: rank [01] "):
+        ray.get(h.generate.remote([5, 6, 7], {"max_tokens": 2, **GREEDY}), timeout=30)
+    assert time.monotonic() - t1 < 3
+    deadline = time.monotonic() + 120
+    while not ray.get(h.health.remote())["healthy"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    health = ray.get(h.health.remote())
+    assert health["healthy"] and health["restarts"] == restarts + 1
+    assert "rank 1" in health["last_failure"]
+    assert [r["token_ids"] for r in run(h, PROMPTS, MAX_TOKENS)] == ref
 
 
+@pytest.mark.slow
 def test_a_stopped_idle_rank_fails_the_group_within_the_collective_timeout(ray_cluster, ref):
     """A rank whose process stops while the group is idle (no request, so no collective times out): its unanswered
     poll fails the group within timeouts.collective_s and the group restarts and serves; it was noticed only when
@@ -360,35 +386,35 @@ def test_a_stopped_idle_rank_fails_the_group_within_the_collective_timeout(ray_c
         ray.get(h.shutdown.remote())
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("shared", ["dp2_k2_split"], indirect=True, scope="module")
 @pytest.mark.parametrize("level", [1, 2])
-def test_a_rank_lost_while_asleep_restarts_asleep(ray_cluster, ref, level):
+def test_a_rank_lost_while_asleep_restarts_asleep(ray_cluster, ref, level, shared):
     """A rank dies while the engine sleeps: the restarted ranks sleep again at the same level, so wake_up (after
     an update for level 2) works and requests held meanwhile are served; they hung when the group said asleep and
     its new ranks were not (wake_up refused: 'not asleep')."""
     import ray
 
-    h = launch_engine(cfg(2, 2, timeouts={"collective_s": 8, "progress_s": 15}))
-    try:
-        ray.get(h.sleep.remote(level))
-        ray.kill(ray.get(h.worker_handles.remote())[0])
-        deadline = time.monotonic() + 120
-        while ray.get(h.health.remote())["restarts"] < 1 or not ray.get(h.health.remote())["healthy"]:
-            assert time.monotonic() < deadline, ray.get(h.health.remote())
-            time.sleep(0.5)
-        assert ray.get(h.health.remote())["sleeping"] == level
-        mem = ray.get(h.get_stats.remote())["memory"]  # per rank: the restarted ranks hold what sleep frees
-        assert all(m["asleep"] and m["cache_bytes"] == 0 for m in mem), mem
-        assert all(m["weights_bytes"] == 0 for m in mem) == (level == 2), mem
-        held = h.generate.remote(PROMPTS[0], {"max_tokens": MAX_TOKENS[0], **GREEDY})
-        if level == 2:  # the weights are gone: the same ones again, as a trainer would send them
-            from mtp_ray.config.engine import BUNDLED_MODEL
-            from mtp_ray.model.loader import checkpoint_tensors
+    h = shared
+    restarts = ray.get(h.health.remote())["restarts"]
+    ray.get(h.sleep.remote(level))
+    ray.kill(ray.get(h.worker_handles.remote())[0])
+    deadline = time.monotonic() + 120
+    while ray.get(h.health.remote())["restarts"] <= restarts or not ray.get(h.health.remote())["healthy"]:
+        assert time.monotonic() < deadline, ray.get(h.health.remote())
+        time.sleep(0.5)
+    assert ray.get(h.health.remote())["sleeping"] == level
+    mem = ray.get(h.get_stats.remote())["memory"]  # per rank: the restarted ranks hold what sleep frees
+    assert all(m["asleep"] and m["cache_bytes"] == 0 for m in mem), mem
+    assert all(m["weights_bytes"] == 0 for m in mem) == (level == 2), mem
+    held = h.generate.remote(PROMPTS[0], {"max_tokens": MAX_TOKENS[0], **GREEDY})
+    if level == 2:  # the weights are gone: the same ones again, as a trainer would send them
+        from mtp_ray.config.engine import BUNDLED_MODEL
+        from mtp_ray.model.loader import checkpoint_tensors
 
-            ray.get(h.update_weights.remote([(n, read(None)) for n, _, read in checkpoint_tensors(BUNDLED_MODEL)]))
-        ray.get(h.wake_up.remote(), timeout=120)
-        assert ray.get(held, timeout=120)["token_ids"] == ref[0]
-    finally:
-        ray.get(h.shutdown.remote())
+        ray.get(h.update_weights.remote([(n, read(None)) for n, _, read in checkpoint_tensors(BUNDLED_MODEL)]))
+    ray.get(h.wake_up.remote(), timeout=120)
+    assert ray.get(held, timeout=120)["token_ids"] == ref[0]
 
 
 def test_injected_local_ep_decision_is_named_not_hung(ray_cluster):

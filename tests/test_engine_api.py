@@ -245,11 +245,36 @@ def test_warmup_forwards_stay_inside_max_model_len(monkeypatch):
     assert len(o[0].outputs[0].token_ids) == 24 - 3 and o[0].outputs[0].finish_reason == "length"
 
 
+def test_warmup_setting_picks_what_runs(monkeypatch):
+    """engine.warmup: full runs the dummy forwards then a served workload; forwards the dummy forwards only; none
+    nothing but the closing gather, and is refused where CUDA graphs would be captured on first use. Each ends
+    with the counters at zero and nothing running."""
+    from mtp_ray.engine import core as core_mod
+
+    llm = LLM(max_model_len=64, max_num_batched_tokens=64, num_speculative_tokens=1)
+    ran: list[str] = []
+    monkeypatch.setattr(core_mod, "warmup_forwards", lambda c: ran.append("forwards"))
+    monkeypatch.setattr(core_mod, "warmup_requests", lambda c: ran.append("requests"))
+    for mode, want in (("full", ["forwards", "requests"]), ("forwards", ["forwards"]), ("none", [])):
+        ran.clear()
+        monkeypatch.setattr(llm.engine, "cfg", replace(llm.engine.cfg, warmup=mode))
+        llm.engine.warmup()
+        assert ran == want and not llm.engine.has_unfinished() and llm.engine.stats.steps == 0, mode
+    monkeypatch.setattr(llm.engine.runner, "graphs", object())  # as on a GPU with graphs
+    with pytest.raises(ValueError, match="warmup: none"):
+        llm.engine.warmup()
+    from mtp_ray.config.engine import EngineConfig
+
+    assert LLM(warmup="forwards").config.warmup == "forwards"
+    assert EngineConfig.from_dict({"warmup": "none"}).warmup == "none"
+
+
 @pytest.mark.parametrize("kw,field", [
     ({"block_size": 1.5}, "cache.block_size"), ({"max_model_len": "64"}, "scheduler.max_model_len"),
     ({"max_model_len": -1}, "scheduler.max_model_len"), ({"num_speculative_tokens": None}, "num_speculative_tokens"),
     ({"num_speculative_tokens": True}, "num_speculative_tokens"), ({"seed": "x"}, "seed"), ({"seed": 2**70}, "seed"),
-    ({"enable_prefix_caching": "no"}, "prefix_caching"),
+    ({"enable_prefix_caching": "no"}, "prefix_caching"), ({"warmup": "fast"}, "warmup"), ({"warmup": 0}, "warmup"),
+    ({"warmup": "none", "device": "cuda"}, "warmup"),  # graphs on by default: captured at warmup
     ({"max_model_len": 4097}, "max_position_embeddings (4096)"),  # the bundled model's; vLLM refuses it too
 ])
 def test_bad_constructor_arguments_name_the_field(kw, field):

@@ -149,7 +149,7 @@ def test_fp8_dp2_group_equals_dequantized_dp1(ray_cluster, ckpts, k):
     fp8, deq = ckpts
     want = greedy(LLM(str(deq), num_speculative_tokens=k))
     h = launch_engine({"model": str(fp8), "spec": {"num_speculative_tokens": k}, "parallel": {"dp": 2},
-                       "timeouts": {"collective_s": 20, "progress_s": 30}})
+                       "timeouts": {"collective_s": 20, "progress_s": 30}, "warmup": "forwards"})
     try:
         sp = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
         got = ray_cluster.get([h.generate.remote(p, sp) for p in PROMPTS], timeout=300)
@@ -169,7 +169,7 @@ def test_fp8_group_sleeps_and_takes_bf16_updates_quantized(ray_cluster, ckpts, t
     fp8_pair(tmp_path / "src", tmp_path / "fp8", tmp_path / "deq")
     want = greedy(LLM(str(tmp_path / "fp8"), num_speculative_tokens=3))
     h = launch_engine({"model": str(fp8), "spec": {"num_speculative_tokens": 3}, "parallel": {"dp": 2},
-                       "timeouts": {"collective_s": 20, "progress_s": 30}})
+                       "timeouts": {"collective_s": 20, "progress_s": 30}, "warmup": "forwards"})
     sp = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
     try:
         before = [r["token_ids"] for r in ray_cluster.get([h.generate.remote(p, sp) for p in PROMPTS], timeout=300)]

@@ -12,6 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.ray  # (a two-node Ray cluster of its own)
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [0, 3])
 def test_dp2_group_with_one_rank_on_each_of_two_nodes_equals_dp1(k):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}

@@ -127,7 +127,7 @@ def test_dp2_group_with_the_cache_equals_dp1_without_and_forgets_it_on_new_weigh
         return launch_engine({"spec": {"num_speculative_tokens": k}, "parallel": {"dp": 2},
                               "cache": {"block_size": BLOCK, "prefix_caching": caching},
                               "scheduler": {"prefill_chunk": 24, "max_num_batched_tokens": 96, "max_num_seqs": 8},
-                              "timeouts": {"collective_s": 20, "progress_s": 30}})
+                              "timeouts": {"collective_s": 20, "progress_s": 30}, "warmup": "forwards"})
 
     def run(h) -> list[list[int]]:
         return [r["token_ids"] for r in ray_cluster.get([h.generate.remote(p, greedy) for p in prompts], timeout=300)]
@@ -193,6 +193,7 @@ def test_server_reports_cached_tokens_and_counters(ray_cluster):
     spec["args"]["server"].update(enable_prompt_tokens_details=True, enable_force_include_usage=True,  # vLLM's flags
                                   return_tokens_as_token_ids=True)
     spec["args"]["engine"]["max_logprobs"] = -1  # (vLLM's --max-logprobs -1: up to the whole vocabulary)
+    spec["args"]["engine"]["warmup"] = "none"  # (CPU: a faster start; the warmup has tests of its own)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(spec["args"]), name="prefix", route_prefix="/")
     try:

@@ -218,7 +218,8 @@ def test_engine_on_a_placement_group_the_caller_owns(ray_cluster, refs):
 
     pg = placement_group([{"CPU": 0.5}, {"CPU": 1}, {"CPU": 1}], strategy="PACK")  # bundle 0: the caller's own
     ray.get(pg.ready())
-    h = launch_engine({"spec": {"num_speculative_tokens": K}, "parallel": {"dp": 2}}, placement_group=pg,
+    h = launch_engine({"spec": {"num_speculative_tokens": K}, "parallel": {"dp": 2}, "warmup": "forwards"},
+                      placement_group=pg,
                       bundle_offset=1)
     try:
         assert gen(ray, h) == refs["orig"]

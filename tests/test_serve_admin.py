@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.test_serve_faults import BASE, app, scrape  # noqa: F401 (app: the fixture)
+from tests.test_serve_faults import BASE, app, scrape, serve_app  # noqa: F401 (app, serve_app: fixtures)
 
 
 def sleep_levels() -> dict[str, float]:

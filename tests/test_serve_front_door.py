@@ -24,7 +24,7 @@ def server(ray_cluster):
     from mtp_ray.serve.app import build_app
 
     args = {"served_model_name": "tiny",
-            "engine": {"device": "cpu", "parallel": {"dp": 1, "cpus_per_rank": 0.2},
+            "engine": {"device": "cpu", "warmup": "none", "parallel": {"dp": 1, "cpus_per_rank": 0.2},
                        "spec": {"num_speculative_tokens": 2}, "scheduler": {"max_model_len": 512}},
             "group": {"num_replicas": 1}, "ingress": {"num_replicas": 1},
             "server": {"api_key": KEY, "max_n": MAX_N, "max_stop": MAX_STOP}}

@@ -32,6 +32,7 @@ def server(ray_cluster):
     spec = app_spec()
     # one group for this module (health, abort counters and routing observed on it); scaling is tested elsewhere
     spec["args"]["group"] = {"num_replicas": 1}
+    spec["args"]["engine"]["warmup"] = "none"  # (CPU: a faster start; the warmup has tests of its own)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(spec["args"]), name=spec["name"], route_prefix=spec["route_prefix"])
     yield spec
@@ -938,6 +939,7 @@ def test_rl_methods_through_the_serve_handle(server, offline):
     assert h.reset_prefix_cache.remote().result() is True
 
 
+@pytest.mark.slow
 def test_dead_rank_makes_health_503_and_serve_replaces_the_group(server, ray_cluster):
     ray = ray_cluster
     names = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("mtp_ray_rank_")]

@@ -58,6 +58,7 @@ def server(ray_cluster):
     assert args["engine"]["parallel"]["dp"] == 2
     args["engine"]["spec"]["num_speculative_tokens"] = K
     args["group"], args["ingress"] = {"num_replicas": 1}, {"num_replicas": 1}
+    args["engine"]["warmup"] = "none"  # (CPU: a faster start; the warmup has tests of its own)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(args), name="structured", route_prefix="/")
     yield args

@@ -34,7 +34,8 @@ def server(ray_cluster, ckpt):
     from mtp_ray.serve.app import build_app
 
     args = {"served_model_name": ["ids", "ids-alias"],  # (vLLM's several names: any is taken, the first reported)
-            "engine": {"model": str(ckpt), "device": "cpu", "parallel": {"dp": 1, "cpus_per_rank": 0.2},
+            "engine": {"model": str(ckpt), "device": "cpu", "warmup": "none",
+                       "parallel": {"dp": 1, "cpus_per_rank": 0.2},
                        "spec": {"num_speculative_tokens": 2}, "scheduler": {"max_model_len": 256}},
             "group": {"num_replicas": 1}, "ingress": {"num_replicas": 1}}
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})

@@ -8,6 +8,7 @@ from typing import Any
 
 from mtp_ray.config.model import ModelConfig
 
+WARMUPS = ("full", "forwards", "none")  # EngineConfig.warmup
 BUNDLED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-qwen35-mtp")
 
 
@@ -152,6 +153,12 @@ class EngineConfig:
     # the most log-probs a request may ask per token (logprobs / top_logprobs / prompt_logprobs), as vLLM's
     # --max-logprobs; -1: the whole vocabulary (a request's -1 asks for all of it)
     max_logprobs: int = 20
+    # what a group start, a wake_up and LLM(...) run before serving (EngineCore.warmup): full, the dummy forwards
+    # and graph captures then a served synthetic burst (engine/warmup.py); forwards, the dummy forwards and graph
+    # captures only; none, nothing: only where no CUDA graph is used (the CPU, or graphs.enabled false), since a
+    # graph captured on first use could meet a step in flight (async scheduling). Lighter settings make a start
+    # faster (tests); the first real requests then compile what the warmup would have
+    warmup: str = "full"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -166,6 +173,9 @@ class EngineConfig:
         _check(self.load_format in ("auto", "dummy"), "load_format", "must be auto|dummy")
         _check(-2**63 <= self.seed < 2**63, "seed", f"must fit in 64 bits, got {self.seed}")
         _check(self.max_logprobs >= -1, "max_logprobs", f"must be -1 (the vocabulary) or >= 0, got {self.max_logprobs}")
+        _check(self.warmup in WARMUPS, "warmup", f"must be {' | '.join(WARMUPS)}, got {self.warmup!r}")
+        _check(self.warmup != "none" or not self.graphs.enabled or not str(self.device).startswith("cuda"), "warmup",
+               "none needs no CUDA graphs (graphs.enabled: false): they are captured at warmup; use forwards")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> EngineConfig:

@@ -17,11 +17,11 @@ def engine_config(model: str = BUNDLED_MODEL, *, num_speculative_tokens: int = 0
                   async_scheduling: bool = True, async_verify: bool = True, load_format: str = "auto",
                   enable_prefix_caching: bool = True, prefix_snapshots: int | None = None,
                   draft_vocab_size: int = 0, gpu_memory_utilization: float = 0.85,
-                  max_logprobs: int = 20) -> EngineConfig:
+                  max_logprobs: int = 20, warmup: str = "full") -> EngineConfig:
     """Flat keyword arguments (vLLM style) -> EngineConfig."""
     return EngineConfig(
         model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, load_format=load_format,
-        max_logprobs=max_logprobs,
+        max_logprobs=max_logprobs, warmup=warmup,
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, prefix_caching=enable_prefix_caching,
                           prefix_snapshots=prefix_snapshots, memory_fraction=gpu_memory_utilization),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -256,10 +256,17 @@ class EngineCore:
     def warmup(self) -> None:
         """All ranks together: eager dummy decode and prefill steps with the k draft forwards, then (GPU) every CUDA
         graph size is captured, largest first, on padded rows only, so that no capture stalls a serving step; then a
-        small synthetic workload is served (engine/warmup.py)."""
+        small synthetic workload is served (engine/warmup.py). `cfg.warmup` says how much: full (all of it),
+        forwards (no workload) or none (only the closing gather; refused where graphs are in use)."""
+        mode = self.cfg.warmup
+        if mode == "none" and self.runner.graphs is not None:
+            raise ValueError("warmup: none needs no CUDA graphs (graphs.enabled: false): they are captured at "
+                             "warmup, and one captured on first use could meet a step in flight; use forwards")
         with self.sync.uncounted():  # not serving steps: the step counter stays (also on wake_up's re-warm)
-            warmup_forwards(self)
-            warmup_requests(self)
+            if mode != "none":
+                warmup_forwards(self)
+            if mode == "full":
+                warmup_requests(self)
         self.drain()
         self.invalidate_prefixes()  # the workload's prefixes are nobody's
         self.pending_outputs = []  # the workload's last outputs: nobody's

@@ -95,8 +95,7 @@ class RankWorker:
         self.core.warmup()
         self.ctx.barrier()
         warmup_s = time.perf_counter() - t0
-        log.info("rank %d: warmup (dummy forwards, graph capture, synthetic workload) took %.1f s", self.rank,
-                 warmup_s)
+        log.info("rank %d: warmup %s (engine.warmup) took %.1f s", self.rank, self.cfg.warmup, warmup_s)
         gc.collect()
         gc.freeze()  # the model, caches and kernels stay out of every later collection (StallMonitor)
         threading.Thread(target=self._loop, name=f"rank{self.rank}-engine", daemon=True).start()
