@@ -55,13 +55,14 @@ def no_app(serve_app: dict) -> None:
 def app(serve_app, ray_cluster, request):
     """The app of (groups, dp) groups, shared by consecutive tests of that configuration: the module runs them
     together, those that kill or stop ranks last (each waits until its app serves again); deployed anew for
-    another configuration, or when the one there does not serve with every group."""
+    another configuration, when the one there does not serve with every group, or for a param ending "fresh"."""
     from ray import serve
 
     from mtp_ray.serve.app import build_app
 
-    conf = request.param if isinstance(request.param, tuple) else (request.param, 1)
-    if serve_app["conf"] != conf or len(rank_actors(ray_cluster)) != conf[0] or not stream_one(2)["done"]:
+    param = request.param if isinstance(request.param, tuple) else (request.param,)
+    conf, fresh = (param[0], param[1] if len(param) > 1 else 1), param[-1] == "fresh"
+    if fresh or serve_app["conf"] != conf or len(rank_actors(ray_cluster)) != conf[0] or not stream_one(2)["done"]:
         no_app(serve_app)
         serve.run(build_app(app_args(*conf)), name="faults", route_prefix="/")
         serve_app["conf"] = conf
@@ -240,8 +241,8 @@ def test_killed_rank_fails_over_requests_without_tokens(app):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("app", [2], indirect=True)
-def test_a_stopped_rank_costs_one_wait_and_its_group_is_replaced(app):
+@pytest.mark.parametrize("app", [(2, 1, "fresh")], indirect=True)  # (after a replaced group, the router may not
+def test_a_stopped_rank_costs_one_wait_and_its_group_is_replaced(app):  # know the new one yet: a 503 in CI)
     """Two groups, a rank of one stopped: the first request sent to it waits the ack time (a quarter of queue_s)
     and goes to the other group; the stuck group then refuses at once and its routing stats say it cannot serve,
     so no later request waits on it again (each request routed there waited again). Its unanswered polls fail it
