@@ -73,14 +73,15 @@ def _text(value, param: str) -> str:
     return value
 
 
-def _content(content, i: int) -> str:
-    """A message item's content: a string or text parts (input_text, output_text)."""
+def _content(content, where: str) -> str:
+    """A message item's content or a tool output (`where`, for the 400): a string or text parts (input_text,
+    output_text)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
-    raise bad(f"input[{i}].content must be a string or a list of input_text parts (this model takes text only)",
+    raise bad(f"{where} must be a string or a list of input_text parts (this model takes text only)",
               "input")
 
 
@@ -95,7 +96,7 @@ def _messages(items) -> list[dict]:
     for i, it in enumerate(items):
         kind = it.get("type", "message") if isinstance(it, dict) else None
         if kind == "message" and isinstance(it.get("role"), str) and it["role"] in ROLES:
-            msgs.append({"role": ROLES[it["role"]], "content": _content(it.get("content"), i)})
+            msgs.append({"role": ROLES[it["role"]], "content": _content(it.get("content"), f"input[{i}].content")})
         elif kind == "function_call" and all(isinstance(it.get(k), str) for k in ("call_id", "name", "arguments")):
             call = {"id": it["call_id"], "type": "function", "function": {"name": it["name"],
                                                                           "arguments": it["arguments"]}}
@@ -106,7 +107,7 @@ def _messages(items) -> list[dict]:
         elif kind == "function_call_output" and isinstance(it.get("call_id"), str):
             out = it.get("output")
             # a string, or parts (input_text; an image or file part is refused as text-only); other JSON as text
-            text = _content(out, i) if isinstance(out, (str, list)) else json.dumps(out)
+            text = _content(out, f"input[{i}].output") if isinstance(out, (str, list)) else json.dumps(out)
             msgs.append({"role": "tool", "tool_call_id": it["call_id"], "content": text})
         elif kind == "reasoning":
             continue
