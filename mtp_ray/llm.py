@@ -14,13 +14,13 @@ from mtp_ray.engine.detok import STOP_NEEDS_TOKENIZER, Detokenizer
 from mtp_ray.engine.grammar import check_grammar
 from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.request import check_request
+from mtp_ray.engine.rollout_checks import WAKE_TAGS, woken_by
 from mtp_ray.engine.sampling_params import SamplingParams, model_defaults
 from mtp_ray.engine.weight_sync import apply_update, check_update, resolve
 from mtp_ray.prompts import encode_prompt, render_chats, salted, shown, tokenize_bad_words, tokenizer_or_none
 from mtp_ray.request_output import CompletionOutput, RequestOutput, prompt_logprobs
 
 log = logging.getLogger(__name__)
-WAKE_TAGS = {"weights", "kv_cache"}  # vLLM's wake_up tags
 
 
 class LLM:
@@ -188,12 +188,11 @@ class LLM:
         tags: vLLM's "weights" / "kv_cache" (None: both) for a wake-up in two calls (weights synced between them:
         here update_weights writes the sleeping weights); the engine wakes once both were named."""
         runner = self.engine.runner
-        if tags is not None and not (isinstance(tags, list) and set(tags) <= WAKE_TAGS):
-            raise ValueError(f"tags must be None or a list of {sorted(WAKE_TAGS)}, got {tags!r}")
+        woken = woken_by(tags)
         if not runner.asleep:  # as vLLM: a warning, nothing done
             log.warning("wake_up: not asleep")
             return
-        self._woken |= WAKE_TAGS if tags is None else set(tags)
+        self._woken |= woken
         if self._woken != WAKE_TAGS:
             return
         runner.wake_up()  # (after sleep(2): refused, naming what update_weights has not brought back)

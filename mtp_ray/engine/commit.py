@@ -9,13 +9,11 @@ import torch
 
 from mtp_ray.engine.inputs import StepInputs
 from mtp_ray.engine.mtp import DraftItem
-from mtp_ray.engine.outputs import OutputProcessor, StepOutput
+from mtp_ray.engine.outputs import NO_TOKEN_LEFT, NON_FINITE, OutputProcessor, StepOutput
 from mtp_ray.engine.rejection import verify
 from mtp_ray.engine.request import Request
 from mtp_ray.engine.runner import ModelRunner
 from mtp_ray.engine.sampler import (
-    NO_TOKEN_LEFT,
-    NON_FINITE,
     NoTokenLeft,
     Row,
     logprob_info,

@@ -16,10 +16,12 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-
-import torch
+from typing import TYPE_CHECKING
 
 from mtp_ray.engine.sampling_params import ParamError, StructuredOutputs
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +133,8 @@ class Grammar:
 
     def allowed(self) -> torch.Tensor:
         """bool [V]: the tokens the grammar allows next; every stop token once the grammar may end here."""
+        import torch  # (here: the serving side checks grammars with this module and runs no model, so no torch)
+
         bias = torch.frombuffer(bytearray(self.m.compute_logit_bias()), dtype=torch.uint8)
         mask = torch.zeros(self.vocab_size, dtype=torch.bool)
         n = min(bias.numel(), self.vocab_size)

@@ -10,9 +10,15 @@ import time
 from dataclasses import dataclass, field
 
 from mtp_ray.engine.request import Request
-from mtp_ray.engine.sampler import NON_FINITE
 from mtp_ray.engine.scheduler import Scheduler
 from mtp_ray.engine.stats import EngineStats
+
+# why a request ended with an error at a token (here, where StepOutput lives: the serving side imports this module
+# without torch)
+NON_FINITE = ("the model's logits are not finite at output token {} (NaN / inf): are its weights finite (e.g. after "
+              "update_weights) and in its dtype's range?")
+NO_TOKEN_LEFT = ("allowed_token_ids, bad_words, min_tokens and logit_bias together rule out every token at output "
+                 "token {}")
 
 
 def first_nan(logprobs: list[float]) -> int | None:

@@ -6,11 +6,14 @@ import enum
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from mtp_ray.engine.grammar import Grammar
 from mtp_ray.engine.sampling_params import ParamError, SamplingParams
+
+if TYPE_CHECKING:  # (hints only: the HTTP ingress checks requests with this module and imports no torch)
+    import torch
+
+    from mtp_ray.engine.grammar import Grammar
 
 
 class Status(enum.Enum):

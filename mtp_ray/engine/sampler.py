@@ -85,12 +85,6 @@ class NoTokenLeft(ArithmeticError):
         self.model = model
 
 
-NON_FINITE = ("the model's logits are not finite at output token {} (NaN / inf): are its weights finite (e.g. after "
-              "update_weights) and in its dtype's range?")
-NO_TOKEN_LEFT = ("allowed_token_ids, bad_words, min_tokens and logit_bias together rule out every token at output "
-                 "token {}")
-
-
 def check_left(logits: torch.Tensor, x: torch.Tensor) -> None:
     """NoTokenLeft unless some token of the processed row x survives (logits: the row as the model computed it)."""
     if not bool((x > float("-inf")).any()):  # (NaN compares false: a NaN-only row has none left either)

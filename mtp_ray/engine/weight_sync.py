@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mtp_ray.engine.rollout_checks import check_backend
 from mtp_ray.model.loader import WeightLoader
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -72,12 +73,6 @@ def dtype_of(name: str | torch.dtype) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r} (one of {sorted(_DTYPES)})")
     return _DTYPES[name]
-
-
-def check_backend(backend: str) -> None:
-    """Before any rendezvous: a store waits for every rank (300 s), so a backend none could join must fail first."""
-    if backend not in ("nccl", "gloo"):
-        raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
 
 
 def make_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,

@@ -23,9 +23,8 @@ import ray
 from mtp_ray.config.engine import EngineConfig
 from mtp_ray.engine.detok import STOP_NEEDS_TOKENIZER, Detokenizer
 from mtp_ray.engine.outputs import prompt_logprob_dicts
+from mtp_ray.engine.rollout_checks import WAKE_TAGS, check_backend, woken_by
 from mtp_ray.engine.sampling_params import SamplingParams
-from mtp_ray.engine.weight_sync import check_backend
-from mtp_ray.llm import WAKE_TAGS
 from mtp_ray.prompts import BAD_WORDS_NEED_TOKENIZER, tokenizer_or_none
 from mtp_ray.runtime.batcher import detached
 from mtp_ray.runtime.group import EngineGroup
@@ -138,9 +137,7 @@ class RolloutEngine:
         """The weights and caches back (graphs recaptured); each rank's memory. tags (vLLM's): "weights" /
         "kv_cache" for a wake-up in two calls with update_weights between them (it writes the sleeping weights):
         the group wakes once both were named ([] until then); None: both."""
-        if tags is not None and not (isinstance(tags, list) and set(tags) <= WAKE_TAGS):
-            raise ValueError(f"tags must be None or a list of {sorted(WAKE_TAGS)}, got {tags!r}")
-        self._woken |= WAKE_TAGS if tags is None else set(tags)
+        self._woken |= woken_by(tags)
         if self._woken != WAKE_TAGS:
             return []
         self._woken = set()

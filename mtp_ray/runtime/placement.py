@@ -10,7 +10,6 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mtp_ray.config.engine import EngineConfig
-from mtp_ray.runtime.worker import RankWorker
 
 
 def rank_bundles(cfg: EngineConfig) -> list[dict]:
@@ -39,6 +38,10 @@ async def wait_placed(cfg: EngineConfig, pg) -> None:
 def spawn_ranks(cfg: EngineConfig, pg, bundle_offset: int, name: str) -> list:
     """One RankWorker actor per DP rank, each on its own bundle of `pg` (named `name`_r<rank> for an operator's
     `ray list actors`)."""
+    # (imported here: the rank's module brings torch and the model, which the process that only places the ranks, a
+    # Serve group replica or the `serve run` CLI, never runs)
+    from mtp_ray.runtime.worker import RankWorker
+
     bundles = rank_bundles(cfg)
     cls = ray.remote(RankWorker)
     return [
