@@ -18,12 +18,16 @@ if COMPILE_CHECK:  # interpreter launches are recorded and compiled for that GPU
     kernel_check.install()
 
 
+@pytest.hookimpl(tryfirst=True)  # (before xdist's own hook reads the xdist_group marks)
 def pytest_collection_modifyitems(config, items):
     """Lanes (CONTRIBUTING.md): every test that uses the shared Ray cluster, directly or through a fixture, is marked
-    `ray`, so `-m "not ray"` runs the tests of one process."""
+    `ray`, so `-m "not ray"` runs the tests of one process. Under `-n 2 --dist loadgroup` (the README's test command)
+    the two lanes run side by side, each in file order on one worker: the Ray tests on one cluster (two clusters on
+    the 2-core machine starved each other's start-up), the tests of one process on the other worker."""
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
+        item.add_marker(pytest.mark.xdist_group("ray" if item.get_closest_marker("ray") else "local"))
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -425,7 +425,8 @@ def test_sleep_and_wake_up_forget_cached_prefixes(ray_cluster):
     p = workload(5)[0]
     greedy = {"temperature": 0, "max_tokens": 10, "ignore_eos": True}
     h = launch_engine({"spec": {"num_speculative_tokens": 3}, "cache": {"block_size": BLOCK, "prefix_caching": True},
-                       "scheduler": {"prefill_chunk": 24, "max_num_batched_tokens": 96, "max_num_seqs": 8}})
+                       "scheduler": {"prefill_chunk": 24, "max_num_batched_tokens": 96, "max_num_seqs": 8},
+                       "warmup": "forwards"})
     try:
         first = ray_cluster.get(h.generate.remote(p, greedy))["token_ids"]
         assert ray_cluster.get(h.generate.remote(p, greedy))["token_ids"] == first

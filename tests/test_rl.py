@@ -54,7 +54,9 @@ def refs(new_weights):
 
 @pytest.fixture(scope="module")
 def engine(ray_cluster):
-    h = launch_engine({"spec": {"num_speculative_tokens": K}, "parallel": {"dp": 2},
+    # (warmup forwards: every wake_up re-warms, and these tests are about what sleep / wake_up keep, not the warmup's
+    # served burst, whose re-run on wake_up test_engine_greedy counts)
+    h = launch_engine({"spec": {"num_speculative_tokens": K}, "parallel": {"dp": 2}, "warmup": "forwards",
                        "scheduler": {"prefill_chunk": 8, "max_num_batched_tokens": 32}})
     yield h
     ray_cluster.get(h.shutdown.remote())
