@@ -355,6 +355,28 @@ def test_chat_auto_tool_call_whole_and_streamed(tok):
                       ({"tool_calls": [{"index": 0, **call}], "reasoning_content": ""}, "tool_calls")]
 
 
+def test_chat_tool_call_opened_inside_unclosed_thinking_is_a_call(tok):
+    """Thinking on, tools given, and the model opens its call before </think> (Qwen3.5 does; vLLM #39056): the call
+    is a tool call, not reasoning, whole and streamed, and usage counts the reasoning up to it."""
+    ids = THOUGHT + tok.encode(CALL_TEXT, add_special_tokens=False) + [END]
+    body = {"messages": USER, "tools": TOOLS, "chat_template_kwargs": {"enable_thinking": True}}
+    out = stable_ids(whole(parse_chat(body, tok, serving=PARSERS), [step(ids, finish="stop", stop_token=True)], tok,
+                           chat=True, serving=PARSERS))
+    call = {"id": "call#0", "type": "function", "function": {"name": "get_time", "arguments": "{\"zone\": \"UTC\"}"}}
+    c = out["choices"][0]
+    assert (c["message"], c["finish_reason"]) == (
+        _message(tool_calls=[call], reasoning="Oslo is a city.", reasoning_content="Oslo is a city."), "tool_calls")
+    assert out["usage"]["completion_tokens_details"] == {"reasoning_tokens": len(THOUGHT)}
+    req = parse_chat({**body, "stream": True}, tok, serving=PARSERS)
+    chunks = stable_ids(streamed(req, [step(ids[:12]), step(ids[12:30]), step(ids[30:], finish="stop",
+                                                                               stop_token=True)],
+                                 tok, chat=True, serving=PARSERS))
+    deltas = [x["choices"][0]["delta"] for x in chunks]
+    assert "".join(d.get("reasoning", "") for d in deltas) == "Oslo is a city."
+    assert [tc for d in deltas for tc in d.get("tool_calls", [])] == [{"index": 0, **call}]
+    assert not any(d.get("content") for d in deltas) and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
 def test_chat_named_tool_choice_streams_the_arguments_as_generated(tok):
     req = parse_chat({"messages": USER, "tools": TOOLS, "stream": True,
                       "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, tok)

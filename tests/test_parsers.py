@@ -85,6 +85,48 @@ def test_reasoning_token_count_by_id_and_by_text(opens, tokens, want):
     assert by_id == want and by_text == want
 
 
+TOOL_OPEN = "<tool_call>"
+# (in_reasoning, text, reasoning, content) with a tool parser on: a call opened in unclosed thinking ends it
+TOOL_IN_THINK_CASES = [
+    (True, "I should look it up.\n<tool_call>\n<function=f>\n</function>\n</tool_call>", "I should look it up.",
+     "<tool_call>\n<function=f>\n</function>\n</tool_call>"),
+    (False, "<think>\nplan\n<tool_call>{\"name\": \"f\"}</tool_call>", "plan", "<tool_call>{\"name\": \"f\"}</tool_call>"),
+    (True, "r</think>\n\nc <tool_call>x</tool_call>", "r", "c <tool_call>x</tool_call>"),  # closed first: as before
+    (True, "<tool_call>x</tool_call>", None, "<tool_call>x</tool_call>"),
+    (True, "a <tool_call>x</tool_call> b </think> c", "a ", "<tool_call>x</tool_call> b </think> c"),
+    (True, "still <tool_ca", "still <tool_ca", None),  # a tag never completed stays reasoning
+]
+
+
+@pytest.mark.parametrize("in_r,text,reasoning,content", TOOL_IN_THINK_CASES)
+def test_a_tool_call_opened_in_unclosed_thinking_ends_the_reasoning(in_r, text, reasoning, content):
+    """Qwen3.5 may open <tool_call> before </think> (vLLM #39056): with a tool parser on (tool_open) the call is
+    content, whole and streamed in any chunking; without one, the text stays reasoning as it was."""
+    assert Qwen3ReasoningParser(in_r, TOOL_OPEN).split(text) == (reasoning, content)
+    for chunks in chunkings(text):
+        p = Qwen3ReasoningParser(in_r, TOOL_OPEN)
+        rs, cs = [], []
+        for ch in chunks:
+            r, c = p.feed(ch)
+            rs.append(r)
+            cs.append(c)
+            assert "<tool_ca" not in r  # no part of the tag is ever streamed as reasoning
+        r, c = p.flush()
+        assert ("".join(rs) + r, "".join(cs) + c) == (reasoning or "", content or ""), chunks
+    # no tool parser: the call stays in the reasoning, as before
+    assert Qwen3ReasoningParser(True).split("a <tool_call>x</tool_call>") == ("a <tool_call>x</tool_call>", None)
+
+
+def test_reasoning_tokens_end_at_a_tool_call_opened_in_thinking():
+    """usage's reasoning_tokens counts up to the opening tool call when it ends the reasoning, by id and by text."""
+    tokens = ["a", "b", "<tool_call>", "x", "</tool_call>"]
+    text_of = lambda n: "".join(tokens[:n])  # noqa: E731
+    ids = list(range(10, 10 + len(tokens)))
+    assert reasoning_token_count(ids, True, (0, 1), text_of, TOOL_OPEN) == 2
+    assert reasoning_token_count(ids, True, None, text_of, TOOL_OPEN) == 2
+    assert reasoning_token_count(ids, True, None, text_of) == 5  # no tool parser: all of it is reasoning
+
+
 def test_reasoning_never_emits_partial_close_tag():
     p = Qwen3ReasoningParser(True)
     assert p.feed("abc</thi") == ("abc", "")

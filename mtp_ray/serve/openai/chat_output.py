@@ -10,7 +10,7 @@ from mtp_ray.serve.openai.chat_request import ChatOptions
 from mtp_ray.serve.openai.ids import new_id
 from mtp_ray.serve.parsers.call_array import CallArray
 from mtp_ray.serve.parsers.reasoning import REASONING_PARSERS
-from mtp_ray.serve.parsers.tool_calls import TOOL_PARSERS, ToolCall
+from mtp_ray.serve.parsers.tool_calls import CALL_OPEN, TOOL_PARSERS, ToolCall
 
 
 @dataclass
@@ -49,10 +49,12 @@ class ChatOutput:
         self.opts = opts
         self.parses_reasoning = reasoning_parser is not None  # the server's: usage counts reasoning tokens
         self.think_ids = think_ids  # <think> / </think> as token ids (ChatServing.think_ids)
-        self.reasoning = (REASONING_PARSERS[reasoning_parser](opts.opens_reasoning)
-                          if opts.reasoning and reasoning_parser else None)
         self.tools = (TOOL_PARSERS[tool_call_parser](opts.tools)
                       if opts.tool_choice == "auto" and tool_call_parser else None)
+        # with calls parsed from the text, one opened inside unclosed thinking ends the reasoning (parsers/reasoning.py)
+        self.tool_open = CALL_OPEN if self.tools is not None else None
+        self.reasoning = (REASONING_PARSERS[reasoning_parser](opts.opens_reasoning, self.tool_open)
+                          if opts.reasoning and reasoning_parser else None)
         self.forced = opts.tool_choice in ("required", "named")
         self.buffer = ""  # a forced tool_choice's output so far (content at the end if it holds no call)
         self.call_open = False  # a named tool_choice's call has been opened (its arguments stream into it)

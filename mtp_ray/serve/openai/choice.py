@@ -67,7 +67,7 @@ class Choice:
         if self.chat.reasoning is None or self.detok.tokenizer is None:
             return 0
         return reasoning_token_count(self.token_ids, self.chat.opts.opens_reasoning, self.chat.think_ids,
-                                     lambda n: self.detok.decode(self.token_ids[:n]))
+                                     lambda n: self.detok.decode(self.token_ids[:n]), self.chat.tool_open)
 
     @property
     def matched_stop(self) -> int | str | None:

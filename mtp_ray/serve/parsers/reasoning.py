@@ -4,6 +4,10 @@ Qwen3 / Qwen3.5 think inside ``<think>...</think>``; Qwen3.5's template opens th
 when thinking is on, so the output may start inside it (``opens_reasoning`` tells from the rendered prompt).
 Same behaviour as vLLM's ``--reasoning-parser qwen3`` (``deepseek_r1`` is an alias here). Streaming never emits
 part of a tag and yields exactly what ``split`` gives for the whole text.
+
+With a tool-call parser on, an opening tool call (``tool_open``, e.g. ``<tool_call>``) inside thinking that was never
+closed also ends the reasoning: Qwen3.5 sometimes opens its call before ``</think>``, and a call filed under
+reasoning is lost to the agent (vLLM #39056). The tag and what follows are content, where the tool parser reads them.
 """
 
 from __future__ import annotations
@@ -29,14 +33,24 @@ def _held(buf: str, tag: str) -> int:
     return 0
 
 
+def _reasoning_end(text: str, start: int, tool_open: str | None) -> tuple[int, int]:
+    """Where the reasoning in text[start:] ends -> (its end, where the content starts); (-1, -1): not yet. The first
+    </think> (dropped), or an opening tool call before it (kept: it starts the content)."""
+    close = text.find(THINK_CLOSE, start)
+    call = text.find(tool_open, start) if tool_open else -1
+    if call >= 0 and (close < 0 or call < close):
+        return call, call
+    return (close, close + len(THINK_CLOSE)) if close >= 0 else (-1, -1)
+
+
 def reasoning_token_count(ids: list[int], opens: bool, think_ids: tuple[int, int] | None,
-                          text_of: Callable[[int], str]) -> int:
+                          text_of: Callable[[int], str], tool_open: str | None = None) -> int:
     """How many output tokens are reasoning (usage.completion_tokens_details.reasoning_tokens, as OpenAI and vLLM):
     those before the first </think> when the output starts inside a think block (the prompt opened it, or the
     output starts with <think>), the <think> tag's own tokens not counted. By id where each tag is one token of
     the vocabulary (think_ids); else from the text of token prefixes (text_of(n): the text of ids[:n]), found by
-    binary search."""
-    if think_ids is not None:
+    binary search. tool_open: as the parser's (an opening tool call in unclosed thinking ends the reasoning)."""
+    if think_ids is not None and not (tool_open and tool_open in text_of(len(ids))):
         start, end = think_ids
         if not ids or not (opens or ids[0] == start):
             return 0
@@ -54,7 +68,7 @@ def reasoning_token_count(ids: list[int], opens: bool, think_ids: tuple[int, int
             lo, hi = (mid, hi) if len(text_of(mid)) <= chars else (lo, mid - 1)
         return lo
 
-    close = text.find(THINK_CLOSE, len(THINK_OPEN) if opened else 0)
+    close = _reasoning_end(text, len(THINK_OPEN) if opened else 0, tool_open)[0]
     end = len(ids) if close < 0 else tokens_within(close)
     return max(0, end - (tokens_within(len(THINK_OPEN)) if opened else 0))
 
@@ -62,8 +76,9 @@ def reasoning_token_count(ids: list[int], opens: bool, think_ids: tuple[int, int
 class ReasoningParser(ABC):
     """One request's parser: ``split`` for whole text, ``feed``/``flush`` for streaming (reasoning, content)."""
 
-    def __init__(self, in_reasoning: bool = False) -> None:
+    def __init__(self, in_reasoning: bool = False, tool_open: str | None = None) -> None:
         self.in_reasoning = in_reasoning
+        self.tool_open = tool_open  # an opening tool call that also ends the reasoning (a tool parser's), or None
 
     @abstractmethod
     def split(self, text: str) -> tuple[str | None, str | None]: ...
@@ -83,8 +98,8 @@ class ReasoningParser(ABC):
 class Qwen3ReasoningParser(ReasoningParser):
     """``<think>`` reasoning ``</think>`` content: reasoning loses the newlines around it, content its leading ones."""
 
-    def __init__(self, in_reasoning: bool = False) -> None:
-        super().__init__(in_reasoning)
+    def __init__(self, in_reasoning: bool = False, tool_open: str | None = None) -> None:
+        super().__init__(in_reasoning, tool_open)
         self._state = "start"  # start -> reasoning -> content, or start -> content
         self._buf = ""
         self._nl = ""  # trailing newlines of reasoning, emitted only if more reasoning follows
@@ -98,8 +113,10 @@ class Qwen3ReasoningParser(ReasoningParser):
             text, in_r = text[len(THINK_OPEN):], True
         if not in_r:
             return None, text  # (vLLM: no tags, the output as it is; "" stays "")
-        reasoning, sep, content = text.partition(THINK_CLOSE)
-        return reasoning.strip("\n") or None, (content.lstrip("\n") or None) if sep else None
+        end, content_at = _reasoning_end(text, 0, self.tool_open)
+        if end < 0:
+            return text.strip("\n") or None, None
+        return text[:end].strip("\n") or None, text[content_at:].lstrip("\n") or None
 
     def _reason(self, s: str) -> str:
         if not self._r_started:
@@ -128,13 +145,13 @@ class Qwen3ReasoningParser(ReasoningParser):
                 else:
                     self._state = "reasoning" if self.in_reasoning else "content"
             elif self._state == "reasoning":
-                i = buf.find(THINK_CLOSE)
+                i, content_at = _reasoning_end(buf, 0, self.tool_open)
                 if i >= 0:
                     r.append(self._reason(buf[:i]))
-                    self._nl, self._buf, self._state = "", buf[i + len(THINK_CLOSE):], "content"
+                    self._nl, self._buf, self._state = "", buf[content_at:], "content"
                     self._strip_content = True
                     continue
-                keep = 0 if final else _held(buf, THINK_CLOSE)
+                keep = 0 if final else max(_held(buf, THINK_CLOSE), _held(buf, self.tool_open) if self.tool_open else 0)
                 r.append(self._reason(buf[:len(buf) - keep]))
                 self._buf = buf[len(buf) - keep:]
                 break
