@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,16 +19,36 @@ if COMPILE_CHECK:  # interpreter launches are recorded and compiled for that GPU
     kernel_check.install()
 
 
-@pytest.hookimpl(tryfirst=True)  # (before xdist's own hook reads the xdist_group marks)
 def pytest_collection_modifyitems(config, items):
     """Lanes (CONTRIBUTING.md): every test that uses the shared Ray cluster, directly or through a fixture, is marked
-    `ray`, so `-m "not ray"` runs the tests of one process. Under `-n 2 --dist loadgroup` (the README's test command)
-    the two lanes run side by side, each in file order on one worker: the Ray tests on one cluster (two clusters on
-    the 2-core machine starved each other's start-up), the tests of one process on the other worker."""
+    `ray`, so `-m "not ray"` runs the tests of one process."""
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
-        item.add_marker(pytest.mark.xdist_group("ray" if item.get_closest_marker("ray") else "local"))
+
+
+def lane_of(nodeid: str, root: Path = Path(__file__).resolve().parent.parent) -> str:
+    """A test file's lane under `-n 2 --dist loadscope`: "ray" when any of its tests may start a Ray cluster (it
+    names the ray_cluster fixture or the ray mark), else "local". By file, from its text: xdist's controller sees
+    node ids only, and pytest 9 ignores the node-id rewrite xdist's own loadgroup relies on."""
+    text = (root / nodeid.split("::", 1)[0]).read_text()
+    return "ray" if "ray_cluster" in text or "mark.ray" in text else "local"
+
+
+@pytest.hookimpl(optionalhook=True)  # (pytest-xdist's hook)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n 2 --dist loadscope` (the README's test command): two scopes, the lanes, each run in file order on a worker
+    of its own: the Ray tests on one cluster (two clusters at once starved each other's start-up on the 2-core
+    machine), the tests of one process beside them, in the time the Ray tests wait on timeouts and process starts."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LaneScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return lane_of(nodeid)
+
+    return LaneScheduling(config, log)
 
 
 def pytest_sessionfinish(session, exitstatus):

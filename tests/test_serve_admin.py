@@ -61,6 +61,9 @@ def test_admin_routes_act_on_every_group(app):  # noqa: F811 (the fixture)
     assert codes == [200, 200], codes
     assert is_sleeping() and until_reported({1}) == dict.fromkeys(sleep_levels(), 1.0)  # both groups asleep
     assert requests.post(f"{BASE}/sleep", timeout=120).status_code == 200  # asleep already: nothing to do
+    h = requests.get(f"{BASE}/health", timeout=30)  # a load balancer reads "not ready" while every group sleeps
+    assert (h.status_code, h.json(), bool(h.headers.get("Retry-After"))) == (503, {"healthy": False,
+                                                                                 "state": "asleep"}, True), h.text
     t0 = time.monotonic()  # a request while every group sleeps: held, then a 503 within the queue timeout
     r = requests.post(f"{BASE}/v1/completions", timeout=60, json={"model": "tiny", "prompt": "x", "max_tokens": 2})
     assert r.status_code == 503 and r.headers.get("Retry-After") and time.monotonic() - t0 < 20, r.text
@@ -68,6 +71,7 @@ def test_admin_routes_act_on_every_group(app):  # noqa: F811 (the fixture)
     r = requests.post(f"{BASE}/wake_up", timeout=120)
     assert r.status_code == 200, r.text
     assert not is_sleeping() and set(until_reported({0}).values()) == {0}
+    assert requests.get(f"{BASE}/health", timeout=30).json() == {"healthy": True, "state": "ready"}
     assert [greedy(f"def f{i}(x):") for i in range(4)] == before
 
     assert requests.post(f"{BASE}/reset_prefix_cache", timeout=120).status_code == 200

@@ -15,7 +15,8 @@ log = logging.getLogger("mtp_ray.ingress")
 
 async def group_health(group, live: bool | None = None) -> JSONResponse:
     """live None: the public answer (a load balancer's probe waits ~5 s: while no group replica exists, the 503
-    comes before that); else the whole report, live: with the ranks' counters."""
+    comes before that; asleep: 503, state "asleep"); else the whole report (`sleeping` in it), live: with the ranks'
+    counters."""
     try:
         h = await asyncio.wait_for(group.health.remote(bool(live)), 3 if live is None else 10)
     except Exception as e:
@@ -24,5 +25,8 @@ async def group_health(group, live: bool | None = None) -> JSONResponse:
         return JSONResponse({"healthy": False, "state": "unavailable", **(  # (the public answer: no internals)
             {"detail": "no engine group answered: starting, or being replaced"} if live is None else {"error": why})},
             status_code=503)
+    if live is None and h["healthy"] and h.get("sleeping"):  # (POST /sleep: every group asleep, every request a
+        # 503 until /wake_up; a load balancer must read that as not ready, not "ready")
+        return JSONResponse({"healthy": False, "state": "asleep"}, status_code=503, headers={"Retry-After": "5"})
     body = {"healthy": h["healthy"], "state": h["state"]} if live is None else h
     return JSONResponse(body, status_code=200 if h["healthy"] else 503)
