@@ -27,11 +27,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.ray)
 
 
-def lane_of(nodeid: str, root: Path = Path(__file__).resolve().parent.parent) -> str:
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def lane_of(nodeid: str) -> str:
     """A test file's lane under `-n 2 --dist loadscope`: "ray" when any of its tests may start a Ray cluster (it
     names the ray_cluster fixture or the ray mark), else "local". By file, from its text: xdist's controller sees
     node ids only, and pytest 9 ignores the node-id rewrite xdist's own loadgroup relies on."""
-    text = (root / nodeid.split("::", 1)[0]).read_text()
+    text = (ROOT / nodeid.split("::", 1)[0]).read_text()
     return "ray" if "ray_cluster" in text or "mark.ray" in text else "local"
 
 

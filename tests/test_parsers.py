@@ -90,7 +90,8 @@ TOOL_OPEN = "<tool_call>"
 TOOL_IN_THINK_CASES = [
     (True, "I should look it up.\n<tool_call>\n<function=f>\n</function>\n</tool_call>", "I should look it up.",
      "<tool_call>\n<function=f>\n</function>\n</tool_call>"),
-    (False, "<think>\nplan\n<tool_call>{\"name\": \"f\"}</tool_call>", "plan", "<tool_call>{\"name\": \"f\"}</tool_call>"),
+    (False, "<think>\nplan\n<tool_call>{\"name\": \"f\"}</tool_call>", "plan",
+     "<tool_call>{\"name\": \"f\"}</tool_call>"),
     (True, "r</think>\n\nc <tool_call>x</tool_call>", "r", "c <tool_call>x</tool_call>"),  # closed first: as before
     (True, "<tool_call>x</tool_call>", None, "<tool_call>x</tool_call>"),
     (True, "a <tool_call>x</tool_call> b </think> c", "a ", "<tool_call>x</tool_call> b </think> c"),
