@@ -377,7 +377,12 @@ def test_cancelled_rollout_requests_are_aborted_on_their_ranks(ray_cluster, engi
     long = {"temperature": 0, "max_tokens": 1900, "ignore_eos": True}
     refs = [engine.generate.remote([5 + i, 6, 7], long) for i in range(10)]
     deadline = time.time() + 60
-    while sum(r["steps"] for r in ranks()) < 20 and time.time() < deadline:
+    # every request decoding on a rank first: a call cancelled before it started never runs (Ray's rule), so it has
+    # nothing to abort (in CI with the lanes side by side, 4 of 10 were not on a rank yet after 20 steps)
+    def running() -> int:  # (the ranks' last polls)
+        return sum(r["num_running"] for r in ray.get(engine.health.remote())["ranks"])
+
+    while (running() < 10 or sum(r["steps"] for r in ranks()) < 20) and time.time() < deadline:
         time.sleep(0.05)
     for r in refs:
         ray.cancel(r)
