@@ -263,8 +263,8 @@ def test_module_walker_resolves_names_and_finds_cycles():
 @pytest.mark.parametrize("module", ["mtp_ray", "mtp_ray.serve.app", "mtp_ray.serve.http.ingress"])
 def test_serving_side_imports_no_torch(module):
     """The processes that route requests and never run the model (the HTTP ingress replicas, a group replica until it
-    places its ranks, the `serve run` CLI) import no torch: each started ~3 s sooner on the 2-core CI machine and
-    holds ~300 MB less. A fresh interpreter, so what this test process imported does not count."""
+    places its ranks, the `serve run` CLI) import no torch (2.5 s and ~180 MB a process on the 2-core CI
+    machine). A fresh interpreter, so what this test process imported does not count."""
     import subprocess
     import sys
 
