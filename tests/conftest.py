@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -30,12 +31,17 @@ def pytest_collection_modifyitems(config, items):
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@functools.cache
+def _file_lane(path: str) -> str:
+    text = (ROOT / path).read_text()
+    return "ray" if "ray_cluster" in text or "mark.ray" in text else "local"
+
+
 def lane_of(nodeid: str) -> str:
     """A test file's lane under `-n 2 --dist loadscope`: "ray" when any of its tests may start a Ray cluster (it
     names the ray_cluster fixture or the ray mark), else "local". By file, from its text: xdist's controller sees
     node ids only, and pytest 9 ignores the node-id rewrite xdist's own loadgroup relies on."""
-    text = (ROOT / nodeid.split("::", 1)[0]).read_text()
-    return "ray" if "ray_cluster" in text or "mark.ray" in text else "local"
+    return _file_lane(nodeid.split("::", 1)[0])  # (each file read once, not once per test)
 
 
 @pytest.hookimpl(optionalhook=True)  # (pytest-xdist's hook)

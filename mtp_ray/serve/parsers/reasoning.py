@@ -50,13 +50,13 @@ def reasoning_token_count(ids: list[int], opens: bool, think_ids: tuple[int, int
     output starts with <think>), the <think> tag's own tokens not counted. By id where each tag is one token of
     the vocabulary (think_ids); else from the text of token prefixes (text_of(n): the text of ids[:n]), found by
     binary search. tool_open: as the parser's (an opening tool call in unclosed thinking ends the reasoning)."""
-    if think_ids is not None and not (tool_open and tool_open in text_of(len(ids))):
+    text = text_of(len(ids)) if think_ids is None or tool_open else ""  # (decoded once, only where it is read)
+    if think_ids is not None and not (tool_open and tool_open in text):
         start, end = think_ids
         if not ids or not (opens or ids[0] == start):
             return 0
         region = ids[: ids.index(end)] if end in ids else ids
         return sum(t != start for t in region)
-    text = text_of(len(ids))
     opened = text.startswith(THINK_OPEN)
     if not (opens or opened):
         return 0
