@@ -34,28 +34,38 @@ ROOT = Path(__file__).resolve().parent.parent
 @functools.cache
 def _file_lane(path: str) -> str:
     text = (ROOT / path).read_text()
+    if "mark.serve" in text:
+        return "serve"
     return "ray" if "ray_cluster" in text or "mark.ray" in text else "local"
 
 
 def lane_of(nodeid: str) -> str:
-    """A test file's lane under `-n 2 --dist loadscope`: "ray" when any of its tests may start a Ray cluster (it
-    names the ray_cluster fixture or the ray mark), else "local". By file, from its text: xdist's controller sees
-    node ids only, and pytest 9 ignores the node-id rewrite xdist's own loadgroup relies on."""
+    """A test file's lane: "serve" when it starts Ray Serve (its module is marked `serve`), "ray" when any of its
+    tests may start a Ray cluster (it names the ray_cluster fixture or the ray mark), else "local". By file, from its
+    text: xdist's controller sees node ids only, and pytest 9 ignores the node-id rewrite xdist's own loadgroup
+    relies on."""
     return _file_lane(nodeid.split("::", 1)[0])  # (each file read once, not once per test)
+
+
+def worker_of(nodeid: str) -> str:
+    """The xdist scope of a test under `-n 2 --dist loadscope`: the Serve files on one worker, the other Ray files
+    and the files of one process on the other. Each worker starts its own cluster (the session's ray_cluster), so
+    Serve's apps, ports and named actors never meet the group tests'; measured on the 2-core machine, the two halves
+    take about as long (docs: CONTRIBUTING.md, lanes)."""
+    return "serve" if lane_of(nodeid) == "serve" else "engine"
 
 
 @pytest.hookimpl(optionalhook=True)  # (pytest-xdist's hook)
 def pytest_xdist_make_scheduler(config, log):
-    """`-n 2 --dist loadscope` (the README's test command): two scopes, the lanes, each run in file order on a worker
-    of its own: the Ray tests on one cluster (two clusters at once starved each other's start-up on the 2-core
-    machine), the tests of one process beside them, in the time the Ray tests wait on timeouts and process starts."""
+    """`-n 2 --dist loadscope` (the README's test command): two scopes (worker_of), each run in file order on a
+    worker of its own."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class LaneScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return lane_of(nodeid)
+            return worker_of(nodeid)
 
     return LaneScheduling(config, log)
 

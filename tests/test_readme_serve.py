@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import requests
 
+pytestmark = pytest.mark.serve  # (Ray Serve: its own worker and cluster under -n 2, conftest.worker_of)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -10,6 +10,8 @@ import time
 import pytest
 import requests
 
+pytestmark = pytest.mark.serve  # (Ray Serve: its own worker and cluster under -n 2, conftest.worker_of)
+
 PORT = 8015
 BASE = f"http://127.0.0.1:{PORT}"
 KEY = "sk-test-front-door"

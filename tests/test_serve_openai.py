@@ -14,6 +14,8 @@ import yaml
 
 from mtp_ray import LLM, SamplingParams
 
+pytestmark = pytest.mark.serve  # (Ray Serve: its own worker and cluster under -n 2, conftest.worker_of)
+
 PORT = 8011
 BASE = f"http://127.0.0.1:{PORT}"
 YAML = Path(__file__).resolve().parent.parent / "deployments" / "qwen35_mtp.yaml"

@@ -11,6 +11,8 @@ import pytest
 import requests
 import yaml
 
+pytestmark = pytest.mark.serve  # (Ray Serve: its own worker and cluster under -n 2, conftest.worker_of)
+
 ROOT = Path(__file__).resolve().parent.parent
 PORT = 8013
 

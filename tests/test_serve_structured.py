@@ -17,6 +17,8 @@ import yaml
 from mtp_ray import LLM, SamplingParams
 from mtp_ray.engine.sampling_params import StructuredOutputs
 
+pytestmark = pytest.mark.serve  # (Ray Serve: its own worker and cluster under -n 2, conftest.worker_of)
+
 PORT = 8016
 BASE = f"http://127.0.0.1:{PORT}"
 MODEL = "tiny-qwen35-mtp"

@@ -11,6 +11,8 @@ import requests
 
 from tests.helpers import make_checkpoint
 
+pytestmark = pytest.mark.serve  # (Ray Serve: its own worker and cluster under -n 2, conftest.worker_of)
+
 PORT = 8016
 BASE = f"http://127.0.0.1:{PORT}"
 PROMPTS = [[5, 17, 3, 88, 41], [60, 2]]

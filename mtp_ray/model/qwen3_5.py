@@ -19,7 +19,11 @@ from mtp_ray.model.mtp import MTPHead
 class TextModel(nn.Module):
     def __init__(self, cfg: ModelConfig, expert_range: tuple[int, int] | None, dispatch: ExpertDispatcher):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # an empty weight: the checkpoint or init_dummy_weights fills it. Embedding's own N(0, 1) draw on the meta
+        # device (the loader builds there) goes through torch._refs, whose import of torch._dynamo cost every rank
+        # process 1.4-1.6 CPU-s at start, for values that are never used.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))  # [V, H]
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, t, i in cfg.dense_layers, expert_range, dispatch) for i, t in enumerate(cfg.layer_types)
         )
