@@ -11,6 +11,11 @@ import torch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60 turns token auth on by default
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray's log monitor globs the session's log folder ten times a second while it holds under 1,000 files; with the
+# hundreds of worker logs a run leaves it took ~11 CPU-s a cluster (the 2-core CI machine is CPU-bound): here it
+# looks for new files every 5 s (no test reads worker output through the driver: log_to_driver=False)
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "5")
 torch.set_num_threads(1)
 
 COMPILE_CHECK = os.environ.get("KERNEL_COMPILE_CHECK") if os.environ.get("TRITON_INTERPRET") == "1" else None
