@@ -1,6 +1,7 @@
 """Decode step time on a random-weight model with the Qwen3.5-35B-A3B layer shapes, next to the memory roofline.
 
     python bench/decode.py [--layers 40] [--batches 1 8 64 256] [--context 1024] [--fp8] [--out bench/results/x.json]
+                           [--config path/to/config.json]
 
 Shapes (the public Qwen3.5-35B-A3B config): hidden 2048, 40 layers (3 Gated DeltaNet : 1 gated attention), 16 query /
 2 KV heads of 256, GDN 16 key / 32 value heads of 128, 256 experts (top 8) of 512, a 512 shared expert, vocab 248320.
@@ -14,6 +15,9 @@ With --pdl-ab / --pairs-ab each step is timed again, right after, as it ran befo
 PDL; per-pair expert GEMVs up to one pair a local expert). With --fp8 the plain steps run again on the same shapes
 with FP8-resident weights (Qwen's FP8 format: e4m3, 128 x 128 block scales, router / shared-expert gate / embedding /
 lm_head left in bf16): FP8 step / bf16 step per batch.
+
+With --config the shapes are that checkpoint config's (bench/serve.py times the model it serves this way: its
+capacity figures) instead of the 35B-A3B ones; --layers is then ignored.
 
 Roofline: the bytes a step must move at least (every dense weight once, the routed experts actually selected,
 the embedding rows, KV read for every context token, GDN state read and written, fp32 logits written) over the
@@ -299,12 +303,19 @@ def main() -> None:
     ap.add_argument("--tiles-ab", action="store_true",
                     help="also time each step with the GEMV tiles before split-K (layers/triton/linear.py tiles)")
     ap.add_argument("--kernel-batches", type=int, nargs="*", default=[1], help="list these plain steps' kernels")
+    ap.add_argument("--config", default=None, help="an HF config.json to take the shapes from (random weights)")
     ap.add_argument("--out", default="bench/results/decode.json")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/decode.py times CUDA graph replays: it needs a CUDA GPU")
     dev, cpu = torch.device("cuda"), torch.device("cpu")
     bw = bandwidth(dev)
     k = args.mtp_k
-    cfg = config(args.layers, mtp=k > 0)
+    if args.config:
+        cfg = ModelConfig.from_hf_dict(json.loads(Path(args.config).read_text()))
+        assert not k or cfg.mtp_num_hidden_layers > 0, f"--mtp-k {k}: {args.config} has no MTP layer"
+    else:
+        cfg = config(args.layers, mtp=k > 0)
     model = random_model(cfg, dev)
     width = (args.context + positions_needed(args.oracle_steps, k) + BLOCK) // BLOCK + 1  # room for the oracle runs
     max_b = max(args.batches + args.mtp_batches)
@@ -348,7 +359,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "measured_bandwidth_GBps": round(bw / 1e9, 1),
-              "model": f"random bf16, Qwen3.5-35B-A3B shapes, {args.layers} layers (of 40)"
+              "model": (f"random bf16, the shapes of {args.config}" if args.config else
+                        f"random bf16, Qwen3.5-35B-A3B shapes, {args.layers} layers (of 40)")
                        + (f", MTP layer (k = {k})" if k else ", no MTP"),
               "context": args.context, "runs": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

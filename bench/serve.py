@@ -17,9 +17,17 @@ engine steps of a few ms on a CPU), waits for /health, then:
   ignore_eos, return_token_ids) until c x --requests-per-stream are done: request throughput, output tok/s,
   TTFT / TPOT / ITL percentiles (vLLM `bench serve` definitions: TPOT per request after its first token, ITL per
   chunk), tokens per chunk;
-- the engine's figures over the same level, from the group's live counters (/admin/health): tokens the ranks
-  produced, their step wall time (`step_s`: every step that ran a forward, host work included), so
-  `client_over_engine_tok_s` (>= 0.9 wanted) and, at c = 1, `tpot_over_engine_ms_per_token` (<= 1.15 wanted);
+- the engine's capacity at that concurrency (CUDA only): before each variant's server starts, bench/decode.py
+  times the standalone graph step of full batches of the served shapes (random weights, same run, same GPU), at
+  the batch the busiest rank holds (c over the ranks, rounded up) and the mean context of a request (prompt +
+  max_tokens / 2). Capacity = c x tokens a row gains per step (1; k > 0: 1 + the accepted drafts per verify this
+  level measured) / that step. `client_over_capacity` (client tok/s / capacity) is the figure to read: what the
+  clients got of what the engine can do at that batch; `mean_running_batch` (the sequences the group's ranks
+  stepped, per step of the group) / c says how full the batches stayed; at c = 1,
+  `tpot_over_device_step` is the client's time per token over the standalone step's;
+- the engine's own counters over the same level (/admin/health): tokens the ranks produced, their step wall time
+  (`step_s`: every step that ran a forward, host work included). `client_over_busy_engine_tok_s` divides by the
+  tok/s while the group was busy, not by its capacity: a diagnostic (it hides batches that run half empty);
 - with more than one dp among the variants: dp_n / dp_1 output tok/s at the highest concurrency (one request per
   call).
 
@@ -277,7 +285,8 @@ async def rank_stats(url: str) -> list[dict]:
 async def engine_counters(url: str) -> list[dict]:
     """Per rank: tokens produced, wall time in waves (`waves_s`: stepping, host work between steps included),
     of steps (`step_s`) and of graph steps, verify counts (tokens per decode step)."""
-    keys = ("output_tokens", "step_s", "steps", "waves_s", "graph_step_s", "graph_steps", "verify_steps", "accepted")
+    keys = ("output_tokens", "step_s", "steps", "waves_s", "graph_step_s", "graph_steps", "verify_steps", "accepted",
+            "rows_sum", "work_steps")
     return [{k: r.get(k, 0) for k in keys} for r in await rank_stats(url)]
 
 
@@ -293,7 +302,12 @@ def engine_delta(before: list[dict], after: list[dict]) -> dict:
     out = {"output_tokens": tokens, "waves_s": round(waves, 4), "step_s": round(busy, 4),
            "steps": max(r["steps"] for r in d),
            "tok_s": round(tokens / waves, 1) if waves else None,  # while the group ran (what it produced per second)
-           "tok_s_in_steps": round(tokens / busy, 1) if busy else None}
+           "tok_s_in_steps": round(tokens / busy, 1) if busy else None,
+           # sequences the group stepped per step (its ranks step together; /admin/health reports one group):
+           # every rank's sequences over the group's steps (a step where one rank had work is a step of each)
+           "mean_running_batch": round(sum(r["rows_sum"] for r in d) / max(1, max(r["steps"] for r in d)), 2),
+           "accepted_per_verify": round(sum(r["accepted"] for r in d) / max(1, sum(r["verify_steps"] for r in d)),
+                                        4)}
     r0 = max(d, key=lambda r: r["graph_steps"])
     if r0["graph_steps"]:  # a decode (or verify) graph step's time per token: the engine's own pace at batch 1
         per_step = 1 + (r0["accepted"] / r0["verify_steps"] if r0["verify_steps"] else 0)
@@ -380,12 +394,58 @@ def save(result: dict, path: str) -> None:
     Path(path).write_text(json.dumps(result, indent=1))
 
 
+def standalone_steps(config: Path, dtype: str, k: int, batches: list[int], context: int, out: Path) -> dict:
+    """bench/decode.py's graph steps of full batches at the shapes of `config` (random weights): {"steps": {batch:
+    ms}} (k > 0: the fused MTP step, verify + draft loop, as the engine replays it), or {"error": why not}. Run
+    while no server holds the GPU."""
+    if shutil.which("nvidia-smi") is None:
+        return {"error": "no CUDA GPU here: the standalone graph step (bench/decode.py) needs one"}
+    if dtype != "bfloat16":
+        return {"error": f"engine.dtype is {dtype}: bench/decode.py times bfloat16 steps"}
+    bs = [str(b) for b in batches]
+    cmd = [sys.executable, str(ROOT / "bench" / "decode.py"), "--config", str(config), "--batches", *bs,
+           "--context", str(context), "--mtp-k", str(k), "--mtp-batches", *bs, "--oracle-accept", "--draft-vocab",
+           "0", "--kernel-batches", "--out", str(out)]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    if run.returncode != 0:
+        return {"error": f"bench/decode.py failed: {(run.stderr or run.stdout)[-800:]}"}
+    rows = json.loads(out.read_text())["runs"]
+    steps = {r["batch"]: (r["mtp"][0]["mtp_step_ms"] if k else r["graph_step_ms"]) for r in rows}
+    return {"steps": steps, "context": context, "device": json.loads(out.read_text())["device"]}
+
+
+def capacity_figures(level: dict, c: int, ranks: int, k: int, steps: dict) -> dict:
+    """A level's figures against the engine's capacity at its concurrency (module docstring)."""
+    e = level["engine"]
+    out = {"running_batch_over_concurrency": round(e["mean_running_batch"] / c, 3)}
+    if "steps" not in steps:
+        return {**out, "capacity": steps}
+    batch = -(-c // ranks)  # the busiest rank's batch
+    step_ms = steps["steps"][batch]
+    per_row = 1 + (e["accepted_per_verify"] if k else 0.0)  # tokens a row gains per step
+    cap = c * per_row / (step_ms / 1e3)
+    out.update(capacity={"batch_per_rank": batch, "step_ms": step_ms, "tokens_per_row_step": round(per_row, 4),
+                         "tok_s": round(cap, 1)},
+               client_over_capacity=round(level["output_tok_s"] / cap, 3))
+    if c == 1 and level["tpot_ms"]["mean"]:
+        out["tpot_over_device_step"] = round(level["tpot_ms"]["mean"] / (step_ms / per_row), 3)
+    return out
+
+
 async def run_variant(args, name: str, dp: int, k: int, server_cfg: dict, access_log: bool | None, direct: bool,
                       model: dict, work: Path, result: dict) -> dict:
     base = yaml.safe_load(Path(args.yaml).read_text())
     client_port = args.port or base.get("http_options", {}).get("port", 8000)
     path, _, served = variant_yaml(base, dp, k, model, work / f"{name}.yaml", args.groups, args.ingress,
                                    client_port + 100 if direct else client_port, server_cfg, access_log)
+    app = yaml.safe_load(path.read_text())["applications"][0]["args"]
+    ranks = dp * (args.groups or (app.get("group") or {}).get("num_replicas", 1))  # (autoscaling: its first groups)
+    from mtp_ray.config.engine import BUNDLED_MODEL
+
+    steps = await asyncio.to_thread(
+        standalone_steps, Path(app["engine"].get("model") or BUNDLED_MODEL) / "config.json",
+        app["engine"].get("dtype", "bfloat16"), k, sorted({-(-c // ranks) for c in args.concurrency + args.ranged}),
+        args.prompt_tokens + args.max_tokens // 2, work / f"{name}_steps.json")
     server = Server(path, client_port, work / f"{name}.log", direct)
     try:
         up = await server.wait_ready(args.start_timeout)
@@ -394,7 +454,7 @@ async def run_variant(args, name: str, dp: int, k: int, server_cfg: dict, access
         out: dict = {"dp": dp, "k": k, "stream_interval_ms": server_cfg.get("stream_interval_ms"),
                      "admission_gap_ms": server_cfg.get("admission_gap_ms"), "direct_ingress": direct,
                      "ingress_access_log": access_log,
-                     "server_up_s": round(up, 1), "levels": {}}
+                     "server_up_s": round(up, 1), "ranks": ranks, "standalone_steps": steps, "levels": {}}
         result["variants"][name] = out
         burst = [prompt(10_000 + i) for i in range(args.cold_burst)]
         if args.cold_burst:
@@ -422,15 +482,20 @@ async def run_variant(args, name: str, dp: int, k: int, server_cfg: dict, access
             await asyncio.sleep(1.5)  # the replicas report their histograms to the metrics hub every second
             level["ttft_parts_ms"] = ttft_parts(hist_before, await histogram_sums(url))
             e = level["engine"]
-            level["client_over_engine_tok_s"] = round(level["output_tok_s"] / e["tok_s"], 3) if e["tok_s"] else None
+            level.update(capacity_figures(level, c, ranks, k, steps))
+            level["client_over_busy_engine_tok_s"] = (round(level["output_tok_s"] / e["tok_s"], 3) if e["tok_s"]
+                                                      else None)  # (a diagnostic: module docstring)
             if c == 1 and level["tpot_ms"]["mean"] and e.get("decode_ms_per_token"):
                 level["tpot_over_engine_decode_ms_per_token"] = round(
                     level["tpot_ms"]["mean"] / e["decode_ms_per_token"], 3)
             key = f"{c}" if not ratio else f"{c}@range{ratio:g}"
             out["levels"][key] = level
             save(result, args.out)
-            print(f"{name} c={key}: {level['output_tok_s']} tok/s client, {e['tok_s']} engine while running "
-                  f"(x{level['client_over_engine_tok_s']}; {e['tok_s_in_steps']} in steps); TTFT p50 "
+            cap = level.get("capacity", {})
+            print(f"{name} c={key}: {level['output_tok_s']} tok/s client = x{level.get('client_over_capacity')} "
+                  f"the capacity ({cap.get('tok_s', cap.get('error'))}); running batch {e['mean_running_batch']} "
+                  f"(x{level['running_batch_over_concurrency']} c); {e['tok_s']} engine while running "
+                  f"(x{level['client_over_busy_engine_tok_s']}; {e['tok_s_in_steps']} in steps); TTFT p50 "
                   f"{level['ttft_ms']['p50']} ms, TPOT {level['tpot_ms']['mean']} ms (engine graph step "
                   f"{e.get('graph_step_ms')} ms, {e.get('decode_ms_per_token')} ms/token), "
                   f"{level['tokens_per_chunk']} tokens/chunk; TTFT parts ms {level['ttft_parts_ms']}", flush=True)

@@ -678,7 +678,9 @@ def test_iteration_tokens_histogram_counts_every_scheduled_token():
     outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens])
     cached = sum(o.num_cached_tokens for o in outs)
     st = llm.engine.stats
-    assert sum(st.iteration_tokens) == st.steps > 0 and cached == 16  # the 17-token prompt's first block
+    assert sum(st.iteration_tokens) == st.steps == st.work_steps > 0 and cached == 16  # the 17-token prompt's 1st block
+    # the running batch: 3 sequences while all three run, fewer as they end (6, 2 and 9 tokens; one step a token)
+    assert st.rows_sum == sum(max_tokens) and 1 < st.rows_sum / st.work_steps <= 3
     assert st.iteration_tokens_sum == sum(map(len, prompts)) - cached + sum(m - 1 for m in max_tokens)
     assert len(st.iteration_tokens) == len(ITERATION_TOKEN_BUCKETS) + 1
 

@@ -9,6 +9,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=$PWD:/tmp/site:$PWD/.deepep/site PATH=/tmp/site/bin:$PATH RAY_AUTH_MODE=disabled NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o 'H[0-9]*' | head -1 | tr A-Z a-z)  # results files name the card
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -39,6 +40,7 @@ for stage in "$@"; do
     prof35p) python3 bench/profile_step.py --device cuda --model 35b --layers 8 --phase prefill --batch 256 --steps 6 --k 0 --out "$OUT/profile_35b_prefill.json" 2>&1 | grep -v USDT | tail -30 ;;
     prof35d) python3 bench/profile_step.py --device cuda --model 35b --layers 8 --phase decode --batch 256 --steps 20 --k 0 --out "$OUT/profile_35b_decode.json" 2>&1 | grep -v USDT | tail -30 ;;
     serve) TRITON_CACHE_DIR=$(mktemp -d) python3 bench/serve.py --yaml deployments/qwen35_gpu.yaml --model 35b --layers 4 --groups 1 --variants ${SERVE_VARIANTS:-dp1k0 dp1k3} --profile-s 6 ${SERVE_ARGS:-} --out "$OUT/serve_h200.json" 2>&1 | grep -v '^ \|^{\|^}' | tail -40 ;;
+    capacity) TRITON_CACHE_DIR=$(mktemp -d) python3 bench/serve.py --yaml deployments/qwen35_gpu.yaml --model 35b --layers 4 --groups 1 --variants ${SERVE_VARIANTS:-dp1k0 dp1k3} --concurrency ${SERVE_C:-1 64 128} --cold-burst 0 --out "$OUT/serve_$CARD.json" 2>&1 | grep "c=\|Error\|error" | cut -c1-400 ;;
     serveint) TRITON_CACHE_DIR=$(mktemp -d) python3 bench/serve.py --yaml deployments/qwen35_gpu.yaml --model 35b --layers 4 --groups 1 --variants ${SERVE_VARIANTS:-dp1k0s0 dp1k0s5} --concurrency 1 64 128 --cold-burst 0 --out "$OUT/serve_h200_interval.json" 2>&1 | grep "c=" | cut -c1-330 ;;
     servedirect) TRITON_CACHE_DIR=$(mktemp -d) python3 bench/serve.py --yaml deployments/qwen35_gpu.yaml --model 35b --layers 4 --groups 1 --variants ${SERVE_VARIANTS:-dp1k0s5 dp1k0s5d} --concurrency 1 64 128 --cold-burst 0 --out "$OUT/serve_h200_direct.json" 2>&1 | grep "c=" | cut -c1-330 ;;
     cold) for mk in ${COLD:-bundled:0 bundled:3 35b:0 35b:3}; do m=${mk%:*} k=${mk#*:} f="$OUT/cold_${m}_k$k"

@@ -191,7 +191,8 @@ class EngineCore:
                 clock.lap("resolve")
             decodes = len(sched) if uniform else sum(s.req.is_decode for s in sched)
             self.stats.count_step(uniform, bool(table.graph_size), mixed=0 < decodes < len(sched),
-                                  tokens=0 if local.is_dummy else local.num_tokens)  # the tokens it scheduled
+                                  tokens=0 if local.is_dummy else local.num_tokens,  # what it scheduled
+                                  rows=0 if local.is_dummy else len(sched))
             plan_snapshots(sched, self.blocks)
             # graph steps: per row, the row of the step in flight it follows (-1: its inputs are on the host)
             src = self.greedy.src(sched) if table.graph_size else None

@@ -34,11 +34,18 @@ class EngineStats:
     # ITERATION_TOKEN_BUCKETS[-1]; and the tokens in all
     iteration_tokens: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
     iteration_tokens_sum: int = 0
+    # sequences in the batches of those steps, summed: rows_sum / work_steps is the mean running batch (a rank that
+    # keeps few sequences a step runs below its capacity, whatever its tok/s while busy)
+    rows_sum: int = 0
+    work_steps: int = 0  # steps that scheduled tokens (= sum(iteration_tokens))
 
-    def count_step(self, uniform: bool, graph: bool, mixed: bool, tokens: int) -> None:
+    def count_step(self, uniform: bool, graph: bool, mixed: bool, tokens: int, rows: int = 0) -> None:
+        """tokens / rows: the tokens and sequences the step scheduled (0 for a dummy forward)."""
         if tokens:
             self.iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
             self.iteration_tokens_sum += tokens
+            self.rows_sum += rows
+            self.work_steps += 1
         self.steps += 1
         self.uniform_steps += int(uniform)
         self.graph_steps += int(graph)
