@@ -39,13 +39,13 @@ ROOT = Path(__file__).resolve().parent.parent
 @functools.cache
 def _file_lane(path: str) -> str:
     text = (ROOT / path).read_text()
-    if "mark.serve" in text:
+    if "\npytestmark = pytest.mark.serve" in text:  # (the module's mark, not a mention of it)
         return "serve"
     return "ray" if "ray_cluster" in text or "mark.ray" in text else "local"
 
 
 def lane_of(nodeid: str) -> str:
-    """A test file's lane: "serve" when it starts Ray Serve (its module is marked `serve`), "ray" when any of its
+    """A test file's lane: "serve" when it starts Ray Serve (its module's pytestmark is `serve`), "ray" when any of its
     tests may start a Ray cluster (it names the ray_cluster fixture or the ray mark), else "local". By file, from its
     text: xdist's controller sees node ids only, and pytest 9 ignores the node-id rewrite xdist's own loadgroup
     relies on."""

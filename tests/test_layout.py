@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -272,3 +273,26 @@ def test_serving_side_imports_no_torch(module):
             "print(bad); sys.exit(1 if bad else 0)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, f"{module} imports {run.stdout.strip()} {run.stderr[-2000:]}"
+
+
+# Files that run Ray Serve on the engine half's cluster (tests/conftest.py, worker_of): each on a port of its own,
+# never one a `serve`-marked file uses (the two halves' clusters run at the same time on one machine)
+SERVE_ON_ENGINE_HALF = {"test_prefix_caching.py": 8033}
+SERVE_MARK = "\npytestmark = pytest.mark.serve"  # (the line conftest's lanes read)
+STARTS_SERVE = re.compile(
+    r"serve\.(start|run)\(|bench/serve\.py|serve run deployments|from tests\.test_serve_\w+ import")
+
+
+def test_files_that_start_serve_run_on_the_serve_worker():
+    """Under `-n 2 --dist loadscope` the files marked `serve` share one worker and cluster, the rest the other: a
+    file that starts Serve (or borrows a Serve file's fixtures) unmarked would bind its port on the other cluster
+    while the Serve worker's app may hold it."""
+    tests = ROOT.parent / "tests"
+    unmarked = [f.name for f in sorted(tests.glob("test_*.py"))
+                if STARTS_SERVE.search(f.read_text()) and SERVE_MARK not in f.read_text()
+                and f.name not in SERVE_ON_ENGINE_HALF and f.name != "test_layout.py"]
+    assert not unmarked, f"mark these pytestmark = pytest.mark.serve (CONTRIBUTING.md, lanes): {unmarked}"
+    ports = {int(p) for f in tests.glob("test_*.py") if SERVE_MARK in f.read_text()
+             for p in re.findall(r"\b(80\d\d)\b", f.read_text())}
+    for name, port in SERVE_ON_ENGINE_HALF.items():
+        assert f"port = {port}" in (tests / name).read_text() and port not in ports, (name, port, sorted(ports))

@@ -13,6 +13,8 @@ import requests
 
 from tests.test_serve_faults import BASE, app, scrape, serve_app  # noqa: F401 (app, serve_app: fixtures)
 
+pytestmark = pytest.mark.serve  # (Ray Serve: its own worker and cluster under -n 2, conftest.worker_of)
+
 
 def sleep_levels() -> dict[str, float]:
     """group id -> its sleep level, from /metrics (every group's report, whichever ingress answers)."""
