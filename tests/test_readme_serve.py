@@ -77,6 +77,8 @@ def test_readme_first_command_then_curl(tmp_path):
                               "Content-Type: application/json", "-d", body], capture_output=True, text=True)
         resp = json.loads(out.stdout)
         assert resp["usage"]["completion_tokens"] == 16 and resp["choices"][0]["text"]
+        # `serve run`'s console says the server is open (no key in the shipped YAML) and what keeps pages out
+        assert "mtp-ray: no API key" in (tmp_path / "serve.log").read_text()
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)

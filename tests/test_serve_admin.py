@@ -88,6 +88,27 @@ def test_admin_routes_act_on_every_group(app):  # noqa: F811 (the fixture)
     assert not is_sleeping() and [greedy(f"def f{i}(x):") for i in range(4)] == before
 
 
+@pytest.mark.parametrize("app", [2], indirect=True)
+def test_an_open_server_keeps_web_pages_and_rebinding_hosts_out(app):  # noqa: F811 (the fixture)
+    """No API key (this app's): a page's no-cors POST to /sleep (an Origin, a text/plain body), an image's GET of
+    /flush_cache (Sec-Fetch-Site: cross-site) and any request by a rebinding name are 403, through Serve's proxy;
+    the same routes from a local tool, and generation from a page (CORS, as vLLM), still answer."""
+    r = requests.post(f"{BASE}/sleep", data="x", timeout=30, headers={
+        "Origin": "https://evil.example", "Content-Type": "text/plain", "Sec-Fetch-Site": "cross-site"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "cross_site_request", r.text
+    r = requests.get(f"{BASE}/flush_cache", timeout=30, headers={"Sec-Fetch-Site": "cross-site"})
+    assert r.status_code == 403, r.text
+    assert not is_sleeping()
+    for path in ("/v1/models", "/metrics", "/is_sleeping"):
+        r = requests.get(f"{BASE}{path}", timeout=30, headers={"Host": "rebound.example:8014"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", (path, r.text)
+    assert requests.get(f"{BASE}/health", timeout=30, headers={"Host": "rebound.example:8014"}).status_code == 200
+    r = requests.post(f"{BASE}/v1/completions", timeout=60, headers={"Origin": "https://ui.example"},
+                      json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*", r.text
+    assert requests.get(f"{BASE}/flush_cache", timeout=120, headers={"Host": "localhost:8014"}).status_code == 200
+
+
 def test_command_board_hands_each_command_once_and_never_waits_for_a_gone_group():
     from mtp_ray.serve.cluster.broadcast import CommandBoard
 

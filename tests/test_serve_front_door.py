@@ -130,9 +130,15 @@ def test_open_and_closed_routes(server):
     detail = requests.get(f"{BASE}/admin/health", headers=AUTH)
     assert detail.status_code == 200 and "ranks" in detail.json()
     for path in ("/docs", "/redoc", "/openapi.json", "/v1/nothing"):
-        r = requests.get(f"{BASE}{path}")
+        assert requests.get(f"{BASE}{path}").status_code == 401, path  # (the key first, on every route)
+        r = requests.get(f"{BASE}{path}", headers=AUTH)
         assert r.status_code == 404 and r.json()["error"]["code"] == 404, (path, r.text)
     assert requests.post(f"{BASE}/tokenize", json={"prompt": "x"}).status_code == 401
+    # with a key nothing but the health checks answers without it: not the model's paths, counters or version
+    for path in ("/get_server_info", "/get_model_info", "/metrics", "/version", "/load", "/is_sleeping"):
+        r = requests.get(f"{BASE}{path}")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+        assert requests.get(f"{BASE}{path}", headers=AUTH).status_code == 200, path
 
 
 def test_what_other_servers_clients_send_and_read(server):
@@ -145,7 +151,7 @@ def test_what_other_servers_clients_send_and_read(server):
     assert requests.get(f"{BASE}/health_generate").json() == {"healthy": True, "state": "ready"}
     tok = {"model": "tiny", "prompt": "def f(x):"}
     assert post(tok, "/v1/tokenize").json() == post(tok, "/tokenize").json()
-    info = requests.get(f"{BASE}/get_model_info").json()
+    info = requests.get(f"{BASE}/get_model_info", headers=AUTH).json()
     assert info["is_generation"] is True and info["model_path"].endswith("tiny-qwen35-mtp"), info
     first = post({"model": "tiny", "prompt": "x", "max_tokens": 1, "temperature": 0, "return_token_ids": True})
     stop = {"model": "tiny", "prompt": "x", "temperature": 0, "stop_token_ids": first.json()["choices"][0]["token_ids"]}

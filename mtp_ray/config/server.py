@@ -14,8 +14,12 @@ API_KEY_ENV = "MTP_RAY_API_KEY"  # as vLLM's VLLM_API_KEY: used when the YAML se
 
 @dataclass(frozen=True)
 class ServerConfig:
-    # clients must send `Authorization: Bearer <api_key>` on every /v1 and /admin route (401 otherwise); None: open
+    # clients must send `Authorization: Bearer <api_key>` on every route but /health, /ping and /health_generate
+    # (401 otherwise); None: open to whoever reaches the server, web pages kept out (serve/http/guard.py)
     api_key: str | None = None
+    # without an api_key: the host names clients may call the server by, besides localhost and IP addresses (a
+    # request with another `Host` is a 403: DNS rebinding); ".example.com" also allows its subdomains, "*" any name
+    allowed_hosts: tuple[str, ...] = ()
     max_body_bytes: int = 16 << 20  # a larger request body is a 413, refused before it is read whole
     max_n: int = 64  # choices per request (n); each is a request of its own on the engine
     max_stop: int = 64  # stop strings per request (and bad words)
@@ -46,12 +50,16 @@ class ServerConfig:
     # ask, with return_tokens_as_token_ids)
     return_tokens_as_token_ids: bool = False
     # the routes that act on every engine group (serve/http/admin_api.py): vLLM's /sleep, /wake_up, /is_sleeping,
-    # /reset_prefix_cache, SGLang's /flush_cache and memory release / resume; behind api_key when it is set
+    # /reset_prefix_cache, SGLang's /flush_cache and memory release / resume; behind api_key when it is set, else
+    # only for clients on the loopback that are not web pages (serve/http/guard.py)
     admin_routes: bool = True
 
     def __post_init__(self) -> None:
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("server.api_key must be a non-empty string")
+        if not isinstance(self.allowed_hosts, tuple) or not all(isinstance(h, str) and h and h == h.strip()
+                                                                 for h in self.allowed_hosts):
+            raise ValueError(f"server.allowed_hosts must be a list of host names, got {self.allowed_hosts!r}")
         for name, known in (("reasoning_parser", REASONING_PARSER_NAMES), ("tool_call_parser", TOOL_PARSER_NAMES)):
             v = getattr(self, name)
             if v is not None and v not in known:
@@ -82,6 +90,11 @@ class ServerConfig:
             raise ValueError(f"unknown field(s) {sorted(f'server.{u}' for u in unknown)}")
         if raw.get("api_key") is None and os.environ.get(API_KEY_ENV):
             raw["api_key"] = os.environ[API_KEY_ENV]
+        hosts = raw.get("allowed_hosts")
+        if isinstance(hosts, list):  # (YAML's lists; names compared in lower case)
+            raw["allowed_hosts"] = tuple(h.lower() if isinstance(h, str) else h for h in hosts)
+        elif isinstance(hosts, str):
+            raise ValueError(f"server.allowed_hosts must be a list of host names, got the string {hosts!r}")
         return cls(**raw)
 
     def template(self) -> str | None:

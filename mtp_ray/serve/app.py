@@ -11,6 +11,7 @@ args (the YAML's `args:`):
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,18 @@ def check_defaults(server: ServerConfig, model: str) -> dict[str, float | int]:
         raise ValueError(f"server.generation_config ({server.generation_config}): {e}") from None
 
 
+def access_notice(server: ServerConfig) -> str:
+    """One line on who may call the server (serve/http/guard.py)."""
+    if server.api_key is not None:
+        return ("mtp-ray: API key set: every route but /health, /ping and /health_generate needs "
+                "`Authorization: Bearer <key>`")
+    hosts = f", {', '.join(server.allowed_hosts)}" if server.allowed_hosts else ""
+    return ("mtp-ray: no API key (server.api_key or MTP_RAY_API_KEY): the server is OPEN to every client that reaches "
+            f"its port. Web pages are kept out: Host must be localhost, an IP address{hosts} (server.allowed_hosts), "
+            "and the admin routes (/sleep, /wake_up, cache and memory commands) answer only loopback clients that "
+            "send no Origin")
+
+
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     args = dict(args or {})
     unknown = set(args) - {"engine", "served_model_name", "group", "ingress", "server"}
@@ -78,6 +91,8 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     check_model(cfg)
     server = ServerConfig.from_dict(args.get("server"))
     defaults = check_defaults(server, cfg.model)
+    # where `serve run` shows it (the build runs in its process; a replica's log lines stay in the replica's file)
+    print(access_notice(server), file=sys.stderr, flush=True)
     deploy = time.time_ns()  # this build of the app: its metrics start from zero (serve/cluster/metrics_hub.py)
     name = args.get("served_model_name") or Path(cfg.model).name
     names = [name] if isinstance(name, str) else name

@@ -1,13 +1,17 @@
-"""The ingress's FastAPI app (its routes are the Ingress class's methods, serve/http/ingress.py): no schema pages, CORS
-as vLLM's, unknown routes in OpenAI's error shape; and FRONTS, the other APIs served through the chat or completions
+"""The ingress's FastAPI app (its routes are the Ingress class's methods, serve/http/ingress.py): the access rules
+before any route (serve/http/guard.py), no schema pages, CORS as vLLM's, unknown routes in OpenAI's error shape; and
+FRONTS, the other APIs served through the chat or completions
 route."""
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mtp_ray.serve.apis import anthropic, responses_out, sglang
+from mtp_ray.serve.http.guard import Guard
 from mtp_ray.serve.openai.errors import ApiError
 
 
@@ -17,6 +21,31 @@ def error_response(e: ApiError) -> JSONResponse:
 
 # no /docs, /redoc or /openapi.json: the API is OpenAI's, and an open schema browser is one more thing to expose
 app = FastAPI(title="mtp-ray", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+class GuardMiddleware:
+    """The replica's access rules (serve/http/guard.py) before any route: `app.state.guard`, set by the Ingress
+    replica from its ServerConfig (one ingress per process). A plain ASGI middleware: streamed answers pass through
+    untouched."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            guard: Guard = getattr(scope["app"].state, "guard", None) or Guard()
+            client = scope.get("client")
+            refusal = guard.check(scope["method"], scope["path"], Headers(scope=scope), client[0] if client else None)
+            if refusal is not None:
+                anthropic_route = scope["path"].rstrip("/").startswith("/v1/messages")
+                await (anthropic.error_response if anthropic_route else error_response)(refusal)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# the guard inside CORS (middleware added later wraps the earlier): CORS answers a preflight itself, and a refusal
+# carries CORS headers, so a browser client reads why (a 401 naming the key)
+app.add_middleware(GuardMiddleware)
 # browsers' cross-origin calls, as vLLM's server answers them by default (any origin, no credentials: a key still has
 # to be sent as a bearer token); the preflight OPTIONS was a 405
 app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=False, allow_methods=["*"],

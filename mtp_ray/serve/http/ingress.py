@@ -25,9 +25,10 @@ from mtp_ray.serve.cluster.metrics_hub import HubReporter
 from mtp_ray.serve.http import admin_api
 from mtp_ray.serve.http.answer import Answerer
 from mtp_ray.serve.http.choices import ChoiceRunner
+from mtp_ray.serve.http.guard import Guard
 from mtp_ray.serve.http.health import group_health
 from mtp_ray.serve.http.http_app import FRONTS, app, error_response
-from mtp_ray.serve.http.intake import check_api_key, off_loop, read_body, read_json_object
+from mtp_ray.serve.http.intake import off_loop, read_body, read_json_object
 from mtp_ray.serve.http.server_load import ServerLoad
 from mtp_ray.serve.openai.chat_request import ChatServing, parse_chat, think_ids
 from mtp_ray.serve.openai.errors import ApiError
@@ -59,8 +60,10 @@ class Ingress:
                                   admission_gap_s=self.server.admission_gap_ms / 1e3)
         # (MTP_RAY_API_KEY is read where the app is built, on the cluster: `serve deploy` does not pass the CLI's
         # environment, so say which it is)
-        log.info("API key: %s", "required on /v1 and /admin" if self.server.api_key else
+        log.info("API key: %s", "required on every route but /health" if self.server.api_key else
                  "none set, the server is open (args.server.api_key, or MTP_RAY_API_KEY on the cluster)")
+        # the access rules of this replica's routes (serve/http/guard.py: GuardMiddleware reads them per request)
+        app.state.guard = Guard(self.server.api_key, self.server.allowed_hosts)
         self.reporter_id = uuid.uuid4().hex[:8]
         self.reporter = HubReporter("ingress", self.reporter_id, self.metrics.snapshot, deploy)
         self.model_name, self.model_names = model_names[0], model_names  # any is taken; responses name the first
@@ -103,9 +106,8 @@ class Ingress:
         return await self.groups.info()
 
     async def _body(self, request: Request, route: str | None) -> tuple[dict, int]:
-        """The request's JSON object (checked: API key, the route's fields unless None, model) and its size in
-        bytes."""
-        check_api_key(request, self.server.api_key)
+        """The request's JSON object (checked: the route's fields unless None, model; the API key was checked before
+        any route, serve/http/guard.py) and its size in bytes."""
         body, size = await read_json_object(request, self.server.max_body_bytes)
         if route is not None:
             check_fields(body, route)
@@ -126,7 +128,6 @@ class Ingress:
     async def invocations(self, request: Request):
         """SageMaker's route (as vLLM): chat completions for a body with messages, else completions."""
         try:
-            check_api_key(request, self.server.api_key)
             raw = await read_body(request, self.server.max_body_bytes)
         except ApiError as e:
             return self.refused(e)
@@ -184,7 +185,6 @@ class Ingress:
     async def models(self, request: Request, model_id: str | None = None):
         """The served names (OpenAI's list), or the one named."""
         try:
-            check_api_key(request, self.server.api_key)
             if model_id is not None and model_id not in self.model_names:
                 raise self.no_model(model_id)
             max_len = (await self.info())["max_model_len"]
@@ -220,7 +220,6 @@ class Ingress:
         try:
             if not self.server.admin_routes:
                 raise ApiError(404, "the admin routes are off (server.admin_routes: false)")
-            check_api_key(request, self.server.api_key)
             self.reporter.start()
             return await admin_api.answer(request.url.path.rstrip("/").rsplit("/", 1)[-1], request, self.reporter.hub)
         except ApiError as e:
@@ -240,12 +239,9 @@ class Ingress:
 
     @app.get("/admin/health")
     async def admin_health(self, request: Request):
-        """For operators (behind the API key): a group's full health, its last failure report included; with
-        ?stats=1 also each rank's engine counters as they are now (bench/serve.py reads them)."""
-        try:
-            check_api_key(request, self.server.api_key)
-        except ApiError as e:
-            return error_response(e)
+        """For operators (behind the API key, or from the loopback when there is none: serve/http/guard.py): a
+        group's full health, its last failure report included; with ?stats=1 also each rank's engine counters as
+        they are now (bench/serve.py reads them)."""
         return await group_health(self.group, live=request.query_params.get("stats") in ("1", "true"))
 
     @app.get("/metrics")

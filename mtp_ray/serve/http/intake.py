@@ -1,10 +1,9 @@
-"""Request intake for the HTTP routes: the API key, the body read under its size limit, and a large body's JSON
+"""Request intake for the HTTP routes: the body read under its size limit, and a large body's JSON
 (and prompt) parsed off the event loop, so that one large or hostile request cannot stall the requests beside it."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import math
 from collections.abc import Callable
@@ -16,19 +15,6 @@ from mtp_ray.serve.openai.errors import ApiError, bad
 from mtp_ray.serve.openai.fields import unicode_text
 
 T = TypeVar("T")
-
-
-def check_api_key(request: Request, api_key: str | None) -> None:
-    """vLLM's semantics: with a key configured, `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`,
-    which its clients send) or 401."""
-    if api_key is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer":
-        token = request.headers.get("x-api-key", "")
-    if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        raise ApiError(401, "Unauthorized: a valid API key is required (Authorization: Bearer <key>)", None,
-                       "authentication_error", "invalid_api_key")
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
