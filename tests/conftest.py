@@ -91,3 +91,18 @@ def ray_cluster():
     ray.init(num_cpus=12, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     yield ray
     ray.shutdown()
+
+
+SERVE_PORT = 8014  # the session's Serve proxy (serve_http); README's `serve run` takes 8000, bench/serve.py 8021 / 8023
+
+
+@pytest.fixture(scope="session")
+def serve_http(ray_cluster):
+    """Ray Serve on 127.0.0.1:SERVE_PORT, started once for the session's Serve files (they run on one worker and
+    its cluster under -n 2; each module deploys its apps and deletes them): a start and a shutdown per module cost
+    ~7 CPU-s (controller and proxy processes) and ~8 s on the 2-core machine."""
+    from ray import serve
+
+    serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
+    yield serve
+    serve.shutdown()

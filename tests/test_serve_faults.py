@@ -13,9 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
+from tests.conftest import SERVE_PORT
+
 pytestmark = pytest.mark.serve  # (Ray Serve: its own worker and cluster under -n 2, conftest.worker_of)
 
-PORT = 8014
+PORT = SERVE_PORT
 BASE = f"http://127.0.0.1:{PORT}"
 QUEUE_S = 2.0
 
@@ -33,15 +35,11 @@ def app_args(groups: int, dp: int = 1) -> dict:
 
 
 @pytest.fixture(scope="module")
-def serve_app(ray_cluster):
-    """Serve, started once for the module, and the configuration of the app it runs now (None: none)."""
-    from ray import serve
-
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+def serve_app(serve_http):
+    """The configuration of the app the session's Serve runs for this module now (None: none)."""
     state = {"conf": None}
     yield state
-    serve.delete("faults")
-    serve.shutdown()
+    serve_http.delete("faults")
 
 
 def no_app(serve_app: dict) -> None:

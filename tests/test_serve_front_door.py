@@ -10,9 +10,11 @@ import time
 import pytest
 import requests
 
+from tests.conftest import SERVE_PORT
+
 pytestmark = pytest.mark.serve  # (Ray Serve: its own worker and cluster under -n 2, conftest.worker_of)
 
-PORT = 8015
+PORT = SERVE_PORT
 BASE = f"http://127.0.0.1:{PORT}"
 KEY = "sk-test-front-door"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -20,8 +22,8 @@ MAX_N, MAX_STOP = 4, 3
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster):
-    from ray import serve
+def server(serve_http):
+    serve = serve_http
 
     from mtp_ray.serve.app import build_app
 
@@ -30,11 +32,9 @@ def server(ray_cluster):
                        "spec": {"num_speculative_tokens": 2}, "scheduler": {"max_model_len": 512}},
             "group": {"num_replicas": 1}, "ingress": {"num_replicas": 1},
             "server": {"api_key": KEY, "max_n": MAX_N, "max_stop": MAX_STOP}}
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(args), name="front", route_prefix="/")
     yield
     serve.delete("front")
-    serve.shutdown()
 
 
 def post(body, path: str = "/v1/completions", headers: dict | None = None, **kw) -> requests.Response:

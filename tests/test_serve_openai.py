@@ -13,10 +13,11 @@ import requests
 import yaml
 
 from mtp_ray import LLM, SamplingParams
+from tests.conftest import SERVE_PORT
 
 pytestmark = pytest.mark.serve  # (Ray Serve: its own worker and cluster under -n 2, conftest.worker_of)
 
-PORT = 8011
+PORT = SERVE_PORT
 BASE = f"http://127.0.0.1:{PORT}"
 YAML = Path(__file__).resolve().parent.parent / "deployments" / "qwen35_mtp.yaml"
 
@@ -26,8 +27,8 @@ def app_spec() -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster):
-    from ray import serve
+def server(serve_http):
+    serve = serve_http
 
     from mtp_ray.serve.app import build_app
 
@@ -35,11 +36,9 @@ def server(ray_cluster):
     # one group for this module (health, abort counters and routing observed on it); scaling is tested elsewhere
     spec["args"]["group"] = {"num_replicas": 1}
     spec["args"]["engine"]["warmup"] = "none"  # (CPU: a faster start; the warmup has tests of its own)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(spec["args"]), name=spec["name"], route_prefix=spec["route_prefix"])
     yield spec
     serve.delete(spec["name"])
-    serve.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,12 @@ import pytest
 import requests
 import yaml
 
+from tests.conftest import SERVE_PORT
+
 pytestmark = pytest.mark.serve  # (Ray Serve: its own worker and cluster under -n 2, conftest.worker_of)
 
 ROOT = Path(__file__).resolve().parent.parent
-PORT = 8013
+PORT = SERVE_PORT
 
 
 def running_groups(serve, app: str) -> int:
@@ -36,8 +38,8 @@ def rank_actor_steps(ray) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_autoscaling_adds_and_removes_whole_groups(ray_cluster):
-    from ray import serve
+def test_autoscaling_adds_and_removes_whole_groups(ray_cluster, serve_http):
+    serve = serve_http
 
     from mtp_ray.serve.app import build_app
 
@@ -50,7 +52,6 @@ def test_autoscaling_adds_and_removes_whole_groups(ray_cluster):
                                          "upscale_delay_s": 1, "downscale_delay_s": 3, "look_back_period_s": 11}},
         "ingress": {"num_replicas": 1},
     }
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(args), name="autoscale", route_prefix="/")
     stop = threading.Event()
     errors: list[str] = []
@@ -92,7 +93,6 @@ def test_autoscaling_adds_and_removes_whole_groups(ray_cluster):
     r = requests.post(f"http://127.0.0.1:{PORT}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3})
     assert r.status_code == 200
     serve.delete("autoscale")
-    serve.shutdown()
 
 
 def test_cluster_yaml_passes_ray_validation():

@@ -16,10 +16,11 @@ import yaml
 
 from mtp_ray import LLM, SamplingParams
 from mtp_ray.engine.sampling_params import StructuredOutputs
+from tests.conftest import SERVE_PORT
 
 pytestmark = pytest.mark.serve  # (Ray Serve: its own worker and cluster under -n 2, conftest.worker_of)
 
-PORT = 8016
+PORT = SERVE_PORT
 BASE = f"http://127.0.0.1:{PORT}"
 MODEL = "tiny-qwen35-mtp"
 K = 3
@@ -50,8 +51,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster):
-    from ray import serve
+def server(serve_http):
+    serve = serve_http
 
     from mtp_ray.serve.app import build_app
 
@@ -61,11 +62,9 @@ def server(ray_cluster):
     args["engine"]["spec"]["num_speculative_tokens"] = K
     args["group"], args["ingress"] = {"num_replicas": 1}, {"num_replicas": 1}
     args["engine"]["warmup"] = "none"  # (CPU: a faster start; the warmup has tests of its own)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(args), name="structured", route_prefix="/")
     yield args
     serve.delete("structured")
-    serve.shutdown()
 
 
 @pytest.fixture(scope="module")

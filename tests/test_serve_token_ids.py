@@ -9,11 +9,12 @@ import json
 import pytest
 import requests
 
+from tests.conftest import SERVE_PORT
 from tests.helpers import make_checkpoint
 
 pytestmark = pytest.mark.serve  # (Ray Serve: its own worker and cluster under -n 2, conftest.worker_of)
 
-PORT = 8016
+PORT = SERVE_PORT
 BASE = f"http://127.0.0.1:{PORT}"
 PROMPTS = [[5, 17, 3, 88, 41], [60, 2]]
 
@@ -30,8 +31,8 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, ckpt):
-    from ray import serve
+def server(serve_http, ckpt):
+    serve = serve_http
 
     from mtp_ray.serve.app import build_app
 
@@ -40,11 +41,9 @@ def server(ray_cluster, ckpt):
                        "parallel": {"dp": 1, "cpus_per_rank": 0.2},
                        "spec": {"num_speculative_tokens": 2}, "scheduler": {"max_model_len": 256}},
             "group": {"num_replicas": 1}, "ingress": {"num_replicas": 1}}
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(args), name="ids", route_prefix="/")
     yield
     serve.delete("ids")
-    serve.shutdown()
 
 
 @pytest.fixture(scope="module")
