@@ -168,6 +168,8 @@ def test_what_other_servers_clients_send_and_read(server):
         assert body["object"] == "error" and {k: body[k] for k in body["error"]} == body["error"], body
     r = post({"model": "nope", "prompt": "x"})
     assert r.status_code == 404 and "The served model name is `tiny`" in r.json()["message"], r.text
+    r = post({"model": "", "prompt": "x", "max_tokens": 1})  # an empty name is the served model (vLLM's rule)
+    assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
     msgs = [{"role": "user", "content": "hi"}]
 
     def prompt_ids(**extra) -> list[int]:

@@ -112,7 +112,7 @@ class Ingress:
         if route is not None:
             check_fields(body, route)
         model = body.get("model")
-        if model is not None and model not in self.model_names:
+        if model not in (None, "") and model not in self.model_names:  # ("": the served model, as vLLM)
             raise self.no_model(model)
         return body, size
 
