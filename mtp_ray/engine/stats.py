@@ -39,7 +39,7 @@ class EngineStats:
     rows_sum: int = 0
     work_steps: int = 0  # steps that scheduled tokens (= sum(iteration_tokens))
 
-    def count_step(self, uniform: bool, graph: bool, mixed: bool, tokens: int, rows: int = 0) -> None:
+    def count_step(self, uniform: bool, graph: bool, mixed: bool, tokens: int, rows: int) -> None:
         """tokens / rows: the tokens and sequences the step scheduled (0 for a dummy forward)."""
         if tokens:
             self.iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1

@@ -20,11 +20,11 @@ import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from mtp_ray.serve.http import admin_api
 from mtp_ray.serve.openai.errors import ApiError
 
 HEALTH_ROUTES = frozenset({"/health", "/ping", "/health_generate"})
-ADMIN_ROUTES = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/flush_cache",
-                          "/release_memory_occupation", "/resume_memory_occupation", "/admin/health"})
+ADMIN_ROUTES = frozenset(f"/{r}" for r in admin_api.ROUTES) | {"/admin/health"}
 
 
 def key_error(headers: Mapping[str, str], api_key: str) -> ApiError | None:
