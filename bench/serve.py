@@ -409,9 +409,9 @@ def standalone_steps(config: Path, dtype: str, k: int, batches: list[int], conte
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if run.returncode != 0:
         return {"error": f"bench/decode.py failed: {(run.stderr or run.stdout)[-800:]}"}
-    rows = json.loads(out.read_text())["runs"]
-    steps = {r["batch"]: (r["mtp"][0]["mtp_step_ms"] if k else r["graph_step_ms"]) for r in rows}
-    return {"steps": steps, "context": context, "device": json.loads(out.read_text())["device"]}
+    timed = json.loads(out.read_text())
+    steps = {r["batch"]: (r["mtp"][0]["mtp_step_ms"] if k else r["graph_step_ms"]) for r in timed["runs"]}
+    return {"steps": steps, "context": context, "device": timed["device"]}
 
 
 def capacity_figures(level: dict, c: int, ranks: int, k: int, steps: dict) -> dict:

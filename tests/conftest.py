@@ -36,28 +36,22 @@ def pytest_collection_modifyitems(config, items):
 ROOT = Path(__file__).resolve().parent.parent
 
 
+SERVE_MARK = "\npytestmark = pytest.mark.serve"  # the module mark that puts a file on the Serve worker
+
+
 @functools.cache
-def _file_lane(path: str) -> str:
-    text = (ROOT / path).read_text()
-    if "\npytestmark = pytest.mark.serve" in text:  # (the module's mark, not a mention of it)
-        return "serve"
-    return "ray" if "ray_cluster" in text or "mark.ray" in text else "local"
-
-
-def lane_of(nodeid: str) -> str:
-    """A test file's lane: "serve" when it starts Ray Serve (its module's pytestmark is `serve`), "ray" when any of its
-    tests may start a Ray cluster (it names the ray_cluster fixture or the ray mark), else "local". By file, from its
-    text: xdist's controller sees node ids only, and pytest 9 ignores the node-id rewrite xdist's own loadgroup
-    relies on."""
-    return _file_lane(nodeid.split("::", 1)[0])  # (each file read once, not once per test)
+def _file_worker(path: str) -> str:
+    return "serve" if SERVE_MARK in (ROOT / path).read_text() else "engine"
 
 
 def worker_of(nodeid: str) -> str:
-    """The xdist scope of a test under `-n 2 --dist loadscope`: the Serve files on one worker, the other Ray files
-    and the files of one process on the other. Each worker starts its own cluster (the session's ray_cluster), so
-    Serve's apps, ports and named actors never meet the group tests'; measured on the 2-core machine, the two halves
-    take about as long (docs: CONTRIBUTING.md, lanes)."""
-    return "serve" if lane_of(nodeid) == "serve" else "engine"
+    """The xdist scope of a test under `-n 2 --dist loadscope`: the files whose module is marked `serve` (they start
+    Ray Serve) on one worker, every other file (groups on Ray, the tests of one process) on the other. Each worker
+    starts its own cluster (the session's ray_cluster), so Serve's apps, ports and named actors never meet the group
+    tests'; measured on the 2-core machine, the two halves take about as long (CONTRIBUTING.md, lanes). By file,
+    from its text (each read once): xdist's controller sees node ids only, and pytest 9 ignores the node-id rewrite
+    xdist's own loadgroup relies on."""
+    return _file_worker(nodeid.split("::", 1)[0])
 
 
 @pytest.hookimpl(optionalhook=True)  # (pytest-xdist's hook)

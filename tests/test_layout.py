@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import SERVE_MARK
+
 ROOT = Path(__file__).resolve().parent.parent / "mtp_ray"
 # the flow, bottom up: a subpackage may import only those before it (llm is the offline API over the engine,
 # request_output its return types, beam_search its and the server's beam bookkeeping, prompts its prompt forms)
@@ -278,7 +280,6 @@ def test_serving_side_imports_no_torch(module):
 # Files that run Ray Serve on the engine half's cluster (tests/conftest.py, worker_of): each on a port of its own,
 # never one a `serve`-marked file uses (the two halves' clusters run at the same time on one machine)
 SERVE_ON_ENGINE_HALF = {"test_prefix_caching.py": 8033}
-SERVE_MARK = "\npytestmark = pytest.mark.serve"  # (the line conftest's lanes read)
 STARTS_SERVE = re.compile(
     r"serve\.(start|run)\(|bench/serve\.py|serve run deployments|from tests\.test_serve_\w+ import")
 
