@@ -6,7 +6,9 @@
                           [--out bench/results/serve.json]
 
 Per variant (dp, k; s<ms>: server.stream_interval_ms; a<ms>: server.admission_gap_ms; l: Serve's access log on at
-the ingress (off by default: serve/app.py); a trailing d: Ray Serve's direct ingress, no proxy hop) it
+the ingress (off by default: serve/app.py); x: scheduler.split_prefill false (new prompts share a step with the
+running decodes: the default for k = 0 on one GPU, not for k > 0); a trailing d: Ray Serve's direct ingress, no proxy
+hop) it
 starts `serve run` on a YAML made from --yaml (engine overrides: dp, k, and with
 --model 35b random weights at the Qwen3.5-35B-A3B shapes cut to --layers layers + the MTP layer, with a byte-level
 word tokenizer of the full vocabulary; --model micro: random weights at tiny shapes with the bundled tokenizer,
@@ -110,7 +112,8 @@ def model_micro(mtp: bool) -> Path:
 
 def variant_yaml(base: dict, dp: int, k: int, model: dict, out: Path, groups: int | None = None,
                  ingress: int | None = None, port: int | None = None,
-                 server: dict | None = None, access_log: bool | None = None) -> tuple[Path, int, str]:
+                 server: dict | None = None, access_log: bool | None = None, mixed: bool = False
+                 ) -> tuple[Path, int, str]:
     cfg = json.loads(json.dumps(base))
     if port:
         cfg["http_options"] = {**cfg.get("http_options", {}), "port": port}
@@ -130,6 +133,8 @@ def variant_yaml(base: dict, dp: int, k: int, model: dict, out: Path, groups: in
     eng.update(model)
     eng.setdefault("parallel", {})["dp"] = dp
     eng["spec"] = {**eng.get("spec", {}), "num_speculative_tokens": k}
+    if mixed:
+        eng["scheduler"] = {**eng.get("scheduler", {}), "split_prefill": False}
     if k and "method" not in eng["spec"]:
         eng["spec"]["method"] = "qwen3_5_mtp"
     app["args"]["served_model_name"] = name = app["args"].get("served_model_name") or "model"
@@ -432,12 +437,12 @@ def capacity_figures(level: dict, c: int, ranks: int, k: int, steps: dict) -> di
     return out
 
 
-async def run_variant(args, name: str, dp: int, k: int, server_cfg: dict, access_log: bool | None, direct: bool,
-                      model: dict, work: Path, result: dict) -> dict:
+async def run_variant(args, name: str, dp: int, k: int, server_cfg: dict, access_log: bool | None, mixed: bool,
+                      direct: bool, model: dict, work: Path, result: dict) -> dict:
     base = yaml.safe_load(Path(args.yaml).read_text())
     client_port = args.port or base.get("http_options", {}).get("port", 8000)
     path, _, served = variant_yaml(base, dp, k, model, work / f"{name}.yaml", args.groups, args.ingress,
-                                   client_port + 100 if direct else client_port, server_cfg, access_log)
+                                   client_port + 100 if direct else client_port, server_cfg, access_log, mixed)
     app = yaml.safe_load(path.read_text())["applications"][0]["args"]
     ranks = dp * (args.groups or (app.get("group") or {}).get("num_replicas", 1))  # (autoscaling: its first groups)
     from mtp_ray.config.engine import BUNDLED_MODEL
@@ -453,7 +458,7 @@ async def run_variant(args, name: str, dp: int, k: int, server_cfg: dict, access
         prompt = lambda i: [(7 * i + j) % 2000 + 3 for j in range(args.prompt_tokens)]  # noqa: E731
         out: dict = {"dp": dp, "k": k, "stream_interval_ms": server_cfg.get("stream_interval_ms"),
                      "admission_gap_ms": server_cfg.get("admission_gap_ms"), "direct_ingress": direct,
-                     "ingress_access_log": access_log,
+                     "ingress_access_log": access_log, "split_prefill": False if mixed else None,
                      "server_up_s": round(up, 1), "ranks": ranks, "standalone_steps": steps, "levels": {}}
         result["variants"][name] = out
         burst = [prompt(10_000 + i) for i in range(args.cold_burst)]
@@ -508,18 +513,18 @@ async def run_variant(args, name: str, dp: int, k: int, server_cfg: dict, access
         server.stop()
 
 
-VARIANT = re.compile(r"dp(\d+)k(\d+)(?:s(\d+(?:\.\d+)?))?(?:a(\d+(?:\.\d+)?))?(l?)(d?)")
+VARIANT = re.compile(r"dp(\d+)k(\d+)(?:s(\d+(?:\.\d+)?))?(?:a(\d+(?:\.\d+)?))?(l?)(x?)(d?)")
 
 
-def parse_variant(v: str) -> tuple[int, int, dict, bool | None, bool]:
-    """dp<N>k<K>[s<ms>][a<ms>][l][d] -> (dp, k, the server overrides: s = server.stream_interval_ms, a =
+def parse_variant(v: str) -> tuple[int, int, dict, bool | None, bool, bool]:
+    """dp<N>k<K>[s<ms>][a<ms>][l][x][d] -> (dp, k, the server overrides: s = server.stream_interval_ms, a =
     server.admission_gap_ms (the YAML's where absent), the ingress's access log (l: on; else None, the YAML's or
-    the app's default: off), direct ingress)."""
+    the app's default: off), mixed steps (x: scheduler.split_prefill false), direct ingress)."""
     m = VARIANT.fullmatch(v)
     if m is None:
-        raise SystemExit(f"variant {v!r}: expected dp<N>k<K>[s<ms>][a<ms>][l][d], e.g. dp1k0s5a20d")
+        raise SystemExit(f"variant {v!r}: expected dp<N>k<K>[s<ms>][a<ms>][l][x][d], e.g. dp1k0s5a20d")
     server = {key: float(x) for key, x in (("stream_interval_ms", m[3]), ("admission_gap_ms", m[4])) if x}
-    return int(m[1]), int(m[2]), server, True if m[5] else None, bool(m[6])
+    return int(m[1]), int(m[2]), server, True if m[5] else None, bool(m[6]), bool(m[7])
 
 
 async def main_async(args) -> dict:

@@ -81,6 +81,25 @@ def test_cuda_graphs_equal_eager_bf16():
 
 
 @needs_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mixed_graph_steps_equal_eager_mixed_steps(dtype):
+    """Steps that admit prompts replay their token bucket's graph (engine/varlen_graphs.py: padded static batches,
+    with empty sequences, rows that no sequence owns and snapshot entries in the GDN kernels): greedy outputs equal
+    the eager mixed steps' (the same schedule: a 64-token budget, prompts in pieces beside running decodes), over
+    three rounds whose later ones hit the prefix cache."""
+    kw = {"device": "cuda", "dtype": dtype, "max_num_batched_tokens": 64, "max_num_seqs": 8, "split_prefill": False}
+    prompts = PROMPTS + [list(range(500, 540)) * 2, [7] * 33, list(range(40, 100)) + [3, 4]]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = []
+    for buckets in ((), None):
+        llm = LLM(mixed_graph_tokens=buckets, **kw)
+        outs.append([[o.outputs[0].token_ids for o in llm.generate(ps, sp)] for ps in (prompts, prompts[::-1])])
+        st = llm.engine.stats
+        assert (st.mixed_graph_steps > 0) == (buckets is None) and st.mixed_batch_steps > 0
+    assert outs[0] == outs[1]
+
+
+@needs_gpu
 def test_cuda_graphs_fp32_mtp_exact_and_sampling_reproducible():
     ref = greedy(LLM(device="cuda", dtype="float32", cuda_graphs=False))
     assert greedy(LLM(device="cuda", dtype="float32", num_speculative_tokens=3)) == ref

@@ -48,6 +48,11 @@ for stage in "$@"; do
             python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], d['engine_start_s'], d['compiles_in_warmup'], d['compiles_after_warmup'], [c['kernel'] for c in d['after_warmup']])" $f.json || tail -20 $f.log; done ;;
     prefix) for dt in float32 bfloat16; do python3 bench/prefix.py --device cuda --dtype $dt --out "$OUT/prefix_h200_$dt.json" 2>&1 | grep "prefill tokens computed"; done ;;
     prefix35) python3 bench/prefix.py --device cuda --dtype bfloat16 --model 35b --layers 8 --system 1000 --sample-prompt 2000 --out "$OUT/prefix_h200_35b.json" 2>&1 | grep "prefill tokens computed\|Error" ;;
+    mixed) python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_gpu.py -k "${MIXED_K:-mixed or graphs_equal or prefix_caching}" 2>&1 | tee "$OUT/mixed.log" | tail -12
+           python3 bench/mixed_steps.py --layers ${LAYERS:-4} --out "$OUT/mixed_steps_${CARD}_${LAYERS:-4}l.json" 2>&1 | grep -v "^ \|^{\|^}" | tail -8
+           python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('decode', d['decode_ms'], {k: (r['graph_ms'], r['eager_ms'], r['graph_over_decode'], r['graph_steps']) for k, r in d['rows'].items()})" "$OUT/mixed_steps_${CARD}_${LAYERS:-4}l.json" ;;
+    mixedbench) f="$OUT/mixed_steps_${CARD}_${LAYERS:-4}l${MIXED_TAG:-}.json"; python3 bench/mixed_steps.py --layers ${LAYERS:-4} ${MIXED_ARGS:-} --out "$f" 2>&1 | grep -v "^ \|^{\|^}" | tail -8
+           python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('decode', d['decode_ms'], {k: (r['graph_ms'], r['eager_ms'], r['graph_over_decode'], r['graph_steps']) for k, r in d['rows'].items()})" "$f" ;;
     graphkern) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py -k "greedy_block or feed_in" 2>&1 | tee "$OUT/graphkern.log" | tail -3 ;;
     graphops) python3 bench/graph_ops.py --out "$OUT/graph_ops_h200.json" 2>&1 | tail -2 ;;
     offline256) python3 bench/offline.py --device cuda --dtype bfloat16 --prompts 16 --max-tokens 256 --repeats 3 --no-transformers --out "$OUT/offline_h200_bf16_256.json" 2>&1 | tail -16 ;;

@@ -39,7 +39,8 @@ class SchedulerConfig:
     prefill_chunk: int = 256  # longest prefill piece one sequence gets in one step
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # prefill pieces and decodes in separate steps (SGLang style), alternating while both wait, so decode steps stay
-    # uniform and replay a CUDA graph; False: mixed steps (vLLM style); None: split exactly when graphs are in use
+    # uniform and replay a CUDA graph; False: mixed steps (vLLM style); None: split when decode steps are graphs and
+    # a mixed step would not be one (mixed steps with k = 0 on one rank replay graphs.mixed_tokens' graphs: mixed)
     split_prefill: bool | None = None
     # overlap the host's work for the next step with the device's current one (vLLM's async scheduling): CUDA-graph
     # decode steps whose rows are all plain greedy, without MTP (k = 0); outputs then stream one step later
@@ -102,12 +103,17 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class GraphConfig:
-    """CUDA graphs for uniform decode / verify steps and the greedy MTP draft loop (GPU only)."""
+    """CUDA graphs for uniform decode / verify steps, the greedy MTP draft loop, and (one-rank groups) steps that
+    admit prompts (GPU only)."""
 
     enabled: bool = True
     # batch sizes (sequences per rank) that get a graph; a step pads to the smallest one that fits its DP-wide
     # largest batch. None: 1, 2, 4, 8, then multiples of 8 up to scheduler.max_num_seqs.
     sizes: tuple[int, ...] | None = None
+    # token counts of the graphs for steps that admit prompts (prefill pieces of up to 128 tokens each, with decode
+    # rows beside them when k = 0; engine/varlen_graphs.py); a step pads to the smallest that holds it, larger ones
+    # run eager. None: 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048 up to max_num_batched_tokens; []: none
+    mixed_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         _typed(self, "graphs")
@@ -115,6 +121,12 @@ class GraphConfig:
             object.__setattr__(self, "sizes", tuple(self.sizes))
             _check(len(self.sizes) > 0 and all(isinstance(b, int) and b > 0 for b in self.sizes), "graphs.sizes",
                    "must be a non-empty list of positive integers")
+        if self.mixed_tokens is not None:
+            _check(isinstance(self.mixed_tokens, list | tuple), "graphs.mixed_tokens",
+                   f"must be a list of positive integers, got {self.mixed_tokens!r}")
+            object.__setattr__(self, "mixed_tokens", tuple(self.mixed_tokens))
+            _check(all(isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in self.mixed_tokens),
+                   "graphs.mixed_tokens", "must be a list of positive integers")
 
     def batch_sizes(self, max_num_seqs: int) -> tuple[int, ...]:
         if self.sizes is not None:

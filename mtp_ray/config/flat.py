@@ -13,7 +13,8 @@ def engine_config(model: str = BUNDLED_MODEL, *, num_speculative_tokens: int = 0
                   device: str = "auto", seed: int = 0, block_size: int = 16, num_blocks: int | None = None,
                   max_num_seqs: int = 32, max_num_batched_tokens: int = 512, prefill_chunk: int = 256,
                   max_model_len: int | None = None, tokenizer: str | None = None, cuda_graphs: bool = True,
-                  graph_sizes: tuple[int, ...] | None = None, split_prefill: bool | None = None,
+                  graph_sizes: tuple[int, ...] | None = None, mixed_graph_tokens: tuple[int, ...] | None = None,
+                  split_prefill: bool | None = None,
                   async_scheduling: bool = True, async_verify: bool = True, load_format: str = "auto",
                   enable_prefix_caching: bool = True, prefix_snapshots: int | None = None,
                   draft_vocab_size: int = 0, gpu_memory_utilization: float = 0.85,
@@ -29,7 +30,7 @@ def engine_config(model: str = BUNDLED_MODEL, *, num_speculative_tokens: int = 0
                                   split_prefill=split_prefill, async_scheduling=async_scheduling,
                                   async_verify=async_verify),
         spec=SpecConfig(num_speculative_tokens=num_speculative_tokens, draft_vocab_size=draft_vocab_size),
-        graphs=GraphConfig(enabled=cuda_graphs, sizes=graph_sizes),
+        graphs=GraphConfig(enabled=cuda_graphs, sizes=graph_sizes, mixed_tokens=mixed_graph_tokens),
     )
 
 

@@ -59,7 +59,9 @@ class EngineCore:
         self.blocks = BlockManager(shape.num_blocks, shape.block_size, shape.num_state_slots, self.runner.slots_per_seq,
                                    self.runner.snapshot_slots, lookahead=int(self.k > 0))
         split = cfg.scheduler.split_prefill
-        split = bool(self.runner.graphs) if split is None else split  # auto: split when decode steps are graphs
+        if split is None:  # auto: split when decode steps are graphs and a mixed step would not be one (k > 0:
+            # verify rows are not in the mixed-step graphs; k = 0 decode rows ride along with the new prompts)
+            split = bool(self.runner.graphs) and not (self.runner.varlen is not None and self.k == 0)
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, lookahead=self.k, split=split)
         self.requests: dict[str, Request] = {}
         self.compiling: dict[str, Request] = {}  # waiting for their grammar (engine/grammar.py), not yet scheduled
@@ -246,6 +248,10 @@ class EngineCore:
         the draft loop in the same graph launch; src: DeviceGreedy.src of a graph step."""
         if table.graph_size:
             return self.runner.replay_target(inp, table.graph_size, src, fused)
+        bucket = self.runner.mixed_bucket(inp)  # (one-rank groups only: no collective depends on it)
+        if bucket:
+            self.stats.count_mixed_graph(inp.num_tokens, bucket)
+            return self.runner.replay_mixed(inp, bucket), None
         self.stats.count_eager(inp.num_tokens)
         return self.runner.forward(inp), None
 

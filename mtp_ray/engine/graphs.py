@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from mtp_ray.engine.graph_ops import argmax_ids, draft_rows, feed_in_flight, greedy_block
-from mtp_ray.engine.inputs import StepInputs, UniformLayout, uniform_layout
+from mtp_ray.engine.inputs import PackedLayout, StepInputs, uniform_layout
 from mtp_ray.layers.context import ForwardBatch, UniformDecode
 from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
 
@@ -101,7 +101,7 @@ class CudaGraphs:
         self.block: torch.Tensor | None = None  # the greedy block the last replay wrote (what fetch copies)
         self.pool = None
 
-    def layout(self, b: int) -> UniformLayout:
+    def layout(self, b: int) -> PackedLayout:
         return uniform_layout(b, self.q, self.width, spec=self.k > 0)
 
     def views(self, b: int) -> dict[str, torch.Tensor]:

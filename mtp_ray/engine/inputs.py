@@ -105,8 +105,8 @@ UNIFORM_FIELDS = ("ids", "pos", "slots", "tables", "ctx", "state", "spec")
 
 
 @dataclass(frozen=True)
-class UniformLayout:
-    """A uniform batch packed into one int64 vector: the same layout on the host and in a CUDA graph's static
+class PackedLayout:
+    """A step's int inputs packed into one int64 vector: the same layout on the host and in a CUDA graph's static
     input buffer, so a step's inputs move in one copy."""
 
     fields: dict[str, tuple[int, tuple[int, ...]]]  # name -> (offset, shape)
@@ -117,18 +117,23 @@ class UniformLayout:
         return {name: flat[at : at + math.prod(shape)].reshape(shape) for name, (at, shape) in self.fields.items()}
 
 
+def packed_layout(shapes: dict[str, tuple[int, ...]]) -> PackedLayout:
+    """The fields in the given order, each 16-byte aligned (`aligned`)."""
+    fields, at = {}, 0
+    for name, shape in shapes.items():
+        fields[name] = (at, shape)
+        at = aligned(at + math.prod(shape))
+    return PackedLayout(fields, at)
+
+
 @functools.lru_cache(maxsize=256)
-def uniform_layout(b: int, q_len: int, width: int, spec: bool) -> UniformLayout:
+def uniform_layout(b: int, q_len: int, width: int, spec: bool) -> PackedLayout:
     """b sequences of q_len tokens: ids, pos, slots [b * q_len]; tables [b, width]; ctx, state [b]; spec
-    [b, q_len] (snapshot slots of a verify batch) or empty; each field 16-byte aligned (`aligned`)."""
+    [b, q_len] (snapshot slots of a verify batch) or empty."""
     n = b * q_len
     shapes = {"ids": (n,), "pos": (n,), "slots": (n,), "tables": (b, width), "ctx": (b,), "state": (b,),
               "spec": (b, q_len) if spec else (0,)}
-    fields, at = {}, 0
-    for name in UNIFORM_FIELDS:
-        fields[name] = (at, shapes[name])
-        at = aligned(at + int(torch.Size(shapes[name]).numel()))
-    return UniformLayout(fields, at)
+    return packed_layout({name: shapes[name] for name in UNIFORM_FIELDS})
 
 
 def aligned(n: int) -> int:

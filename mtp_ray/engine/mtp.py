@@ -124,25 +124,27 @@ class MTPProposer:
             it.req.draft_probs = None
 
     def propose_after_eager(self, items: list[DraftItem], table: Gathered) -> bool:
-        """After an eager target forward (prefill pieces), in an engine of one rank with graphs (the offline engine,
-        or a DP group of one: serving on one GPU): MTP step 1 runs eagerly over every committed row except each
-        drafting sequence's last q = k + 1, and the draft-loop graph runs from those q rows as after a verify that
-        accepted all its drafts (last = q - 1): one eager forward and one replay instead of k eager forwards, which
-        cost as much host time as a dozen graph steps. Same inputs, same positions, same MTP KV writes; False
-        (nothing run) when a sequence does not fit: a sampled one, fewer than q committed rows, no rows before them,
-        or no captured graph large enough. A DP group of more ranks keeps the eager loop: the graph runs the
-        low-latency EP exchange, and a draft loop keeps its target step's EP mode (docs/design.md, rule 4); a group
-        of one has no EP exchange."""
+        """After a target forward that was not a uniform graph step (prefill pieces, mixed steps), in an engine of
+        one rank with graphs (the offline engine, or a DP group of one: serving on one GPU): MTP step 1 runs
+        eagerly over every committed row except each drafting sequence's last q = k + 1, and the draft-loop graph
+        runs from those q rows as after a verify that accepted all its drafts (last = q - 1); a verify row of a
+        mixed step goes to the graph as after any verify (its q rows, last = its committed rows - 1). One eager
+        forward and one replay instead of k eager forwards, which cost as much host time as a dozen graph steps.
+        Same inputs, same positions, same MTP KV writes; False (nothing run) when a sequence does not fit: a sampled
+        one, a prefill with fewer than q committed rows or no rows before them, or no captured graph large enough.
+        A DP group of more ranks keeps the eager loop: the graph runs the low-latency EP exchange, and a draft loop
+        keeps its target step's EP mode (docs/design.md, rule 4); a group of one has no EP exchange."""
         graphs, q = self.runner.graphs, self.k + 1
         want = [it for it in items if it.wants_drafts]
         if graphs is None or not self.sync.single_rank or not want or any(
-                not it.req.params.greedy or it.n < q or it.start + it.n - q < 1 for it in want):
+                not it.req.params.greedy or not _verify(it, q) and (it.n < q or it.start + it.n - q < 1)
+                for it in want):
             return False
         b = graphs.ready_size(len(want))
         if not b:
             return False
         nxt = {id(it): it.next_tokens() for it in items}  # step 1's inputs, split between the eager part and the graph
-        heads = [(it, it.n - q if it.wants_drafts else it.n) for it in items]
+        heads = [(it, 0 if _verify(it, q) else it.n - q if it.wants_drafts else it.n) for it in items]
         heads = [(it, m) for it, m in heads if m > 0]
         if heads:  # step 1 up to the last q rows: fills the MTP KV the graph's attention reads
             inp = build([Piece(it.req, it.start, nxt[id(it)][:m], "none", block_ids=it.block_ids) for it, m in heads],
@@ -151,14 +153,21 @@ class MTPProposer:
                                            forward_idx=1, has_unfinished=1)):
                 self.runner.mtp_forward(inp, torch.cat([it.hidden[:m] for it, m in heads]), 0)
         r = self.runner
-        tails = [Piece(it.req, it.start + it.n - q, it.req.tokens(it.start + it.n - q, it.start + it.n), "all")
-                 for it in want]
-        inp = build_uniform(tails, self.blocks, q, b, r.blocks_per_seq)
+        # per drafting sequence its q graph rows: the first position, the target's tokens there (a verify's rows
+        # past the committed ones: 0), the token after each, and the last committed row among them
+        tails = [(it.start, it.req.tokens(it.start, it.start + it.n) + [0] * (q - it.n),
+                  nxt[id(it)] + [0] * (q - it.n), it.n - 1) if _verify(it, q) else
+                 (it.start + it.n - q, it.req.tokens(it.start + it.n - q, it.start + it.n), nxt[id(it)][it.n - q :],
+                  q - 1) for it in want]
+        inp = build_uniform([Piece(it.req, t[0], t[1], "all") for it, t in zip(want, tails, strict=True)], self.blocks,
+                            q, b, r.blocks_per_seq)
         hidden = torch.zeros(b * q, r.model_config.hidden_size, dtype=r.dtype, device=r.device)  # [b * q, H]
-        hidden[: len(want) * q] = torch.cat([it.hidden[it.n - q : it.n] for it in want])
+        hidden[: len(want) * q] = torch.cat([it.hidden if _verify(it, q) else it.hidden[it.n - q : it.n]
+                                             for it in want])
         next_ids = torch.zeros(b * q, dtype=torch.long)  # the token after each of the q rows
-        next_ids[: len(want) * q] = torch.tensor([t for it in want for t in nxt[id(it)][it.n - q :]])
+        next_ids[: len(want) * q] = torch.tensor([x for t in tails for x in t[2]])
         last = torch.full((b,), q - 1, dtype=torch.long)
+        last[: len(want)] = torch.tensor([t[3] for t in tails])
         with self.sync.draft_graph(table):
             drafts = r.replay_drafts_after_eager(inp, hidden, next_ids, last, b).cpu()  # [b, k]
         for i, it in enumerate(want):
@@ -199,3 +208,10 @@ class MTPProposer:
             q = draft_probs(host[b], p.temperature)
             drafts[b].append(draw(q, it.req.generator))
             probs[b].append(q)
+
+
+def _verify(it: DraftItem, q: int) -> bool:
+    """A verify row of the step: all q target rows kept, `committed` of them accepted, on a cached prefix. (A
+    prefill piece of q rows on a cached prefix reads the same, and takes the graph as a prefill's last q rows would:
+    head 0, last q - 1.)"""
+    return it.committed is not None and it.hidden.shape[0] == q and it.start > 0

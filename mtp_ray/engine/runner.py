@@ -12,6 +12,7 @@ from mtp_ray.config.model import ModelConfig
 from mtp_ray.engine.cache import CacheShape, bind_caches, free_caches
 from mtp_ray.engine.graphs import CudaGraphs, Fetched
 from mtp_ray.engine.inputs import StepInputs
+from mtp_ray.engine.varlen_graphs import VarlenGraphs, default_buckets
 from mtp_ray.layers.linear import fuse_projections, unfuse_projections
 from mtp_ray.layers.moe import ExpertDispatcher, local_dispatch
 from mtp_ray.layers.rope import bind_rope_tables
@@ -73,6 +74,18 @@ class ModelRunner:
             sizes = cfg.graphs.batch_sizes(cfg.scheduler.max_num_seqs)
             self.graphs = CudaGraphs(self.model, sizes, self.k, self.blocks_per_seq, cfg.cache.block_size,
                                      self.device, barrier, cfg.scheduler.async_verify, self.draft_vocab)
+        # steps that admit prompts: one-rank groups (an EP exchange between ranks would make the choice group-wide)
+        self.varlen: VarlenGraphs | None = None
+        buckets = cfg.graphs.mixed_tokens
+        buckets = default_buckets(cfg.scheduler.max_num_batched_tokens) if buckets is None else buckets
+        if self.graphs is not None and dispatch is local_dispatch and buckets:
+            self.varlen = VarlenGraphs(self.model, buckets, cfg.scheduler.max_num_seqs, self.blocks_per_seq,
+                                       self.device, barrier, q=self.k + 1)
+
+    @property
+    def mixed_buckets(self) -> tuple[int, ...]:
+        """Token buckets with a graph for steps that admit prompts (empty: those steps run eagerly)."""
+        return self.varlen.buckets if self.varlen is not None and not self.asleep else ()
 
     @property
     def graph_sizes(self) -> tuple[int, ...]:
@@ -161,6 +174,8 @@ class ModelRunner:
         self.free()
         if self.graphs is not None:
             self.graphs.reset()  # they point at the caches (and, after level 2, the weights) being freed
+        if self.varlen is not None:
+            self.varlen.reset()
         unfuse_projections(self.model)  # wake_up fuses again
         params = dict(self.model.named_parameters())
         if level == 1 and self.device.type != "cpu":
@@ -241,6 +256,21 @@ class ModelRunner:
         full = logits.new_full((logits.shape[0], self.model_config.vocab_size), float("-inf"))
         full[:, : self.draft_vocab] = logits
         return full
+
+    def mixed_bucket(self, inp: StepInputs) -> int:
+        """The captured token bucket whose graph runs this general batch (0: it runs eagerly)."""
+        return self.varlen.bucket_for(inp) if self.varlen is not None and not self.asleep else 0
+
+    @torch.inference_mode()
+    def replay_mixed(self, inp: StepInputs, bucket: int) -> torch.Tensor:
+        """A general batch in its token bucket's graph -> hidden [T, H] (static: read before the next replay)."""
+        assert self.varlen is not None
+        return self.varlen.run(inp, bucket)
+
+    @torch.inference_mode()
+    def capture_mixed(self, bucket: int) -> None:
+        assert self.varlen is not None
+        self.varlen.capture(bucket)
 
     @torch.inference_mode()
     def replay_target(self, inp: StepInputs, size: int, src: list[int] | None = None, fused: bool = False

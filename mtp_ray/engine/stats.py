@@ -18,6 +18,9 @@ class EngineStats:
     graph_steps: int = 0  # ... that replayed a CUDA graph
     mixed_batch_steps: int = 0  # ... holding decodes and prefill pieces together
     eager_tokens: int = 0  # tokens fed to eager target forwards
+    mixed_graph_steps: int = 0  # steps whose general batch (new prompts, decodes beside them) replayed a graph
+    mixed_graph_tokens: int = 0  # ... their tokens, and the bucket tokens they padded to
+    mixed_graph_padded: int = 0
     device_greedy_steps: int = 0  # graph steps decided on the device (argmax + acceptance in the graph)
     async_steps: int = 0  # ... left in flight while the host scheduled the next one
     fused_steps: int = 0  # ... whose draft loop ran in the target graph's launch (k > 0: one launch a step)
@@ -53,6 +56,11 @@ class EngineStats:
 
     def count_eager(self, num_tokens: int) -> None:
         self.eager_tokens += num_tokens
+
+    def count_mixed_graph(self, num_tokens: int, bucket: int) -> None:
+        self.mixed_graph_steps += 1
+        self.mixed_graph_tokens += num_tokens
+        self.mixed_graph_padded += bucket
 
     def count_outputs(self, tokens: int) -> None:
         self.output_tokens += tokens

@@ -116,3 +116,7 @@ def warmup_forwards(core: Engine) -> None:
                                       size)
         if core.k:
             core.proposer.propose_graph([], table)
+    # the graphs of steps that admit prompts (token buckets), largest first: their memory pool serves the rest
+    for bucket in sorted(core.runner.mixed_buckets, reverse=True):
+        with core.sync.agree(DPMeta(num_tokens=bucket, batch_size=1, is_dummy=0, has_unfinished=1)):
+            core.runner.capture_mixed(bucket)

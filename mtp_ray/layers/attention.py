@@ -133,7 +133,8 @@ class GatedAttention(nn.Module):
             from mtp_ray.layers.triton.attention_prefill import paged_prefill_attention
 
             cu, ctx, tables = attn_meta(batch, q.device)
-            o = paged_prefill_attention(q, self.kv_cache, tables, cu, ctx, self.scale, gate)  # [T, Hq, D]
+            o = paged_prefill_attention(q, self.kv_cache, tables, cu, ctx, self.scale, gate,  # [T, Hq, D]
+                                        zero_rows=batch.padded_rows)
         else:
             o = paged_attention(q, self.kv_cache, batch, self.scale) * torch.sigmoid(gate)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, -1))

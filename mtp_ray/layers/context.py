@@ -3,9 +3,12 @@
 A forward runs over a flat token batch: sequence b owns tokens [cu_seqlens[b], cu_seqlens[b+1]). Its KV lives
 in paged blocks (block_tables[b]); its Gated DeltaNet conv/recurrent state in one state slot.
 
-Two forms: the general one (Python lists, per-sequence loops: prefill chunks, mixed steps) and the uniform
-decode form (`uniform` set): every sequence feeds the same q_len tokens and every field is a device tensor, so
-the forward is a fixed sequence of batched kernels that a CUDA graph can capture and replay.
+Three forms: the general one (Python lists, per-sequence loops: prefill chunks, mixed steps); the uniform decode
+form (`uniform` set): every sequence feeds the same q_len tokens and every field is a device tensor, so the forward
+is a fixed sequence of batched kernels that a CUDA graph can capture and replay; and the static general form
+(`static` set, engine/varlen_graphs.py): a general batch of short pieces padded to a token bucket, its per-sequence
+fields device tensors of fixed shape (N sequences, the unused ones empty; rows past the last sequence belong to
+none), so that a CUDA graph can capture a step that admits prompts as well.
 """
 
 from __future__ import annotations
@@ -54,6 +57,20 @@ class SnapshotMeta:
     chunk_indices: torch.Tensor  # [NC, 2] fla's chunk layout of that extended batch
 
 
+@dataclass(frozen=True)
+class VarlenStatic:
+    """A general batch's per-sequence fields on the device at fixed shapes (a CUDA graph's static inputs): N
+    sequences, those past the step's own empty (cu_seqlens repeats; state slot 0, context 0); rows from cu[N] to the
+    batch's end are padding that no sequence owns (no KV write, zero outputs from attention and the delta rule).
+    Snapshots: at most S, always passed to the GDN kernels (ptr ranges empty where none)."""
+
+    cu_seqlens: torch.Tensor  # [N + 1] int64
+    context_lens: torch.Tensor  # [N] int64
+    state_slots: torch.Tensor  # [N] int64
+    snapshots: SnapshotMeta  # ptr [N + 1], offset / slots [S]; the fla-path fields unused (short pieces only)
+    no_chunks: torch.Tensor  # [0, 2] int64: chunk_indices (the short-piece kernel reads none)
+
+
 @dataclass
 class ForwardBatch:
     query_lens: list[int]  # new tokens of each sequence in this forward
@@ -70,8 +87,14 @@ class ForwardBatch:
     snapshots: list[tuple[int, int, int]] | None = None
     # RoPE cos / sin of this forward's positions, computed by the first attention layer and shared by the rest
     rope_cache: dict = field(default_factory=dict, repr=False)
+    static: VarlenStatic | None = None  # set: the static general form (the lists above unused, empty)
 
     def __post_init__(self) -> None:
+        if self.static is not None:
+            assert self.uniform is None and not self.query_lens and not self.snapshots
+            self.cu_seqlens = []
+            self.short_pieces = True  # the only kind a static batch holds (engine/varlen_graphs.py)
+            return
         if self.uniform is None:
             assert len(self.query_lens) == len(self.context_lens) == len(self.state_slots)
         assert self.slot_mapping.numel() == sum(self.query_lens)
@@ -89,13 +112,28 @@ class ForwardBatch:
         b = u.context_lens.shape[0]
         return cls([u.q_len] * b, [], block_tables, slot_mapping, [], None, u)
 
+    @classmethod
+    def graphed(cls, static: VarlenStatic, block_tables: torch.Tensor, slot_mapping: torch.Tensor) -> ForwardBatch:
+        return cls([], [], block_tables, slot_mapping, [], static=static)
+
     @property
     def num_seqs(self) -> int:
-        return len(self.query_lens)
+        return self.static.state_slots.shape[0] if self.static is not None else len(self.query_lens)
 
     @property
     def num_tokens(self) -> int:
-        return self.cu_seqlens[-1]
+        return self.slot_mapping.numel() if self.static is not None else self.cu_seqlens[-1]
+
+    @property
+    def has_snapshots(self) -> bool:
+        """The GDN layers take prefix-cache snapshots in this forward (a static batch: always passed, maybe none)."""
+        return self.static is not None or bool(self.snapshots)
+
+    @property
+    def padded_rows(self) -> bool:
+        """Rows that no sequence owns may follow the sequences' (static form): kernels that write per sequence
+        leave those rows of their output zero, not whatever the memory held."""
+        return self.static is not None
 
     def seq_range(self, b: int) -> tuple[int, int]:
         return self.cu_seqlens[b], self.cu_seqlens[b + 1]
@@ -118,6 +156,8 @@ class ForwardBatch:
         recurrence write them in the same launch), and as one more varlen batch for a delta rule that cannot (fla):
         each a copy of its sequence's first j rows appended after the batch's own sequences, so one chunked call
         yields its state exactly as a piece ending there. One host -> device copy, cached for every layer."""
+        if self.static is not None:
+            return self.static.snapshots
         cached = self.rope_cache.get("snapshots")
         if cached is None or cached.seq.device.type != torch.device(device).type:
             assert self.snapshots, "no snapshots in this batch"
@@ -134,6 +174,9 @@ class ForwardBatch:
         return cached
 
     def _device_meta(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        if self.static is not None:
+            st = self.static
+            return st.cu_seqlens, st.context_lens, st.state_slots, st.no_chunks
         cached = self.rope_cache.get("varlen")
         if cached is None or cached[0].device.type != torch.device(device).type:
             views = _packed([self.cu_seqlens, list(self.context_lens), list(self.state_slots),

@@ -126,8 +126,8 @@ class GatedDeltaNet(nn.Module):
         from mtp_ray.layers.triton.gated_delta_varlen import conv_varlen
 
         cu, ctx, slots = batch.device_lists(mixed.device)  # [N + 1], [N], [N]; ctx 0: a fresh sequence, zero states
-        t, n = mixed.shape[0], len(batch.query_lens)
-        snaps = batch.snapshot_meta(mixed.device) if batch.snapshots else None
+        t, n = mixed.shape[0], batch.num_seqs
+        snaps = batch.snapshot_meta(mixed.device) if batch.has_snapshots else None
         conv = conv_varlen(mixed, self.conv_state, weight, cu, slots, ctx, snaps)  # [T, C], conv states updated
         g = -self.A_log.float().exp() * F.softplus(a_raw.float() + self.dt_bias.float())  # [T, Hv] fp32
         beta = b_raw.sigmoid()  # [T, Hv] in the model dtype, as fla's own GDN layer passes it
@@ -136,6 +136,8 @@ class GatedDeltaNet(nn.Module):
         chunks = batch.chunk_indices(mixed.device)
         rows_for_snaps = snaps is not None and not snapshots_in_kernel
         extra = {"snapshots": snaps, "states": self.ssm_state} if snaps is not None and snapshots_in_kernel else {}
+        if batch.padded_rows:  # (only the short-piece kernel meets a static batch)
+            extra["zero_rows"] = True
         if rows_for_snaps:  # the snapshots' rows again, as sequences of their own after the batch's
             conv, g, beta = (torch.cat([x, x.index_select(0, snaps.rows)]) for x in (conv, g, beta))
             h0 = torch.cat([h0, h0.index_select(0, snaps.seq)])

@@ -88,6 +88,7 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,  # [B] int32 / int64 (device): tokens cached before this forward
     scale: float,
     gate: torch.Tensor | None = None,  # [T, Hq, D]: the output is multiplied by sigmoid(gate)
+    zero_rows: bool = False,  # rows past cu_seqlens[-1] (a padded static batch) come out zero, not unwritten
 ) -> torch.Tensor:  # [T, Hq, D] in q's dtype
     """Causal paged attention of each sequence's new tokens over its whole context; no host sync."""
     _, _, block_size, hkv, d = kv_cache.shape
@@ -96,7 +97,7 @@ def paged_prefill_attention(
     group = hq // hkv
     assert q.stride(2) == 1 and block_tables.stride(1) == 1 and (gate is None or gate.stride(2) == 1)
     k, v = kv_cache[0].view(-1, hkv, d), kv_cache[1].view(-1, hkv, d)  # [num_blocks * block_size, Hkv, D]
-    out = torch.empty_like(q)
+    out = torch.zeros_like(q) if zero_rows else torch.empty_like(q)
     if t == 0:
         return out
     block_d = triton.next_power_of_2(d)

@@ -145,17 +145,18 @@ def _recurrent_varlen_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, cu_pt
 def recurrent_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      scale: float, initial_state: torch.Tensor, cu_seqlens: torch.Tensor,
                      chunk_indices: torch.Tensor | None = None, snapshots: SnapshotMeta | None = None,
-                     states: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     states: torch.Tensor | None = None, zero_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The contract of gated_delta_ops.chunk_gated_delta_varlen (q, k [T, Hk, dk] raw; v [T, Hv, dv]; g, beta
     [T, Hv]; initial_state [N, Hv, dk, dv] fp32 -> o [T, Hv, dv] in v's dtype, final states fp32) in one launch,
     token-serial within each sequence (chunk_indices unused). snapshots (with `states`, the layer's state slots
-    [S, Hv, dk, dv]): each snapshot's slot gets the state after its sequence's first j tokens, in the same launch."""
+    [S, Hv, dk, dv]): each snapshot's slot gets the state after its sequence's first j tokens, in the same launch.
+    zero_rows: rows past cu_seqlens[-1] (a padded static batch) come out zero rather than unwritten."""
     n, hv, dk, dv = initial_state.shape
     hk = q.shape[1]
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and g.stride(1) == beta.stride(1) == 1
     assert initial_state.is_contiguous() and cu_seqlens.numel() == n + 1
     assert snapshots is None or states is not None and states.is_contiguous() and states.shape[1:] == (hv, dk, dv)
-    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    out = (torch.zeros if zero_rows else torch.empty)(v.shape, dtype=v.dtype, device=v.device)
     final = torch.empty_like(initial_state)
     snap = (snapshots.ptr, snapshots.offset, snapshots.slots, states) if snapshots is not None \
         else (cu_seqlens, cu_seqlens, cu_seqlens, final)  # not read
