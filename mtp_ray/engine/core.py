@@ -250,6 +250,7 @@ class EngineCore:
             return self.runner.replay_target(inp, table.graph_size, src, fused)
         bucket = self.runner.mixed_bucket(inp)  # (one-rank groups only: no collective depends on it)
         if bucket:
+            self.clock.kind = "mixed_graph"
             self.stats.count_mixed_graph(inp.num_tokens, bucket)
             return self.runner.replay_mixed(inp, bucket), None
         self.stats.count_eager(inp.num_tokens)

@@ -2,7 +2,8 @@
 
 A step laps the clock after each of its phases (schedule, DPMeta gather, inputs, launch, resolve, commit); the
 rank worker adds what it does around the step (inbox, publish). `get_stats` reports the sums per kind ("graph":
-CUDA-graph replays, "eager": eager forwards, "idle": no rank had work), with the step count, wall and thread CPU
+decode / verify graph replays, "mixed_graph": a general batch's token-bucket graph, "eager": eager forwards, "idle":
+no rank had work), with the step count, wall and thread CPU
 time: in a host-bound step wall - cpu is time the engine thread was blocked (the GIL held by other actor threads,
 a device sync, a collective). A lap is one perf_counter call and a dict add: cheap enough to stay on.
 """
