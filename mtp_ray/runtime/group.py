@@ -64,6 +64,7 @@ class EngineGroup:
         self.epoch = 0  # bumps on every (re)start; pollers of an older epoch exit
         self.state = "new"  # new -> starting -> ready -> (restarting -> starting -> ready | failed) ... stopped
         self.max_model_len = 0
+        self.num_blocks = 0
         # a rank acks a request in milliseconds; one that does not within a quarter of the queue time is stuck
         # (stopped, or in a collective that will time out): the caller may send the request to another group
         self.ack_s = max(0.5, cfg.timeouts.queue_s / 4)
@@ -117,6 +118,7 @@ class EngineGroup:
             self.monitor.last_failure = f"group start failed: {type(e).__name__}: {e}"
             raise GroupFailed(self.monitor.last_failure) from e
         self.max_model_len = infos[0]["max_model_len"]
+        self.num_blocks = infos[0]["num_blocks"]  # KV blocks per rank (sized from memory on a GPU)
         self.monitor.reset()
         self.load = [0] * self.dp
         self.router = rank_router(self.cfg)  # new ranks: empty caches

@@ -100,7 +100,8 @@ class RankWorker:
         gc.freeze()  # the model, caches and kernels stay out of every later collection (StallMonitor)
         threading.Thread(target=self._loop, name=f"rank{self.rank}-engine", daemon=True).start()
         return {"rank": self.rank, "pid": os.getpid(), "experts": expert_range, "device": str(device),
-                "max_model_len": self.core.max_model_len, "warmup_s": round(warmup_s, 2)}
+                "max_model_len": self.core.max_model_len, "num_blocks": self.core.runner.cache_shape.num_blocks,
+                "warmup_s": round(warmup_s, 2)}
 
     # ---- requests (any thread) ----
     def add_many(self, items: list[AddRequest]) -> None:

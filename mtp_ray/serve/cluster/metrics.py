@@ -133,6 +133,9 @@ def group_snapshot(health: dict) -> dict[str, Any]:
     gauges: dict[str, float] = {"group_healthy": int(bool(health.get("healthy"))),
                                 "group_sleep_level": health.get("sleeping", 0),  # (GET /is_sleeping reads it)
                                 "num_requests_waiting": sum(r.get("num_waiting", 0) for r in health.get("ranks", []))}
+    cc = health.get("cache_config")
+    if cc:  # vLLM's cache_config_info: the cache settings as labels of a gauge that is always 1
+        gauges["cache_config_info{" + ",".join(f'{k}="{v}"' for k, v in sorted(cc.items())) + "}"] = 1
     for r, rank in enumerate(health.get("ranks", [])):
         c, lab, pc = rank.get("counters", {}), f'{{rank="{r}"}}', rank.get("prefix_cache", {})
         totals.update({f"dpmeta_steps_total{lab}": rank.get("step", 0),
