@@ -99,7 +99,8 @@ def test_the_app_applies_the_guard_before_any_route_in_each_api_shape():
 
     from mtp_ray.serve.http.http_app import app
 
-    app.state.guard = Guard(api_key="sk-1")
+    counted: list[str] = []
+    app.state.guard = Guard(api_key="sk-1", count=counted.append)
     try:
         c = TestClient(app, base_url="http://127.0.0.1:8000")
         r = c.get("/metrics", headers={"origin": "http://ui.example"})
@@ -111,6 +112,8 @@ def test_the_app_applies_the_guard_before_any_route_in_each_api_shape():
                                                    "access-control-request-method": "POST"})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
         assert c.get("/nothing", headers={"authorization": "Bearer sk-1"}).status_code == 404
+        # each refusal counts in the replica's request_failed_total{status} (the preflight and the 404 do not here)
+        assert counted == ['request_failed_total{status="401"}'] * 2, counted
         app.state.guard = Guard()
         r = TestClient(app, base_url="http://rebound.example:8000").get("/nothing")
         assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"

@@ -139,6 +139,14 @@ def test_open_and_closed_routes(server):
         r = requests.get(f"{BASE}{path}")
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
         assert requests.get(f"{BASE}{path}", headers=AUTH).status_code == 200, path
+    # those refusals count in request_failed_total{status="401"}, as the routes' own errors do (12 above)
+    deadline, failed = time.monotonic() + 20, 0.0
+    while failed < 12 and time.monotonic() < deadline:
+        time.sleep(0.5)  # (each replica reports to the metrics hub about once a second)
+        text = requests.get(f"{BASE}/metrics", headers=AUTH).text
+        failed = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith("mtp_ray:request_failed_total{") and 'status="401"' in line)
+    assert failed >= 12, failed
 
 
 def test_what_other_servers_clients_send_and_read(server):

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from mtp_ray.serve.http import admin_api
 from mtp_ray.serve.openai.errors import ApiError
@@ -68,6 +68,12 @@ class Guard:
     # names a client may call this server by when it has no key, besides localhost and IP addresses; ".example.com"
     # also allows its subdomains, "*" any name (server.allowed_hosts)
     allowed_hosts: tuple[str, ...] = ()
+    # the replica's metrics counter (Metrics.count): each refusal counts in request_failed_total{status}
+    count: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
+
+    def refused(self, refusal: ApiError) -> None:
+        if self.count is not None:
+            self.count(f'request_failed_total{{status="{refusal.status}"}}')
 
     def check(self, method: str, path: str, headers: Mapping[str, str], client: str | None) -> ApiError | None:
         """The refusal of a request (method, path, its headers with lower-case names, the client's address), or

@@ -37,6 +37,7 @@ class GuardMiddleware:
             client = scope.get("client")
             refusal = guard.check(scope["method"], scope["path"], Headers(scope=scope), client[0] if client else None)
             if refusal is not None:
+                guard.refused(refusal)
                 anthropic_route = scope["path"].rstrip("/").startswith("/v1/messages")
                 await (anthropic.error_response if anthropic_route else error_response)(refusal)(scope, receive, send)
                 return

@@ -63,7 +63,7 @@ class Ingress:
         log.info("API key: %s", "required on every route but /health" if self.server.api_key else
                  "none set, the server is open (args.server.api_key, or MTP_RAY_API_KEY on the cluster)")
         # the access rules of this replica's routes (serve/http/guard.py: GuardMiddleware reads them per request)
-        app.state.guard = Guard(self.server.api_key, self.server.allowed_hosts)
+        app.state.guard = Guard(self.server.api_key, self.server.allowed_hosts, self.metrics.count)
         self.reporter_id = uuid.uuid4().hex[:8]
         self.reporter = HubReporter("ingress", self.reporter_id, self.metrics.snapshot, deploy)
         self.model_name, self.model_names = model_names[0], model_names  # any is taken; responses name the first
