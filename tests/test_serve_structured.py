@@ -687,6 +687,23 @@ def test_bad_fields_are_a_400_naming_them(server, body, param):
         assert "temperature" in err["message"]
 
 
+def test_constraints_past_the_budgets_are_a_400_naming_the_limit(server):
+    """A schema nested ~900 deep (it broke the request's pickling: a 500), 100k choices and 10k pattern properties
+    (20-60 s of compile CPU each, on every retry) are refused at once, naming the limit; the server serves on."""
+    deep: dict = {"type": "string"}
+    for _ in range(450):
+        deep = {"type": "object", "properties": {"a": deep}}
+    many = {"type": "object", "patternProperties": {f"^p{i}$": {"type": "string"} for i in range(10_000)}}
+    for body in ({"guided_json": deep}, {"guided_choice": [f"c{i}" for i in range(100_000)]},
+                 {"structured_outputs": {"json": many}}, {"response_format": {"type": "json_schema", "json_schema": {
+                     "name": "x", "schema": deep}}}):
+        t0 = time.monotonic()
+        r = post({"model": MODEL, "messages": USER, "max_tokens": 2, **body})
+        assert r.status_code == 400 and "limit" in r.json()["error"]["message"], r.text[:300]
+        assert time.monotonic() - t0 < 5, body.keys()
+    assert post({"model": MODEL, "messages": USER, "max_tokens": 2}).status_code == 200
+
+
 def test_models_by_id_and_unknown_routes(server):
     card = requests.get(f"{BASE}/v1/models/{MODEL}", timeout=10).json()
     assert card["id"] == MODEL and card["root"] == MODEL

@@ -101,6 +101,61 @@ def test_bad_constraints_name_the_field(engines):
     assert engines[0].generate("x", SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # still serving
 
 
+def test_constraints_past_the_budgets_name_the_limit():
+    """Sizes are checked where a constraint is made, before anything compiles it or sends it to a rank."""
+    deep: dict = {"type": "string"}
+    for _ in range(40):
+        deep = {"type": "object", "properties": {"a": deep}}
+    for kw in ({"json": deep}, {"json": json.dumps(deep)}, {"choice": [str(i) for i in range(5000)]},
+               {"regex": "a" * 300_000}, {"choice": ["x" * 200_000, "y" * 100_000]},
+               {"json": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(4000)}}}):
+        with pytest.raises(ParamError, match="past the limit") as e:
+            StructuredOutputs(**kw)
+        assert e.value.param == "structured_outputs"
+    StructuredOutputs(json={"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(500)}})
+
+
+def test_a_constraint_that_fails_to_compile_fails_again_without_compiling(monkeypatch):
+    from mtp_ray.engine import grammar
+
+    calls = []
+    real = grammar._checked
+
+    def counted(key: str) -> str:
+        calls.append(key)
+        return real(key)
+
+    monkeypatch.setattr(grammar, "_checked", counted)
+    spec = StructuredOutputs(regex="[unclosed-")
+    for _ in range(3):
+        with pytest.raises(ParamError, match="structured_outputs"):
+            grammar.check_grammar(spec)
+    assert len(calls) == 1
+    ok = StructuredOutputs(regex="[ab]+")
+    assert grammar.check_grammar(ok) and grammar.check_grammar(ok)
+
+
+def test_a_compile_past_the_serving_budget_is_a_400_not_a_wait(monkeypatch):
+    """The group compiles a new constraint within min(COMPILE_S, 0.8 x queue_s): past it a ParamError (a 400 at the
+    front door) naming the budget, remembered for the same constraint."""
+    import asyncio
+    import time as _time
+    from types import SimpleNamespace
+
+    from mtp_ray.engine import grammar
+    from mtp_ray.runtime import group
+
+    monkeypatch.setattr(group, "check_grammar", lambda spec: _time.sleep(1.0))
+    fake = SimpleNamespace(cfg=SimpleNamespace(timeouts=SimpleNamespace(queue_s=0.25)))
+    spec = StructuredOutputs(regex="slow+")
+    with pytest.raises(ParamError, match="did not compile within 0.2s"):
+        asyncio.run(group.EngineGroup._compile(fake, spec))
+    monkeypatch.undo()
+    with pytest.raises(ParamError, match="did not compile within"):  # remembered: no second compile
+        grammar.check_grammar(spec)
+    grammar._FAILED.clear()
+
+
 def test_closed_schema_forbids_unlisted_properties_only_where_unsaid():
     s = closed({"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}}},
                 "$defs": {"d": {"properties": {"x": {}}, "additionalProperties": True}}})

@@ -120,9 +120,30 @@ def _key(spec: StructuredOutputs) -> str:
     return json.dumps(raw)
 
 
+_FAILED: dict[str, str] = {}  # constraint key -> why it did not compile (the newest 256): a retry fails at once
+_FAILED_LOCK = threading.Lock()
+
+
 def check_grammar(spec: StructuredOutputs) -> str:
-    """Compiles (once per distinct constraint) -> the grammar text; ParamError naming the problem."""
-    return _checked(_key(spec))
+    """Compiles (once per distinct constraint) -> the grammar text; ParamError naming the problem (remembered: the
+    same constraint again fails without compiling again)."""
+    key = _key(spec)
+    why = _FAILED.get(key)
+    if why is not None:
+        raise ParamError(why, "structured_outputs")
+    try:
+        return _checked(key)
+    except ParamError as e:
+        note_failed(spec, str(e), key)
+        raise
+
+
+def note_failed(spec: StructuredOutputs, why: str, key: str | None = None) -> None:
+    """Remember that a constraint does not compile (or took longer than the serving path allows: runtime/group.py)."""
+    with _FAILED_LOCK:
+        _FAILED[key or _key(spec)] = why
+        while len(_FAILED) > 256:
+            del _FAILED[next(iter(_FAILED))]
 
 
 class Grammar:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from mtp_ray.config.model import sampling_defaults
+from mtp_ray.engine.grammar_budget import BudgetError, check_budget
 
 
 class ParamError(ValueError):
@@ -63,6 +64,10 @@ class StructuredOutputs:
                                             and all(isinstance(c, str) and c for c in self.choice)):
             raise ParamError("structured_outputs.choice must be a non-empty list of non-empty strings",
                              "structured_outputs")
+        try:  # sizes first: nothing compiles (or crosses a process) a constraint past them
+            check_budget(self.json, self.regex if self.regex is not None else self.grammar, self.choice)
+        except BudgetError as e:
+            raise ParamError(f"structured_outputs {e}", "structured_outputs") from None
 
     @classmethod
     def coerce(cls, v: StructuredOutputs | dict | None) -> StructuredOutputs | None:

@@ -16,10 +16,11 @@ from ray.util.placement_group import remove_placement_group
 
 from mtp_ray.config.engine import EngineConfig
 from mtp_ray.config.model import ModelConfig
-from mtp_ray.engine.grammar import check_grammar
+from mtp_ray.engine.grammar import check_grammar, note_failed
+from mtp_ray.engine.grammar_budget import COMPILE_S
 from mtp_ray.engine.outputs import StepOutput
 from mtp_ray.engine.request import check_request
-from mtp_ray.engine.sampling_params import SamplingParams
+from mtp_ray.engine.sampling_params import ParamError, SamplingParams, StructuredOutputs
 from mtp_ray.runtime.batcher import CallBatcher, detached
 from mtp_ray.runtime.group_commands import GroupCommands
 from mtp_ray.runtime.group_monitor import GroupFailed, GroupMonitor, GroupUnavailable
@@ -249,7 +250,7 @@ class EngineGroup:
                 raise GroupUnavailable(f"the engine group is {self.state}, not ready after {wait:g}s{cause}") from e
         self.validate(prompt_ids, params)
         if params.structured_outputs is not None:  # compiles: up to seconds for a large schema, off the event loop
-            await asyncio.to_thread(check_grammar, params.structured_outputs)
+            await self._compile(params.structured_outputs)
         if self.commands.sleeping and self.commands.asleep_policy == "fail":
             raise GroupUnavailable("the engine is asleep (call wake_up first)")
         await self.commands.accepting.wait()
@@ -276,6 +277,18 @@ class EngineGroup:
                                        f"{type(e).__name__}") from e
             raise
         return rid, rank
+
+    async def _compile(self, spec: StructuredOutputs) -> None:
+        """The constraint compiles within the serving path's budget (COMPILE_S, and inside the admission wait,
+        timeouts.queue_s): past it a 400 naming the budget, remembered for the same constraint (the compile thread
+        runs on; its result is dropped), not a 503 that invites the client to send it again."""
+        budget = min(COMPILE_S, 0.8 * self.cfg.timeouts.queue_s)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(check_grammar, spec), budget)
+        except asyncio.TimeoutError:
+            why = f"structured_outputs: the constraint did not compile within {budget:g}s (the server's budget)"
+            note_failed(spec, why)
+            raise ParamError(why, "structured_outputs") from None
 
     def _release(self, rid: str, rank: int, finished: bool) -> None:
         if self.reqs.pop(rid, None) is not None:
