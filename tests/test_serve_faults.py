@@ -342,6 +342,9 @@ def test_no_group_able_to_serve_answers_503_within_the_queue_timeout(app):
     unavailable = [r for r in results if r["status"] == 503]
     assert unavailable, results[:3]
     assert all(r["retry_after"] and "no engine group can serve" in r["error"] for r in unavailable), unavailable[:3]
+    # each names its cause: a rank's failure, or after "none admitted" the last failure seen (not that alone)
+    assert all("none admitted" not in r["error"] or "last group failure seen here" in r["error"]
+               for r in unavailable), [r["error"] for r in unavailable][:3]
     assert all(r["status"] in (200, 503) for r in results), [r for r in results if r["status"] not in (200, 503)][:3]
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -410,6 +413,7 @@ def test_before_any_group_is_up_requests_get_a_503_within_the_queue_timeout(serv
                     ("post", "/detokenize", {"model": "tiny", "tokens": [1]}))):
                 assert r.status_code == 503 and r.headers.get("Retry-After"), (path, r.status_code, r.text)
                 assert "no engine group" in r.json()["error"]["message"] and took < QUEUE_S + 2, (path, took, r.text)
+                assert "no engine group is up yet" in r.json()["error"]["message"], r.text  # the cause
             r = streamed.result()
         assert r["status"] == 503 and r["retry_after"] and r["s"] < QUEUE_S + 2, r
     finally:

@@ -44,6 +44,10 @@ class GroupClient:
         self.queue_s, self.retry_after_s, self.max_resends = queue_s, retry_after_s, max_resends
         self.count = count  # metrics: request_retried_total (sent again: its group could not serve it)
         self._info: asyncio.Future | None = None
+        # what a 503 names when no group took a request in time: the last group failure this replica saw (when, its
+        # first line), and whether any group has answered it at all
+        self.last_failure: tuple[float, str] | None = None
+        self.seen_group = False
 
     async def info(self) -> dict:
         """The group's model facts, asked once: a burst of first requests shares the one call. It is made from a
@@ -57,20 +61,34 @@ class GroupClient:
         try:
             return await asyncio.wait_for(asyncio.shield(f), self.queue_s)
         except asyncio.TimeoutError:
-            raise self.unavailable_error(f"no engine group answered within {self.queue_s:g}s "
-                                         "(starting, or waiting for resources)") from None
+            raise self.unavailable_error(f"no engine group answered within {self.queue_s:g}s; {self.why_none()}"
+                                         ) from None
         except Exception as e:
             if unavailable(e):
                 raise self.unavailable_error(e) from None
             raise
 
     async def _ask_info(self) -> dict:
-        return await self.handle.info.remote()
+        info = await self.handle.info.remote()
+        self.seen_group = True
+        return info
+
+    def why_none(self) -> str:
+        """Why no group took a request: the last failure seen here, else that none is up yet, else that they are
+        busy (the 503's cause, issue 64: "none admitted" alone sent operators to the logs)."""
+        if self.last_failure is not None:
+            return f"the last group failure seen here ({time.monotonic() - self.last_failure[0]:.0f}s ago): " \
+                   f"{self.last_failure[1]}"
+        if not self.seen_group:
+            return "no engine group is up yet (starting, or waiting for resources)"
+        return "every engine group is busy or restarting"
 
     def unavailable_error(self, cause: BaseException | str, mid_stream: bool = False) -> ApiError:
         """503 + Retry-After; mid_stream (tokens sent: it cannot go elsewhere): the failure's first line alone
         ("engine group failed, request aborted; ... Cause: rank 0 died: ...")."""
         text = first_line(cause_of(cause)) if isinstance(cause, BaseException) else cause
+        if isinstance(cause, BaseException):
+            self.last_failure = (time.monotonic(), text)
         return ApiError(503, text if mid_stream else f"no engine group can serve the request right now: {text}",
                         headers={"Retry-After": str(self.retry_after_s)})
 
@@ -95,7 +113,7 @@ class GroupClient:
         """The request admitted on some group's rank. Raises ApiError 503 (with Retry-After) when no group admits it
         within queue_s."""
         deadline = time.monotonic() + self.queue_s
-        cause: BaseException | str = f"none admitted the request within {self.queue_s:g}s"
+        cause: BaseException | str = f"none admitted the request within {self.queue_s:g}s; {self.why_none()}"
         delay = 0.05
         while True:
             left = deadline - time.monotonic()
@@ -123,6 +141,7 @@ class GroupClient:
                 delay = min(2 * delay, 0.5)
                 continue
             assert isinstance(adm, Admission) and adm.request_id == rid
+            self.seen_group = True
             self.deliveries.attach(adm)
             return Admitted(adm, queue)
 
