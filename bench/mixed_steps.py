@@ -60,15 +60,27 @@ def main() -> None:
     for _ in range(5):
         eng.step()
 
-    def timed(fn) -> float:
+    phases: dict[str, dict[str, float]] = {}  # per variant: host ms per step in each phase (the engine's clock)
+
+    def timed(fn, variant: str | None = None) -> float:
         torch.cuda.synchronize()
+        before = eng.clock.snapshot()
         t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        if variant is not None:  # (the step's phases, whichever kind the clock filed it under)
+            acc = phases.setdefault(variant, {"steps": 0})
+            acc["steps"] += 1
+            for kind, now in eng.clock.snapshot().items():
+                was = before.get(kind, {})
+                for k, v in now.items():
+                    if k != "steps" and v - was.get(k, 0.0):
+                        acc[k] = acc.get(k, 0.0) + (v - was.get(k, 0.0)) * 1e3
+        return wall
 
     def decode_ms() -> float:
-        return round(statistics.median(timed(eng.step) for _ in range(args.steps)) * 1e3, 3)
+        return round(statistics.median(timed(eng.step, "decode") for _ in range(args.steps)) * 1e3, 3)
 
     def mixed_ms(n: int, length: int, graphs: bool) -> tuple[float, int]:
         walls, graphed = [], 0
@@ -83,7 +95,7 @@ def main() -> None:
                     new.append(f"p{i}")
                     eng.add_request(new[-1], [(7 * i + j) % 2000 + 3 for j in range(length)], one)
                 before = eng.stats.mixed_graph_steps
-                walls.append(timed(eng.step))
+                walls.append(timed(eng.step, f"{n}x{length} {'graph' if graphs else 'eager'}"))
                 graphed += eng.stats.mixed_graph_steps - before
                 for rid in new:
                     eng.abort_request(rid)
@@ -106,7 +118,11 @@ def main() -> None:
         r["graph_over_decode"] = round(r["graph_ms"] / d, 3)
         r["eager_over_decode"] = round(r["eager_ms"] / d, 3)
     res = {"device": card, "layers": args.layers, "k": args.k, "split": args.split, "beside": args.beside,
-           "decode_ms": d, "decode_ms_runs": decode, "buckets": list(runner.mixed_buckets), "rows": rows}
+           "decode_ms": d, "decode_ms_runs": decode,
+           # host ms per step by phase (commit includes waiting for the device's results), mean over the timed steps
+           "phases_ms": {v: {k: round(x / acc["steps"], 3) for k, x in acc.items() if k != "steps"}
+                         for v, acc in phases.items()},
+           "buckets": list(runner.mixed_buckets), "rows": rows}
     print(json.dumps(res, indent=1))
     tag = "".join(c for c in card.split()[1] if c.isalnum()).lower() if len(card.split()) > 1 else "gpu"
     suffix = (f"_k{args.k}" if args.k else "") + ("_split" if args.split else "")
