@@ -452,3 +452,33 @@ def test_error_body_in_openais_shape_and_vllms_flat_one(status, kind):
     assert r.status_code == status and json.loads(r.body) == {"error": e, "object": "error", **e}
     lone = ApiError(400, "bad \ud800 text", "prompt")  # a lone surrogate the client sent: escaped, still encodes
     assert json.loads(error_response(lone).body)["error"]["message"] == "bad \\ud800 text"
+
+
+def test_a_streams_closing_events_go_out_in_one_write():
+    """Each write of a stream is one message through Serve's proxy: the finish chunk, the usage chunk and [DONE]
+    leave together; a choice's finish while another goes on waits only for that next event."""
+    import asyncio
+
+    from mtp_ray.serve.openai.bodies import sse_stream
+
+    def run(bodies: list[dict]) -> list[str]:
+        async def chunks():
+            for b in bodies:
+                yield b
+
+        async def collect():
+            return [w async for w in sse_stream(chunks())]
+
+        return asyncio.run(collect())
+
+    delta = {"choices": [{"index": 0, "text": "a", "finish_reason": None}]}
+    end = {"choices": [{"index": 0, "text": "b", "finish_reason": "length"}]}
+    use = {"choices": [], "usage": {"completion_tokens": 2}}
+    writes = run([delta, delta, end, use])
+    assert len(writes) == 3 and writes[-1].count("data: ") == 3 and writes[-1].endswith("data: [DONE]\n\n")
+    assert json.loads(writes[-1].split("\n\n")[0][6:]) == end
+    two = {"choices": [{"index": 1, "text": "c", "finish_reason": None}]}
+    writes = run([end, two, {"choices": [{"index": 1, "text": "", "finish_reason": "stop"}]}])
+    assert [w.count("data: ") for w in writes] == [2, 2]  # the held finish goes with the next event
+    running = {"choices": [{"index": 0, "text": "a", "finish_reason": None}], "usage": {"completion_tokens": 1}}
+    assert len(run([running, running, end])) == 3  # continuous usage stats do not hold a chunk back

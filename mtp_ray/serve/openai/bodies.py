@@ -148,10 +148,30 @@ def sse_event(obj: dict) -> str:
 
 
 async def sse_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
-    """A streamed completion's chunks as the route's server-sent events, to `data: [DONE]`."""
+    """A streamed completion's chunks as the route's server-sent events, to `data: [DONE]`. A stream's closing
+    events (a chunk whose every choice finished, the usage chunk) are held and go out with what follows them, which
+    comes at once: each write is one message through Serve's proxy (~0.6 ms of CPU in the ingress and the proxy
+    together, whatever its size, on a 2-core probe), so a request's end takes one write instead of up to three."""
+    held = ""
     async for body in chunks:
-        yield sse_event(body)
-    yield "data: [DONE]\n\n"
+        event = sse_event(body)
+        if _closing(body):
+            held += event
+            continue
+        yield held + event
+        held = ""
+    yield held + "data: [DONE]\n\n"
+
+
+def _closing(body: dict) -> bool:
+    """A chunk after which the stream ends (n = 1) or only other choices' chunks follow: every choice in it
+    finished, or it is the usage chunk (no choices)."""
+    choices = body.get("choices")
+    if not isinstance(choices, list):
+        return False
+    if not choices:
+        return "usage" in body
+    return all(isinstance(c, dict) and c.get("finish_reason") is not None for c in choices)
 
 
 def choice_params(p: SamplingParams, index: int) -> SamplingParams:
