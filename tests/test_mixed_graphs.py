@@ -13,21 +13,15 @@ from mtp_ray import LLM, SamplingParams
 from mtp_ray.config.engine import GraphConfig
 from mtp_ray.engine.inputs import build, target_pieces
 from mtp_ray.engine.varlen_graphs import VarlenGraphs, default_buckets, pack
-from tests.test_graph_steps import ReplayByRerun, emulated_graphs, with_graphs  # noqa: F401 (a fixture)
+from tests.test_graph_steps import emulated_capture, emulated_graphs, with_graphs  # noqa: F401 (a fixture)
 
 PROMPTS = [[5, 17, 200, 31], list(range(40, 100)), [9] * 13, [300, 301, 302, 1000, 77, 78] * 5, [4, 4],
            list(range(500, 540)) * 2]
 
 
-def emulated_capture(self: VarlenGraphs, fn):
-    self.barrier()
-    out = fn()
-    return ReplayByRerun(fn, out), out
-
-
 @pytest.fixture
 def emulated_mixed(monkeypatch, emulated_graphs):  # noqa: F811
-    monkeypatch.setattr(VarlenGraphs, "_capture", emulated_capture)
+    monkeypatch.setattr(VarlenGraphs, "_capture", emulated_capture)  # (the decode graphs' stand-in serves both)
 
 
 def with_mixed_graphs(llm: LLM, buckets: tuple[int, ...] = (8, 32, 64, 256), split: bool | None = None) -> LLM:

@@ -69,6 +69,21 @@ class Staging:
         return self.bufs[self.turn], ev
 
 
+def capture(fn: Callable[[], object], device: torch.device, barrier: Callable[[], None], pool
+            ) -> tuple[torch.cuda.CUDAGraph, object]:
+    """fn captured into a new graph (in `pool`, a memory pool handle, or a new one when None) between barriers (every
+    rank captures at the same step), after an eager run: kernel compilation, autotuning and library handles stay out
+    of the capture -> (the graph, fn's outputs: the graph's static outputs)."""
+    barrier()
+    fn()
+    torch.cuda.synchronize(device)
+    barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        out = fn()
+    return g, out
+
+
 class CudaGraphs:
     def __init__(self, model: Qwen3_5MoeForCausalLM, sizes: tuple[int, ...], k: int, width: int, block_size: int,
                  device: torch.device, barrier: Callable[[], None] | None = None, async_verify: bool = False,
@@ -166,15 +181,8 @@ class CudaGraphs:
         return hidden, self._draft_fn(b, hidden, greedy)[1]
 
     def _capture(self, fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
-        self.barrier()
-        fn()  # eager run first: kernel compilation and library handles stay out of the capture
-        torch.cuda.synchronize(self.device)
-        self.barrier()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            out = fn()
-        if self.pool is None:
-            self.pool = g.pool()
+        g, out = capture(fn, self.device, self.barrier, self.pool)
+        self.pool = self.pool or g.pool()
         return g, out
 
     def _capture_size(self, b: int) -> None:

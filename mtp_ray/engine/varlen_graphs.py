@@ -31,7 +31,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from mtp_ray.engine.graphs import Staging
+from mtp_ray.engine.graphs import Staging, capture
 from mtp_ray.engine.inputs import PackedLayout, StepInputs, packed_layout
 from mtp_ray.layers.context import SHORT_PIECE, ForwardBatch, SnapshotMeta, VarlenStatic
 from mtp_ray.model.qwen3_5 import Qwen3_5MoeForCausalLM
@@ -115,16 +115,9 @@ class VarlenGraphs:
         self.graphs[t] = self._capture(lambda: self._fn(t))
 
     def _capture(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        self.barrier()
-        fn()  # eager run first: kernel compilation and autotuning stay out of the capture
-        torch.cuda.synchronize(self.device)
-        self.barrier()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            out = fn()
-        if self.pool is None:
-            self.pool = g.pool()
-        return g, out
+        g, out = capture(fn, self.device, self.barrier, self.pool)
+        self.pool = self.pool or g.pool()
+        return g, out  # (out: a tensor)
 
     # ---- replay ----
     def run(self, inp: StepInputs, t: int) -> torch.Tensor:
