@@ -57,9 +57,9 @@ class VarlenGraphs:
         self.model, self.buckets, self.width, self.device = model, tuple(sorted(set(buckets))), width, device
         self.max_seqs = max_seqs
         self.barrier = barrier or (lambda: None)
-        top = self.layout(self.buckets[-1])
-        self.inputs = torch.zeros(max(self.layout(t).total for t in self.buckets), dtype=torch.long, device=device)
-        self.stage = Staging(top.total, torch.long, device)
+        top = self.layout(self.buckets[-1]).total  # (the largest layout: it grows with the bucket)
+        self.inputs = torch.zeros(top, dtype=torch.long, device=device)
+        self.stage = Staging(top, torch.long, device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, hidden [T, H])
         self.pool = None
 
