@@ -88,7 +88,8 @@ class VarlenGraphs:
             return 0
         if max(b.query_lens) > SHORT_PIECE or b.block_tables.shape[1] > self.width:
             return 0
-        t, n, s = b.num_tokens, b.num_seqs, len(snapshot_entries(b))
+        s = len(b.snapshots or ()) + sum(map(len, b.spec_state_slots or ()))  # its snapshot entries
+        t, n = b.num_tokens, b.num_seqs
         return next((x for x in self.buckets if x >= t and x in self.graphs and self.seqs(x) >= n
                      and self.per_seq * self.seqs(x) >= s), 0)
 
@@ -142,10 +143,9 @@ def pack(inp: StepInputs, lay: PackedLayout, n_max: int, width: int) -> tuple[np
     b = inp.batch
     n, t = b.num_seqs, b.num_tokens
     assert n <= n_max and b.block_tables.shape[1] <= width
-    at_tables = lay.fields["tables"][0]
-    used = at_tables + n * width
-    flat = np.zeros(used, dtype=np.int64)
-    v = _prefix_views(lay, flat)
+    used = lay.fields["tables"][0] + n * width  # the copy stops after the step's own table rows
+    flat = np.zeros(lay.total, dtype=np.int64)  # (calloc: the pages past `used` are never touched)
+    v = lay.views(flat)
     v["ids"][:t] = inp.input_ids.numpy()
     v["pos"][:t] = inp.positions.numpy()
     v["slots"][:t] = b.slot_mapping.numpy()
@@ -159,8 +159,8 @@ def pack(inp: StepInputs, lay: PackedLayout, n_max: int, width: int) -> tuple[np
     v["snap_ptr"][:] = [bisect_left(seq, i) for i in range(n_max + 1)]
     v["snap_j"][: len(snaps)] = [j for _, j, _ in snaps]
     v["snap_slot"][: len(snaps)] = [slot for _, _, slot in snaps]
-    v["tables"][:, : b.block_tables.shape[1]] = b.block_tables.numpy()
-    return flat, used
+    v["tables"][:n, : b.block_tables.shape[1]] = b.block_tables.numpy()
+    return flat[:used], used
 
 
 def snapshot_entries(b: ForwardBatch) -> list[tuple[int, int, int]]:
@@ -168,18 +168,6 @@ def snapshot_entries(b: ForwardBatch) -> list[tuple[int, int, int]]:
     pieces (0 < j < piece), and each verify row's state after each of its tokens (j = 1 .. q: the rollback's)."""
     spec = [(i, j + 1, slot) for i, slots in enumerate(b.spec_state_slots or ()) for j, slot in enumerate(slots)]
     return sorted([*(b.snapshots or ()), *spec])
-
-
-def _prefix_views(lay: PackedLayout, flat: np.ndarray) -> dict[str, np.ndarray]:
-    """The layout's fields over a prefix of it: every field whole but the last (tables), which keeps its rows that
-    fit (the step's own sequences)."""
-    out = {}
-    for name, (at, shape) in lay.fields.items():
-        if name == "tables":
-            out[name] = flat[at:].reshape(-1, shape[1])
-        else:
-            out[name] = flat[at : at + int(np.prod(shape))].reshape(shape)
-    return out
 
 
 def _as_lists(v: dict[str, torch.Tensor], t: int) -> ForwardBatch:
